@@ -1,0 +1,107 @@
+//! `berth run`: one model, one shot.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use berth::{Body, ModelSpec, Supervisor, SupervisorConfig, parse_duration};
+use clap::Args;
+
+use super::{fail, parse_key_value};
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Backend to load (`echo`, `hog`, `fault`, or one of a custom worker).
+    #[arg(long)]
+    backend: String,
+    /// Weights file or directory.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Backend option, repeatable.
+    #[arg(long = "option", short = 'o', value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    options: Vec<(String, String)>,
+    /// One request per input, in order.
+    #[arg(long = "input", short = 'i', value_name = "TEXT")]
+    inputs: Vec<String>,
+    /// Name of the model in reports (default: the backend's name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Spawn + handshake + load must finish within this.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    load_timeout: Duration,
+    /// The worker binary (default: `berth-worker` next to `berth`).
+    #[arg(long, env = "BERTH_WORKER")]
+    worker: Option<PathBuf>,
+    /// Print one JSON object on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(args: RunArgs) -> ExitCode {
+    let config = SupervisorConfig {
+        worker_binary: args.worker.clone(),
+        load_timeout: args.load_timeout,
+        ..SupervisorConfig::default()
+    };
+    let supervisor = Supervisor::new(config);
+    let name = args.name.clone().unwrap_or_else(|| args.backend.clone());
+    let mut spec = ModelSpec::new(&name, &args.backend);
+    spec.model = args.model.clone();
+    spec.options = args.options.iter().cloned().collect();
+
+    let load = match supervisor.load(spec).await {
+        Ok(report) => report,
+        Err(e) => return fail(e.kind(), &e.to_string(), args.json),
+    };
+    if !args.json {
+        println!("{load}");
+    }
+    let mut responses = Vec::new();
+    let mut failure = None;
+    for (i, input) in args.inputs.iter().enumerate() {
+        let body = Body::json(serde_json::json!({ "input": input }).to_string());
+        match supervisor.request(&name, body).await {
+            Ok(body) => {
+                let value = response_value(&body);
+                if !args.json {
+                    println!("response {}: {}", i + 1, value);
+                }
+                responses.push(value);
+            }
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    let unload = supervisor.unload(&name).await;
+    if let Some(e) = failure {
+        return fail(e.kind(), &e.to_string(), args.json);
+    }
+    let unload = match unload {
+        Ok(report) => report,
+        Err(e) => return fail(e.kind(), &e.to_string(), args.json),
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({ "load": load, "responses": responses, "unload": unload })
+        );
+    } else {
+        println!("{unload}");
+    }
+    ExitCode::SUCCESS
+}
+
+/// A response as JSON: the backend's JSON, with the size of any bulk part.
+fn response_value(body: &Body) -> serde_json::Value {
+    let mut value: serde_json::Value = serde_json::from_str(&body.json)
+        .unwrap_or_else(|_| serde_json::Value::String(body.json.clone()));
+    let bulk = body.bulk_bytes().len();
+    if bulk > 0 {
+        if let serde_json::Value::Object(map) = &mut value {
+            map.insert("bulk_bytes".into(), bulk.into());
+        }
+    }
+    value
+}

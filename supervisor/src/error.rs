@@ -1,0 +1,147 @@
+//! The supervisor's errors. Each says what happened, to which model, and
+//! what to do; each has a stable [`Error::kind`] code for programs.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use berth_protocol::{ErrorKind, WireError};
+
+use crate::report::ExitStatus;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    #[error(
+        "cannot find the worker binary `berth-worker` (looked in {}); build it with \
+         `cargo build --release --bins`, or set the worker binary explicitly (--worker PATH)",
+        .searched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    WorkerBinaryNotFound { searched: Vec<PathBuf> },
+
+    #[error("model `{model}`: cannot start worker `{}`: {source}", .binary.display())]
+    Spawn {
+        model: String,
+        binary: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error("model `{model}`: worker pid {pid} {reason}")]
+    Handshake {
+        model: String,
+        pid: u32,
+        reason: String,
+    },
+
+    #[error(
+        "model `{model}`: worker pid {pid} speaks protocol version {worker}, this supervisor speaks \
+         {supervisor}; rebuild the worker binary from the same berth release (it was stopped)"
+    )]
+    ProtocolMismatch {
+        model: String,
+        pid: u32,
+        supervisor: u32,
+        worker: u32,
+    },
+
+    #[error("model `{model}`: worker sent {received} where {expected} was expected")]
+    UnexpectedMessage {
+        model: String,
+        expected: &'static str,
+        received: &'static str,
+    },
+
+    #[error(
+        "model `{model}`: the {phase} did not finish within {} and worker pid {pid} was killed; \
+         raise the load timeout if the model is just slow",
+        humantime::format_duration(*.timeout)
+    )]
+    LoadTimeout {
+        model: String,
+        pid: u32,
+        timeout: Duration,
+        phase: &'static str,
+    },
+
+    #[error("model `{model}`: {source}")]
+    LoadFailed { model: String, source: WireError },
+
+    #[error(
+        "model `{model}`: worker pid {pid} {exit} during {during}{}",
+        stderr_suffix(.stderr_tail)
+    )]
+    WorkerDied {
+        model: String,
+        pid: u32,
+        exit: ExitStatus,
+        during: &'static str,
+        stderr_tail: Vec<String>,
+    },
+
+    #[error("model `{model}`: {source}")]
+    Request { model: String, source: WireError },
+
+    #[error("model `{model}` is not loaded; load it first")]
+    NotLoaded { model: String },
+
+    #[error("model `{model}` is already loaded (worker pid {pid}); unload it first or swap it")]
+    AlreadyLoaded { model: String, pid: u32 },
+
+    #[error("model `{model}`: {reason}")]
+    InvalidSpec { model: String, reason: String },
+
+    #[error("the supervisor is shutting down; model `{model}` takes no new work")]
+    ShuttingDown { model: String },
+
+    #[error("model `{model}`: {what}: {source}")]
+    Io {
+        model: String,
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+fn stderr_suffix(lines: &[String]) -> String {
+    if lines.is_empty() {
+        String::new()
+    } else {
+        format!("; last stderr lines:\n  {}", lines.join("\n  "))
+    }
+}
+
+impl Error {
+    /// A stable code for programs (`--json` output, HTTP error types).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::WorkerBinaryNotFound { .. } => "worker_not_found",
+            Error::Spawn { .. } => "spawn_failed",
+            Error::Handshake { .. } => "handshake_failed",
+            Error::ProtocolMismatch { .. } => "protocol_mismatch",
+            Error::UnexpectedMessage { .. } => "unexpected_message",
+            Error::LoadTimeout { .. } => "load_timeout",
+            Error::LoadFailed { source, .. } | Error::Request { source, .. } => source.kind.code(),
+            Error::WorkerDied { .. } => "worker_died",
+            Error::NotLoaded { .. } => "not_loaded",
+            Error::AlreadyLoaded { .. } => "already_loaded",
+            Error::InvalidSpec { .. } => "invalid_spec",
+            Error::ShuttingDown { .. } => "shutting_down",
+            Error::Io { .. } => "io_error",
+        }
+    }
+
+    /// True when the caller's input was at fault (so a retry with the same
+    /// input will fail the same way).
+    pub fn is_caller_error(&self) -> bool {
+        match self {
+            Error::Request { source, .. } | Error::LoadFailed { source, .. } => matches!(
+                source.kind,
+                ErrorKind::BadRequest | ErrorKind::InputTooLarge | ErrorKind::UnknownBackend
+            ),
+            Error::InvalidSpec { .. } | Error::NotLoaded { .. } | Error::AlreadyLoaded { .. } => {
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

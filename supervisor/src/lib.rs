@@ -1,0 +1,33 @@
+//! berth: a process-isolating model supervisor.
+//!
+//! Every model runs in a worker process of its own, spoken to over IPC.
+//! Unloading a model stops its worker, so the kernel takes back every byte
+//! (allocator caches, leaks, mapped weights) and the [`UnloadReport`] shows
+//! what came back.
+//!
+//! ```no_run
+//! # async fn demo() -> berth::Result<()> {
+//! use berth::{ModelSpec, Supervisor, SupervisorConfig};
+//!
+//! let supervisor = Supervisor::new(SupervisorConfig::default());
+//! let load = supervisor.load(ModelSpec::new("hog", "hog").option("alloc_mib", 512)).await?;
+//! println!("{load}");
+//! let unload = supervisor.unload("hog").await?;
+//! println!("{unload}"); // reclaimed 512.0 MiB ... 0 processes left over
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod error;
+mod report;
+mod supervisor;
+pub mod worker;
+
+pub use berth_protocol as protocol;
+pub use berth_protocol::{Body, Bulk};
+pub use config::{ModelSpec, SupervisorConfig, parse_duration};
+pub use error::{Error, Result};
+pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport};
+pub use supervisor::{ModelState, ModelStatus, Supervisor};
+pub use worker::handle::{Piece, ResponseStream, WorkerHandle};
+pub use worker::stop::StopGraces;

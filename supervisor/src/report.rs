@@ -1,0 +1,169 @@
+//! What a load and an unload return: reports a person can read (`Display`)
+//! and a program can parse (`serde`, snake_case fields).
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// How a worker process ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitStatus {
+    /// It exited with this code.
+    Code(i32),
+    /// It was killed by this signal (`SIGKILL`, `SIGSEGV`, ...).
+    Signal(String),
+}
+
+impl ExitStatus {
+    pub fn from_std(status: std::process::ExitStatus) -> Self {
+        use std::os::unix::process::ExitStatusExt;
+        match (status.code(), status.signal()) {
+            (Some(code), _) => ExitStatus::Code(code),
+            (None, Some(sig)) => ExitStatus::Signal(signal_name(sig)),
+            (None, None) => ExitStatus::Code(-1),
+        }
+    }
+
+    pub fn is_success(&self) -> bool {
+        *self == ExitStatus::Code(0)
+    }
+}
+
+pub(crate) fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("signal {sig}"))
+}
+
+impl fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitStatus::Code(code) => write!(f, "exited with code {code}"),
+            ExitStatus::Signal(sig) => write!(f, "was killed by {sig}"),
+        }
+    }
+}
+
+/// How a stop ended: which step of ask → SIGTERM → SIGKILL did it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopKind {
+    /// The worker exited on the `Shutdown` command.
+    Graceful,
+    /// It ignored `Shutdown` and ended on SIGTERM.
+    Sigterm,
+    /// It ignored both and was killed.
+    Sigkill,
+    /// It had already exited (it crashed) before the stop began.
+    AlreadyExited,
+}
+
+impl fmt::Display for StopKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StopKind::Graceful => "graceful",
+            StopKind::Sigterm => "sigterm",
+            StopKind::Sigkill => "sigkill",
+            StopKind::AlreadyExited => "already_exited",
+        })
+    }
+}
+
+/// What a load returns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    pub model: String,
+    pub backend: String,
+    pub pid: u32,
+    pub worker_version: String,
+    /// Spawn to ready, as the caller waited for it.
+    pub load_ms: f64,
+    /// Spawn to hello: the cost of the process itself.
+    pub spawn_ms: f64,
+    /// Time the backend spent loading, measured inside the worker.
+    pub backend_load_ms: f64,
+    pub rss_bytes: u64,
+    /// Proportional set size: shared pages (mapped weights) split among sharers.
+    pub pss_bytes: u64,
+    /// Peak resident memory of the worker up to the end of the load.
+    pub peak_rss_bytes: u64,
+    pub system_available_bytes: u64,
+    /// What the backend says about the loaded model.
+    pub details: serde_json::Value,
+}
+
+/// What an unload returns: the proof that memory came back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnloadReport {
+    pub model: String,
+    pub pid: u32,
+    pub stop: StopKind,
+    pub exit: ExitStatus,
+    /// From the start of the stop to the process reaped and its group empty.
+    pub took_ms: f64,
+    pub uptime_s: f64,
+    pub requests: u64,
+    /// Resident memory when the stop began (anonymous + file-backed + shared).
+    pub rss_at_stop_bytes: u64,
+    /// Of which anonymous (heap, stacks, allocator caches): what exit frees.
+    pub anon_at_stop_bytes: u64,
+    pub peak_rss_bytes: u64,
+    /// The system's `AnonPages` before the stop and after the reap.
+    pub system_anon_before_bytes: u64,
+    pub system_anon_after_bytes: u64,
+    /// Anonymous memory confirmed returned: the worker's anonymous resident
+    /// memory at stop, capped by the system-wide drop in `AnonPages` and
+    /// counted only once the process is gone. Conservative: other processes
+    /// allocating during the stop make it lower, never higher.
+    pub reclaimed_bytes: u64,
+    /// Processes of the worker's process group alive after the stop (0).
+    pub leftover_processes: u32,
+}
+
+pub(crate) fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+impl fmt::Display for LoadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "loaded `{}` ({}) in worker pid {} in {:.1} ms (spawn {:.1} ms, backend {:.1} ms)",
+            self.model, self.backend, self.pid, self.load_ms, self.spawn_ms, self.backend_load_ms
+        )?;
+        write!(
+            f,
+            "  memory: rss {}, pss {}, peak {}; system available {}",
+            mib(self.rss_bytes),
+            mib(self.pss_bytes),
+            mib(self.peak_rss_bytes),
+            mib(self.system_available_bytes)
+        )
+    }
+}
+
+impl fmt::Display for UnloadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "unloaded `{}`: worker pid {} stopped ({}) and {} after {:.1} ms; served {} requests in {:.1} s",
+            self.model, self.pid, self.stop, self.exit, self.took_ms, self.requests, self.uptime_s
+        )?;
+        writeln!(
+            f,
+            "  memory at stop: rss {} (anonymous {}), peak {}",
+            mib(self.rss_at_stop_bytes),
+            mib(self.anon_at_stop_bytes),
+            mib(self.peak_rss_bytes)
+        )?;
+        write!(
+            f,
+            "  reclaimed {} (system anonymous memory {} -> {}); {} processes left over",
+            mib(self.reclaimed_bytes),
+            mib(self.system_anon_before_bytes),
+            mib(self.system_anon_after_bytes),
+            self.leftover_processes
+        )
+    }
+}

@@ -1,0 +1,539 @@
+//! `WorkerHandle`: a typed handle on one running worker.
+//!
+//! A plain thread per worker blocks in `recv()` on the event channel and
+//! routes each event straight to whoever waits for it: chunks and results
+//! to the request's own channel (found by id in the pending map), pongs to a
+//! watch, load results to the control channel. Measured on a 2-core VM this
+//! beats every async alternative tried.
+//!
+//! When the worker dies, every pending request fails at once with the exit
+//! status and the last lines of stderr; nothing waits for a time-out.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_protocol::{Body, Command, Event, LoadInfo, LoadSpec, RequestId, WireError, WorkerStats};
+use ipc_channel::ipc::{IpcReceiver, IpcSender};
+use nix::sys::signal::Signal;
+use tokio::sync::{Notify, mpsc, watch};
+
+use crate::error::{Error, Result};
+use crate::report::ExitStatus;
+use crate::worker::memory::{ProcessMemory, process_memory};
+use crate::worker::process::ProcessWatch;
+
+/// What a dead worker leaves for the requests it could not answer.
+#[derive(Debug, Clone)]
+pub(crate) struct Death {
+    pub exit: ExitStatus,
+    pub stderr_tail: Vec<String>,
+}
+
+enum Reply {
+    Chunk(Body),
+    Done(Result<Body, WireError>),
+    Died(Arc<Death>),
+}
+
+#[derive(Default)]
+struct RoutesInner {
+    pending: HashMap<RequestId, mpsc::UnboundedSender<Reply>>,
+    death: Option<Arc<Death>>,
+}
+
+/// The pending map and, once the worker is dead, why.
+#[derive(Default)]
+struct Routes(Mutex<RoutesInner>);
+
+impl Routes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, RoutesInner> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn route(&self, id: RequestId, reply: Reply) {
+        let mut inner = self.lock();
+        let done = matches!(reply, Reply::Done(_));
+        let tx = if done {
+            inner.pending.remove(&id)
+        } else {
+            inner.pending.get(&id).cloned()
+        };
+        drop(inner);
+        if let Some(tx) = tx {
+            let _ = tx.send(reply);
+        }
+    }
+
+    /// Fails every pending request and refuses new ones. Idempotent.
+    fn close(&self, death: Arc<Death>) {
+        let pending = {
+            let mut inner = self.lock();
+            if inner.death.is_none() {
+                inner.death = Some(Arc::clone(&death));
+            }
+            std::mem::take(&mut inner.pending)
+        };
+        for (_, tx) in pending {
+            let _ = tx.send(Reply::Died(Arc::clone(&death)));
+        }
+    }
+}
+
+/// Memory as the supervisor sees it, plus what the worker reported.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryState {
+    pub last: ProcessMemory,
+    pub worker_stats: WorkerStats,
+    pub sampled_at: Option<Instant>,
+}
+
+/// A running worker process and the channel to it.
+pub struct WorkerHandle {
+    model: String,
+    backend: String,
+    pid: u32,
+    worker_version: String,
+    commands: IpcSender<Command>,
+    routes: Arc<Routes>,
+    process: Arc<ProcessWatch>,
+    control: tokio::sync::Mutex<mpsc::UnboundedReceiver<Event>>,
+    pongs: watch::Receiver<Option<(u64, WorkerStats)>>,
+    reader_done: watch::Receiver<bool>,
+    next_id: AtomicU64,
+    next_seq: AtomicU64,
+    started_at: Instant,
+    requests: AtomicU64,
+    in_flight: Arc<InFlight>,
+    memory: Mutex<MemoryState>,
+    load_info: Mutex<Option<LoadInfo>>,
+}
+
+impl std::fmt::Debug for WorkerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerHandle")
+            .field("model", &self.model)
+            .field("backend", &self.backend)
+            .field("pid", &self.pid)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Requests in flight, with a wake-up for whoever waits for zero.
+#[derive(Debug, Default)]
+struct InFlight {
+    count: AtomicU32,
+    zero: Notify,
+}
+
+impl InFlight {
+    fn enter(&self) {
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn leave(&self) {
+        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.zero.notify_waiters();
+        }
+    }
+}
+
+impl WorkerHandle {
+    /// Wraps a worker that has said hello: starts its reader thread and the
+    /// task that fails its requests when it dies.
+    pub(crate) fn new(
+        model: &str,
+        backend: &str,
+        process: Arc<ProcessWatch>,
+        events: IpcReceiver<Event>,
+        hello: berth_protocol::Hello,
+        started_at: Instant,
+    ) -> Result<Arc<Self>> {
+        let routes = Arc::new(Routes::default());
+        let (control_tx, control_rx) = mpsc::unbounded_channel();
+        let (pong_tx, pongs) = watch::channel(None);
+        let (done_tx, reader_done) = watch::channel(false);
+        {
+            let routes = Arc::clone(&routes);
+            let name = model.to_string();
+            std::thread::Builder::new()
+                .name(format!("berth-reader-{}", hello.pid))
+                .spawn(move || {
+                    read_events(&name, &events, &routes, &control_tx, &pong_tx);
+                    let _ = done_tx.send(true);
+                })
+                .map_err(|source| Error::Io {
+                    model: model.to_string(),
+                    what: "cannot start the reader thread",
+                    source,
+                })?;
+        }
+        let handle = Arc::new(WorkerHandle {
+            model: model.to_string(),
+            backend: backend.to_string(),
+            pid: process.pid(),
+            worker_version: hello.worker_version,
+            commands: hello.commands,
+            routes,
+            process,
+            control: tokio::sync::Mutex::new(control_rx),
+            pongs,
+            reader_done,
+            next_id: AtomicU64::new(1),
+            next_seq: AtomicU64::new(1),
+            started_at,
+            requests: AtomicU64::new(0),
+            in_flight: Arc::default(),
+            memory: Mutex::default(),
+            load_info: Mutex::default(),
+        });
+        // The death watch: once the process is reaped and its last events and
+        // stderr lines are in, fail whatever is still pending.
+        let process = Arc::clone(&handle.process);
+        let routes = Arc::clone(&handle.routes);
+        let mut reader_done = handle.reader_done.clone();
+        tokio::spawn(async move {
+            let exit = process.exited().await;
+            let _ = tokio::time::timeout(Duration::from_millis(500), reader_done.wait_for(|d| *d))
+                .await;
+            let stderr_tail = process.stderr_tail().await;
+            routes.close(Arc::new(Death { exit, stderr_tail }));
+        });
+        Ok(handle)
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn worker_version(&self) -> &str {
+        &self.worker_version
+    }
+
+    pub fn uptime(&self) -> Duration {
+        self.started_at.elapsed()
+    }
+
+    /// Requests sent to this worker so far.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.count.load(Ordering::SeqCst)
+    }
+
+    /// The exit status once the worker is dead.
+    pub fn exit_status(&self) -> Option<ExitStatus> {
+        self.process.try_exit()
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.process.try_exit().is_none()
+    }
+
+    pub(crate) fn process(&self) -> &ProcessWatch {
+        &self.process
+    }
+
+    /// What the worker said when the model loaded.
+    pub fn load_info(&self) -> Option<LoadInfo> {
+        self.load_info
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The latest memory reading.
+    pub fn memory(&self) -> MemoryState {
+        *self.memory.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads the worker's memory from procfs now and records it.
+    pub fn sample_memory(&self) -> Option<ProcessMemory> {
+        let reading = process_memory(self.pid)?;
+        let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
+        let peak = m.last.peak_rss_bytes.max(reading.peak_rss_bytes);
+        m.last = ProcessMemory {
+            peak_rss_bytes: peak,
+            ..reading
+        };
+        m.sampled_at = Some(Instant::now());
+        Some(m.last)
+    }
+
+    fn record_stats(&self, stats: WorkerStats) {
+        self.memory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .worker_stats = stats;
+    }
+
+    fn died(&self, death: &Death, during: &'static str) -> Error {
+        Error::WorkerDied {
+            model: self.model.clone(),
+            pid: self.pid,
+            exit: death.exit.clone(),
+            during,
+            stderr_tail: death.stderr_tail.clone(),
+        }
+    }
+
+    /// The error for a worker that is gone, waiting for its death to be
+    /// fully recorded (exit status and stderr) first.
+    async fn death_error(&self, during: &'static str) -> Error {
+        let exit = self.process.exited().await;
+        let stderr_tail = self.process.stderr_tail().await;
+        self.died(&Death { exit, stderr_tail }, during)
+    }
+
+    fn send(&self, command: Command) -> std::result::Result<(), ipc_channel::IpcError> {
+        self.commands.send(command)
+    }
+
+    /// Sends `Load` and waits for the answer, the worker's death, or the deadline.
+    pub(crate) async fn load(&self, spec: LoadSpec, timeout: Duration) -> LoadOutcome {
+        if self.send(Command::Load(spec)).is_err() {
+            return LoadOutcome::Failed(self.death_error("load").await);
+        }
+        let mut control = self.control.lock().await;
+        tokio::select! {
+            event = control.recv() => match event {
+                Some(Event::Loaded(info)) => {
+                    *self.load_info.lock().unwrap_or_else(|e| e.into_inner()) = Some(info.clone());
+                    LoadOutcome::Loaded(info)
+                }
+                Some(Event::LoadFailed(source)) => {
+                    LoadOutcome::Failed(Error::LoadFailed { model: self.model.clone(), source })
+                }
+                Some(other) => LoadOutcome::Failed(Error::UnexpectedMessage {
+                    model: self.model.clone(),
+                    expected: "Loaded or LoadFailed",
+                    received: other.name(),
+                }),
+                None => LoadOutcome::Failed(self.death_error("load").await),
+            },
+            _ = self.process.exited() => LoadOutcome::Failed(self.death_error("load").await),
+            () = tokio::time::sleep(timeout) => LoadOutcome::TimedOut,
+        }
+    }
+
+    /// Sends one request; the answer arrives on the returned stream.
+    /// Dropping the stream before its end cancels the request in the worker.
+    pub fn call_stream(&self, body: Body) -> Result<ResponseStream> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        {
+            let mut routes = self.routes.lock();
+            if let Some(death) = &routes.death {
+                return Err(self.died(death, "request"));
+            }
+            routes.pending.insert(id, tx);
+        }
+        self.in_flight.enter();
+        let stream = ResponseStream {
+            id,
+            rx,
+            finished: false,
+            model: self.model.clone(),
+            pid: self.pid,
+            routes: Arc::clone(&self.routes),
+            commands: self.commands.clone(),
+            in_flight: Arc::clone(&self.in_flight),
+        };
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        if self.send(Command::Request { id, body }).is_err() {
+            // The worker is gone; its death watch answers the stream.
+            tracing::debug!(model = %self.model, pid = self.pid, "request sent to a closed channel");
+        }
+        Ok(stream)
+    }
+
+    /// Sends one request and waits for its result (chunks are skipped; the
+    /// final body holds the whole answer).
+    pub async fn call(&self, body: Body) -> Result<Body> {
+        let mut stream = self.call_stream(body)?;
+        loop {
+            match stream.next().await {
+                Some(Ok(Piece::Done(body))) => return Ok(body),
+                Some(Ok(Piece::Chunk(_))) => continue,
+                Some(Err(e)) => return Err(e),
+                None => return Err(self.death_error("request").await),
+            }
+        }
+    }
+
+    /// Pings the worker and waits for its pong (its own stats).
+    pub async fn ping(&self, timeout: Duration) -> Option<WorkerStats> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let mut pongs = self.pongs.clone();
+        self.send(Command::Ping { seq }).ok()?;
+        let waited = tokio::time::timeout(
+            timeout,
+            pongs.wait_for(|p| p.as_ref().is_some_and(|(s, _)| *s >= seq)),
+        )
+        .await;
+        let stats = match waited {
+            Ok(Ok(pong)) => pong.as_ref().map(|(_, stats)| *stats)?,
+            _ => return None,
+        };
+        self.record_stats(stats);
+        Some(stats)
+    }
+
+    /// Waits until no request is in flight, up to `timeout`. True if drained.
+    pub async fn drain(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let zero = self.in_flight.zero.notified();
+            if self.in_flight() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, zero).await.is_err() {
+                return self.in_flight() == 0;
+            }
+        }
+    }
+
+    /// Asks the worker to exit (the first step of a stop).
+    pub(crate) fn request_shutdown(&self) -> bool {
+        self.send(Command::Shutdown).is_ok()
+    }
+
+    /// Kills the whole process group at once (used on a failed load or a
+    /// missed heartbeat; a planned stop goes through `stop`).
+    pub(crate) fn kill(&self) {
+        self.process.signal_group(Signal::SIGKILL);
+    }
+}
+
+/// How a `Load` command ended.
+pub(crate) enum LoadOutcome {
+    Loaded(LoadInfo),
+    Failed(Error),
+    TimedOut,
+}
+
+fn read_events(
+    model: &str,
+    events: &IpcReceiver<Event>,
+    routes: &Routes,
+    control: &mpsc::UnboundedSender<Event>,
+    pongs: &watch::Sender<Option<(u64, WorkerStats)>>,
+) {
+    loop {
+        match events.recv() {
+            Ok(Event::Chunk { id, body }) => routes.route(id, Reply::Chunk(body)),
+            Ok(Event::Done { id, result }) => routes.route(id, Reply::Done(result)),
+            Ok(Event::Pong { seq, stats }) => {
+                let _ = pongs.send(Some((seq, stats)));
+            }
+            Ok(event) => {
+                let _ = control.send(event);
+            }
+            Err(ipc_channel::IpcError::Disconnected) => return,
+            Err(e) => {
+                tracing::error!(model, "cannot decode an event from the worker: {e}");
+                return;
+            }
+        }
+    }
+}
+
+/// One piece of a streamed answer.
+#[derive(Debug)]
+pub enum Piece {
+    Chunk(Body),
+    /// The final body; the stream ends after it.
+    Done(Body),
+}
+
+/// The answer to one request, piece by piece.
+#[derive(Debug)]
+pub struct ResponseStream {
+    id: RequestId,
+    rx: mpsc::UnboundedReceiver<Reply>,
+    finished: bool,
+    model: String,
+    pid: u32,
+    routes: Arc<Routes>,
+    commands: IpcSender<Command>,
+    in_flight: Arc<InFlight>,
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reply::Chunk(_) => "Chunk",
+            Reply::Done(_) => "Done",
+            Reply::Died(_) => "Died",
+        })
+    }
+}
+
+impl std::fmt::Debug for Routes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Routes")
+    }
+}
+
+impl ResponseStream {
+    /// The next piece; `None` after the final one.
+    pub async fn next(&mut self) -> Option<Result<Piece>> {
+        if self.finished {
+            return None;
+        }
+        let reply = self.rx.recv().await;
+        match reply {
+            Some(Reply::Chunk(body)) => Some(Ok(Piece::Chunk(body))),
+            Some(Reply::Done(result)) => {
+                self.finish();
+                Some(result.map(Piece::Done).map_err(|source| Error::Request {
+                    model: self.model.clone(),
+                    source,
+                }))
+            }
+            Some(Reply::Died(death)) => {
+                self.finish();
+                Some(Err(Error::WorkerDied {
+                    model: self.model.clone(),
+                    pid: self.pid,
+                    exit: death.exit.clone(),
+                    during: "request",
+                    stderr_tail: death.stderr_tail.clone(),
+                }))
+            }
+            None => {
+                self.finish();
+                None
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if !self.finished {
+            self.finished = true;
+            self.in_flight.leave();
+        }
+    }
+}
+
+impl Drop for ResponseStream {
+    fn drop(&mut self) {
+        if !self.finished {
+            // Abandoned mid-way: stop routing and tell the worker to stop working.
+            self.routes.lock().pending.remove(&self.id);
+            let _ = self.commands.send(Command::Cancel { id: self.id });
+            self.finish();
+        }
+    }
+}

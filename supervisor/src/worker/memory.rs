@@ -1,0 +1,103 @@
+//! Memory accounting from procfs: a worker's resident, proportional and
+//! peak memory, the system's available and anonymous memory, and the
+//! members of a process group.
+
+use serde::{Deserialize, Serialize};
+
+/// One reading of a worker's memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessMemory {
+    pub rss_bytes: u64,
+    /// Anonymous resident memory: heap, stacks, allocator caches.
+    pub anon_bytes: u64,
+    /// File-backed resident memory: mapped weights, code.
+    pub file_bytes: u64,
+    /// Proportional set size (0 if smaps_rollup is unreadable).
+    pub pss_bytes: u64,
+    /// Peak resident memory so far (`VmHWM`).
+    pub peak_rss_bytes: u64,
+}
+
+/// Reads a process's memory; `None` once it is gone.
+pub fn process_memory(pid: u32) -> Option<ProcessMemory> {
+    let process = procfs::process::Process::new(pid as i32).ok()?;
+    let status = process.status().ok()?;
+    let kib = |v: Option<u64>| v.unwrap_or(0) * 1024;
+    let pss_bytes = process
+        .smaps_rollup()
+        .ok()
+        .and_then(|r| {
+            r.memory_map_rollup
+                .0
+                .first()
+                .and_then(|m| m.extension.map.get("Pss").copied())
+        })
+        .unwrap_or(0);
+    Some(ProcessMemory {
+        rss_bytes: kib(status.vmrss),
+        anon_bytes: kib(status.rssanon),
+        file_bytes: kib(status.rssfile),
+        pss_bytes,
+        peak_rss_bytes: kib(status.vmhwm),
+    })
+}
+
+/// One reading of the system's memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SystemMemory {
+    pub available_bytes: u64,
+    /// `AnonPages`: the evidence that a worker's anonymous memory came back.
+    /// (`MemAvailable` drifts by ±100 MB on a busy machine and proves nothing.)
+    pub anon_bytes: u64,
+}
+
+pub fn system_memory() -> SystemMemory {
+    use procfs::Current;
+    procfs::Meminfo::current()
+        .map(|m| SystemMemory {
+            available_bytes: m.mem_available.unwrap_or(0),
+            anon_bytes: m.anon_pages.unwrap_or(0),
+        })
+        .unwrap_or_default()
+}
+
+/// Live processes of process group `pgid` (zombies excluded: they hold no
+/// memory and their parent reaps them).
+pub fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(all) = procfs::process::all_processes() else {
+        return Vec::new();
+    };
+    all.filter_map(Result::ok)
+        .filter_map(|p| p.stat().ok())
+        .filter(|s| s.pgrp == pgid as i32 && s.state != 'Z' && s.state != 'X')
+        .map(|s| s.pid as u32)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_own_memory_and_the_system() {
+        let me = process_memory(std::process::id()).expect("own process is readable");
+        assert!(me.rss_bytes > 0 && me.peak_rss_bytes >= me.rss_bytes);
+        assert!(me.anon_bytes > 0 && me.anon_bytes <= me.rss_bytes);
+        let sys = system_memory();
+        assert!(sys.available_bytes > 0 && sys.anon_bytes > 0);
+    }
+
+    #[test]
+    fn a_gone_process_reads_as_none() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert_eq!(process_memory(pid), None);
+    }
+
+    #[test]
+    fn finds_own_group() {
+        let pgid = nix::unistd::getpgrp().as_raw() as u32;
+        assert!(group_members(pgid).contains(&std::process::id()));
+    }
+}

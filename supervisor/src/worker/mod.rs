@@ -1,0 +1,10 @@
+//! One worker process, one concern per file.
+
+pub mod handle;
+pub(crate) mod handshake;
+pub(crate) mod health;
+pub(crate) mod launch;
+pub mod memory;
+pub(crate) mod process;
+pub mod spawn;
+pub mod stop;

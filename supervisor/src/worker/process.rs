@@ -1,0 +1,175 @@
+//! Watching a worker process: its exit status and its output.
+//!
+//! One thread per worker blocks in `wait()` (so every worker is reaped, and
+//! its exit is known the moment it happens); two more read its stdout and
+//! stderr line by line into the log, tagged with the model, keeping the last
+//! lines of stderr for error messages.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read};
+use std::process::Child;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::sync::watch;
+
+use crate::report::ExitStatus;
+
+/// How many stderr lines are kept for error messages.
+pub const STDERR_TAIL_LINES: usize = 20;
+
+#[derive(Debug)]
+pub(crate) struct ProcessWatch {
+    pid: u32,
+    exit: watch::Receiver<Option<ExitStatus>>,
+    stderr: Arc<Mutex<VecDeque<String>>>,
+    stderr_closed: watch::Receiver<bool>,
+}
+
+impl ProcessWatch {
+    /// Takes ownership of the child: from here on, this watch reaps it.
+    pub fn start(model: &str, mut child: Child) -> Self {
+        let pid = child.id();
+        let stderr = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
+        let (closed_tx, stderr_closed) = watch::channel(false);
+        if let Some(out) = child.stdout.take() {
+            forward_lines(model, pid, "stdout", out, None, None);
+        }
+        match child.stderr.take() {
+            Some(err) => forward_lines(
+                model,
+                pid,
+                "stderr",
+                err,
+                Some(Arc::clone(&stderr)),
+                Some(closed_tx),
+            ),
+            None => {
+                let _ = closed_tx.send(true);
+            }
+        }
+        let (exit_tx, exit) = watch::channel(None);
+        let spawned = std::thread::Builder::new()
+            .name(format!("berth-wait-{pid}"))
+            .spawn(move || {
+                let status = match child.wait() {
+                    Ok(status) => ExitStatus::from_std(status),
+                    Err(_) => ExitStatus::Code(-1),
+                };
+                let _ = exit_tx.send(Some(status));
+            });
+        if spawned.is_err() {
+            tracing::error!(
+                pid,
+                "cannot start a waiter thread; the worker will not be reaped promptly"
+            );
+        }
+        ProcessWatch {
+            pid,
+            exit,
+            stderr,
+            stderr_closed,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The exit status, once the process has been reaped.
+    pub fn try_exit(&self) -> Option<ExitStatus> {
+        self.exit.borrow().clone()
+    }
+
+    /// Waits until the process has exited and been reaped.
+    pub async fn exited(&self) -> ExitStatus {
+        let mut rx = self.exit.clone();
+        match rx.wait_for(Option::is_some).await {
+            Ok(status) => status.clone().unwrap_or(ExitStatus::Code(-1)),
+            Err(_) => ExitStatus::Code(-1),
+        }
+    }
+
+    /// [`Self::exited`] bounded by `timeout`.
+    pub async fn exited_within(&self, timeout: Duration) -> Option<ExitStatus> {
+        tokio::time::timeout(timeout, self.exited()).await.ok()
+    }
+
+    /// The last stderr lines, after giving the pipe a moment to deliver what
+    /// a dying process wrote (a grandchild holding the pipe open must not
+    /// hold us up, hence the bound).
+    pub async fn stderr_tail(&self) -> Vec<String> {
+        let mut closed = self.stderr_closed.clone();
+        let _ = tokio::time::timeout(Duration::from_millis(250), closed.wait_for(|c| *c)).await;
+        self.stderr
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    pub async fn stderr_suffix(&self) -> String {
+        let tail = self.stderr_tail().await;
+        if tail.is_empty() {
+            String::new()
+        } else {
+            format!(" (stderr: {})", tail.join(" | "))
+        }
+    }
+
+    /// Sends `signal` to the worker's whole process group. A group that is
+    /// already gone is not an error.
+    pub fn signal_group(&self, signal: Signal) {
+        match killpg(Pid::from_raw(self.pid as i32), signal) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+            Err(e) => {
+                tracing::warn!(pid = self.pid, %signal, "cannot signal the worker's group: {e}")
+            }
+        }
+    }
+}
+
+fn forward_lines(
+    model: &str,
+    pid: u32,
+    stream: &'static str,
+    pipe: impl Read + Send + 'static,
+    tail: Option<Arc<Mutex<VecDeque<String>>>>,
+    closed: Option<watch::Sender<bool>>,
+) {
+    let model = model.to_string();
+    let spawned = std::thread::Builder::new()
+        .name(format!("berth-{stream}-{pid}"))
+        .spawn(move || {
+            let mut reader = BufReader::new(pipe);
+            let mut buf = Vec::new();
+            loop {
+                buf.clear();
+                match reader.read_until(b'\n', &mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+                let line = String::from_utf8_lossy(&buf).trim_end().to_string();
+                if line.is_empty() {
+                    continue;
+                }
+                tracing::info!(target: "berth::worker", model = %model, pid, stream, "{line}");
+                if let Some(tail) = &tail {
+                    let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
+                    if tail.len() == STDERR_TAIL_LINES {
+                        tail.pop_front();
+                    }
+                    tail.push_back(line);
+                }
+            }
+            if let Some(closed) = closed {
+                let _ = closed.send(true);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(pid, "cannot read the worker's {stream}: {e}");
+    }
+}

@@ -1,0 +1,130 @@
+//! Starting a worker process.
+//!
+//! - cleared environment plus what the worker needs;
+//! - its own process group, so a stop reaches everything it forked;
+//! - `PR_SET_PDEATHSIG = SIGKILL` armed between fork and exec, and the parent
+//!   re-checked right after, so a supervisor killed at any moment (even by
+//!   SIGKILL) takes its workers with it.
+//!
+//! The parent-death signal fires when the *thread* that forked the child
+//! exits, not the process. Tokio's blocking threads come and go, so every
+//! spawn happens on one long-lived spawner thread.
+
+use std::io;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::mpsc as std_mpsc;
+
+use berth_protocol::{ENV_BOOTSTRAP, ENV_MODEL_NAME, ENV_PARENT_PID};
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Result};
+
+/// Environment variables passed through to workers when the supervisor has them.
+pub const PASSTHROUGH_ENV: &[&str] = &[
+    "RUST_BACKTRACE",
+    "RUST_LOG",
+    "TMPDIR",
+    "LANG",
+    "LC_ALL",
+    "BERTH_MODELS",
+    "HOME",
+];
+
+type SpawnJob = (Command, oneshot::Sender<io::Result<Child>>);
+
+fn spawner() -> &'static std_mpsc::Sender<SpawnJob> {
+    static SPAWNER: OnceLock<std_mpsc::Sender<SpawnJob>> = OnceLock::new();
+    SPAWNER.get_or_init(|| {
+        let (tx, rx) = std_mpsc::channel::<SpawnJob>();
+        std::thread::Builder::new()
+            .name("berth-spawner".into())
+            .spawn(move || {
+                for (mut command, reply) in rx {
+                    let _ = reply.send(command.spawn());
+                }
+            })
+            .expect("cannot start the berth spawner thread");
+        tx
+    })
+}
+
+/// Finds the worker binary: next to the running executable, or one folder
+/// up when the executable is a test or bench harness in cargo's `deps/`.
+pub fn find_worker_binary(name: &str) -> Result<PathBuf> {
+    let mut searched = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        let mut dir = exe.parent().map(Path::to_path_buf);
+        for _ in 0..2 {
+            let Some(d) = dir else { break };
+            let candidate = d.join(name);
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+            searched.push(d.clone());
+            dir = if d.file_name().is_some_and(|n| n == "deps") {
+                d.parent().map(Path::to_path_buf)
+            } else {
+                None
+            };
+        }
+    }
+    Err(Error::WorkerBinaryNotFound { searched })
+}
+
+/// What [`spawn`] needs.
+#[derive(Debug)]
+pub struct SpawnOptions<'a> {
+    pub model: &'a str,
+    pub binary: &'a Path,
+    pub server_name: &'a str,
+    pub extra_env: &'a [(String, String)],
+}
+
+/// Starts a worker; it connects to `server_name` on its own.
+pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
+    let supervisor_pid = std::process::id();
+    let mut command = Command::new(opts.binary);
+    command
+        .env_clear()
+        .envs(
+            PASSTHROUGH_ENV
+                .iter()
+                .filter_map(|k| std::env::var(k).ok().map(|v| (*k, v))),
+        )
+        .envs(opts.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env(ENV_BOOTSTRAP, opts.server_name)
+        .env(ENV_PARENT_PID, supervisor_pid.to_string())
+        .env(ENV_MODEL_NAME, opts.model)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: the closure runs between fork and exec and calls only
+    // async-signal-safe functions (prctl, getppid); it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::getppid() as u32 != supervisor_pid {
+                return Err(io::Error::other("the supervisor exited during spawn"));
+            }
+            Ok(())
+        });
+    }
+    let (reply, rx) = oneshot::channel();
+    let spawn_error = |source| Error::Spawn {
+        model: opts.model.to_string(),
+        binary: opts.binary.to_path_buf(),
+        source,
+    };
+    spawner()
+        .send((command, reply))
+        .map_err(|_| spawn_error(io::Error::other("the spawner thread is gone")))?;
+    rx.await
+        .map_err(|_| spawn_error(io::Error::other("the spawner thread is gone")))?
+        .map_err(spawn_error)
+}

@@ -1,0 +1,232 @@
+//! The `Backend` trait and the registry a worker binary is built from.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use berth_protocol::{Body, ErrorKind, Event, LoadSpec, RequestId, WireError};
+use ipc_channel::ipc::IpcSender;
+
+use crate::options::Options;
+
+/// A loaded model inside a worker.
+///
+/// The worker calls [`Backend::handle`] for one request at a time, on a
+/// thread of its own, so an implementation needs no locking. Heartbeats are
+/// answered by another thread; the `progress` counter in the contexts is how
+/// the supervisor tells a slow model from a stuck one, so advance it from the
+/// code doing the work (per token, per batch), never from a timer.
+pub trait Backend: Send {
+    /// Serve one request. Stream partial results with
+    /// [`RequestContext::chunk`]; return the final body.
+    fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError>;
+
+    /// What the load report shows about the loaded model (dimensions,
+    /// context length, ...). Empty by default.
+    fn describe(&self) -> serde_json::Value {
+        serde_json::Value::Object(Default::default())
+    }
+
+    /// Called once when the supervisor asks the worker to exit, before the
+    /// backend is dropped. Flush or release what needs it; the default does
+    /// nothing.
+    fn shutdown(&mut self) {}
+}
+
+/// How a backend is loaded: from the spec to a ready [`Backend`].
+pub type LoadFn = fn(&LoadSpec, &LoadContext) -> Result<Box<dyn Backend>, WireError>;
+
+/// The backends a worker binary can load, by name.
+#[derive(Clone, Default)]
+pub struct Registry {
+    entries: Vec<(&'static str, LoadFn)>,
+}
+
+impl fmt::Debug for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+impl Registry {
+    /// An empty registry, for a host that wants only its own backends.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The backends built into `berth-worker`.
+    pub fn builtin() -> Self {
+        let mut r = Self::new();
+        r.register("echo", crate::backends::echo::load);
+        r.register("hog", crate::backends::hog::load);
+        r.register("fault", crate::backends::fault::load);
+        r
+    }
+
+    /// Adds (or replaces) a backend.
+    pub fn register(&mut self, name: &'static str, load: LoadFn) -> &mut Self {
+        self.entries.retain(|(n, _)| *n != name);
+        self.entries.push((name, load));
+        self
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.entries.iter().map(|(n, _)| n.to_string()).collect()
+    }
+
+    pub fn get(&self, name: &str) -> Option<LoadFn> {
+        self.entries
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, f)| *f)
+    }
+
+    /// Loads `spec` in this process. The worker's serve loop uses this, and
+    /// so do in-process comparisons (benchmarks, tests).
+    pub fn load(&self, spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
+        let load = self.get(&spec.backend).ok_or_else(|| {
+            WireError::new(
+                ErrorKind::UnknownBackend,
+                format!(
+                    "model `{}`: this worker has no backend `{}` (it has: {})",
+                    spec.name,
+                    spec.backend,
+                    self.names().join(", ")
+                ),
+            )
+        })?;
+        load(spec, ctx)
+    }
+}
+
+/// A counter the working code advances; read by heartbeats.
+#[derive(Debug, Clone, Default)]
+pub struct Progress(Arc<AtomicU64>);
+
+impl Progress {
+    pub fn advance(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// What a backend gets while loading.
+#[derive(Debug, Clone, Default)]
+pub struct LoadContext {
+    progress: Progress,
+}
+
+impl LoadContext {
+    /// A context for loading outside a worker (tests, benchmarks).
+    pub fn standalone() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn new(progress: Progress) -> Self {
+        LoadContext { progress }
+    }
+
+    /// Advance after each load step (a tensor read, a layer built).
+    pub fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    /// The spec's options, with typed getters whose errors name the model.
+    pub fn options<'a>(&self, spec: &'a LoadSpec) -> Options<'a> {
+        Options::new(spec)
+    }
+}
+
+/// Where a streamed chunk goes.
+enum ChunkSink {
+    Ipc(IpcSender<Event>),
+    Collect(Mutex<Vec<Body>>),
+}
+
+/// What a backend gets while serving one request.
+pub struct RequestContext {
+    id: RequestId,
+    sink: ChunkSink,
+    cancelled: Arc<Mutex<HashSet<RequestId>>>,
+    progress: Progress,
+}
+
+impl fmt::Debug for RequestContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestContext")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RequestContext {
+    pub(crate) fn ipc(
+        id: RequestId,
+        events: IpcSender<Event>,
+        cancelled: Arc<Mutex<HashSet<RequestId>>>,
+        progress: Progress,
+    ) -> Self {
+        RequestContext {
+            id,
+            sink: ChunkSink::Ipc(events),
+            cancelled,
+            progress,
+        }
+    }
+
+    /// A context for serving outside a worker: chunks are collected and
+    /// returned by [`RequestContext::take_chunks`].
+    pub fn standalone() -> Self {
+        RequestContext {
+            id: 0,
+            sink: ChunkSink::Collect(Mutex::new(Vec::new())),
+            cancelled: Arc::default(),
+            progress: Progress::default(),
+        }
+    }
+
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Sends a streamed piece of the response.
+    pub fn chunk(&self, body: Body) -> Result<(), WireError> {
+        match &self.sink {
+            ChunkSink::Ipc(events) => events
+                .send(Event::Chunk { id: self.id, body })
+                .map_err(|e| WireError::new(ErrorKind::Internal, format!("sending a chunk: {e}"))),
+            ChunkSink::Collect(v) => {
+                v.lock().unwrap_or_else(|e| e.into_inner()).push(body);
+                Ok(())
+            }
+        }
+    }
+
+    /// Chunks collected by a standalone context.
+    pub fn take_chunks(&self) -> Vec<Body> {
+        match &self.sink {
+            ChunkSink::Ipc(_) => Vec::new(),
+            ChunkSink::Collect(v) => {
+                std::mem::take(&mut *v.lock().unwrap_or_else(|e| e.into_inner()))
+            }
+        }
+    }
+
+    /// True once the supervisor cancelled this request; long loops check it
+    /// and return an error of kind [`ErrorKind::Cancelled`].
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&self.id)
+    }
+
+    /// Advance per unit of work (token, batch).
+    pub fn progress(&self) -> &Progress {
+        &self.progress
+    }
+}

@@ -1,0 +1,132 @@
+//! `fault`: fails on command. Every failure path of the supervisor is tested
+//! against this backend in a real process, never against a mock.
+//!
+//! Option `mode`:
+//! - `ok`: behaves like `echo`;
+//! - `crash-on-load`, `crash-on-request`: the process dies of SIGSEGV;
+//! - `abort-on-request`: the process aborts (SIGABRT);
+//! - `exit-on-request`: the process exits with `exit_code` (default 3);
+//! - `hang-on-load`, `hang-on-request`: blocks forever without progress;
+//! - `ignore-shutdown`: serves like `echo`, but ignores SIGTERM and never
+//!   finishes the `Shutdown` command, so only SIGKILL ends it.
+//!
+//! Option `load_delay_ms` sleeps during load (a slow but progressing load).
+
+use std::time::Duration;
+
+use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
+
+use crate::{Backend, LoadContext, RequestContext};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Ok,
+    CrashOnLoad,
+    HangOnLoad,
+    CrashOnRequest,
+    HangOnRequest,
+    AbortOnRequest,
+    ExitOnRequest,
+    IgnoreShutdown,
+}
+
+const MODES: &[(&str, Mode)] = &[
+    ("ok", Mode::Ok),
+    ("crash-on-load", Mode::CrashOnLoad),
+    ("hang-on-load", Mode::HangOnLoad),
+    ("crash-on-request", Mode::CrashOnRequest),
+    ("hang-on-request", Mode::HangOnRequest),
+    ("abort-on-request", Mode::AbortOnRequest),
+    ("exit-on-request", Mode::ExitOnRequest),
+    ("ignore-shutdown", Mode::IgnoreShutdown),
+];
+
+#[derive(Debug)]
+struct Fault {
+    mode: Mode,
+    exit_code: i32,
+}
+
+fn crash() -> ! {
+    eprintln!("fault: raising SIGSEGV as asked");
+    // SAFETY: raising a signal has no memory-safety preconditions.
+    unsafe {
+        libc::raise(libc::SIGSEGV);
+    }
+    unreachable!("SIGSEGV is fatal")
+}
+
+fn hang() -> ! {
+    eprintln!("fault: hanging as asked");
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
+    let opts = ctx.options(spec);
+    opts.only(&["mode", "exit_code", "load_delay_ms"])?;
+    let name = opts.str("mode").unwrap_or("ok");
+    let mode = MODES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, m)| *m)
+        .ok_or_else(|| {
+            WireError::new(
+                ErrorKind::LoadFailed,
+                format!(
+                    "model `{}`: fault mode `{name}` does not exist (modes: {})",
+                    spec.name,
+                    MODES.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+                ),
+            )
+        })?;
+    let delay_ms: u64 = opts.get_or("load_delay_ms", 0)?;
+    for _ in 0..delay_ms / 10 {
+        std::thread::sleep(Duration::from_millis(10));
+        ctx.progress().advance();
+    }
+    match mode {
+        Mode::CrashOnLoad => crash(),
+        Mode::HangOnLoad => hang(),
+        Mode::IgnoreShutdown => {
+            // SAFETY: setting a signal's disposition to SIG_IGN is always sound.
+            unsafe {
+                libc::signal(libc::SIGTERM, libc::SIG_IGN);
+            }
+        }
+        _ => {}
+    }
+    Ok(Box::new(Fault {
+        mode,
+        exit_code: opts.get_or("exit_code", 3)?,
+    }))
+}
+
+impl Backend for Fault {
+    fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        match self.mode {
+            Mode::CrashOnRequest => crash(),
+            Mode::HangOnRequest => hang(),
+            Mode::AbortOnRequest => {
+                eprintln!("fault: aborting as asked");
+                std::process::abort()
+            }
+            Mode::ExitOnRequest => {
+                eprintln!("fault: exiting with status {} as asked", self.exit_code);
+                std::process::exit(self.exit_code)
+            }
+            _ => {
+                ctx.progress().advance();
+                Ok(request)
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        if self.mode == Mode::IgnoreShutdown {
+            eprintln!("fault: ignoring the shutdown command as asked");
+            hang();
+        }
+    }
+}

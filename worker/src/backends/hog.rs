@@ -1,0 +1,66 @@
+//! `hog`: holds memory the way a caching allocator does, and optionally
+//! leaks a little more on every request, the way an autodiff graph that is
+//! never freed does. Unloading it is the demonstration that a process
+//! boundary gets every byte back.
+//!
+//! Options: `alloc_mib` (held from load on, default 0),
+//! `leak_kib_per_request` (default 0).
+
+use berth_protocol::{Body, LoadSpec, WireError};
+
+use crate::{Backend, LoadContext, RequestContext};
+
+const PAGE: usize = 4096;
+
+#[derive(Debug)]
+struct Hog {
+    held: Vec<Vec<u8>>,
+    leak_bytes: usize,
+}
+
+/// Allocates `bytes` and writes every page so it is resident, not merely reserved.
+fn touched(bytes: usize, ctx_progress: impl Fn()) -> Vec<u8> {
+    let mut v = vec![0u8; bytes];
+    for (i, page) in v.chunks_mut(PAGE).enumerate() {
+        page[0] = 1;
+        if i % 4096 == 0 {
+            ctx_progress();
+        }
+    }
+    v
+}
+
+pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
+    let opts = ctx.options(spec);
+    opts.only(&["alloc_mib", "leak_kib_per_request"])?;
+    let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
+    let leak_kib: usize = opts.get_or("leak_kib_per_request", 0)?;
+    let block = touched(alloc_mib << 20, || ctx.progress().advance());
+    Ok(Box::new(Hog {
+        held: vec![block],
+        leak_bytes: leak_kib << 10,
+    }))
+}
+
+impl Hog {
+    fn held_bytes(&self) -> usize {
+        self.held.iter().map(Vec::len).sum()
+    }
+}
+
+impl Backend for Hog {
+    fn handle(&mut self, _request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        if self.leak_bytes > 0 {
+            let leaked = touched(self.leak_bytes, || {});
+            self.held.push(leaked);
+        }
+        ctx.progress().advance();
+        Ok(Body::json(
+            serde_json::json!({ "held_bytes": self.held_bytes() }).to_string(),
+        ))
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({ "held_bytes": self.held_bytes(), "leak_bytes_per_request": self.leak_bytes })
+    }
+}

@@ -1,0 +1,9 @@
+//! Built-in backends, one file each.
+//!
+//! `echo`, `hog` and `fault` need no weights: they are the IPC baseline, the
+//! memory-holding stand-in for a caching allocator, and the way every
+//! failure path is tested.
+
+pub mod echo;
+pub mod fault;
+pub mod hog;

@@ -1,0 +1,20 @@
+//! The berth worker: one process, one model.
+//!
+//! A worker binary is three lines: build a [`Registry`] of backends and hand
+//! it to [`serve`]. The stock `berth-worker` binary registers the built-in
+//! backends; a host with its own model code implements [`Backend`], registers
+//! it next to (or instead of) the built-ins and points the supervisor at its
+//! own binary (see `examples/custom-worker.rs`).
+
+mod backend;
+pub mod backends;
+mod hygiene;
+mod options;
+mod serve;
+mod stats;
+
+pub use backend::{Backend, LoadContext, LoadFn, Progress, Registry, RequestContext};
+pub use berth_protocol as protocol;
+pub use options::Options;
+pub use serve::serve;
+pub use stats::self_memory;

@@ -1,0 +1,84 @@
+//! Typed access to a spec's `KEY=VALUE` options, with errors that name the
+//! model, the key and what was expected.
+
+use std::collections::BTreeSet;
+use std::str::FromStr;
+
+use berth_protocol::{ErrorKind, LoadSpec, WireError};
+
+/// Typed view of [`LoadSpec::options`].
+#[derive(Debug)]
+pub struct Options<'a> {
+    spec: &'a LoadSpec,
+}
+
+impl<'a> Options<'a> {
+    pub fn new(spec: &'a LoadSpec) -> Self {
+        Options { spec }
+    }
+
+    /// The option parsed as `T`, or `None` when absent.
+    pub fn get<T: FromStr>(&self, key: &str) -> Result<Option<T>, WireError> {
+        let Some(raw) = self.spec.options.get(key) else {
+            return Ok(None);
+        };
+        raw.trim().parse::<T>().map(Some).map_err(|_| {
+            WireError::new(
+                ErrorKind::LoadFailed,
+                format!(
+                    "model `{}`: option `{key}={raw}` is not a valid {} for backend `{}`",
+                    self.spec.name,
+                    std::any::type_name::<T>()
+                        .rsplit("::")
+                        .next()
+                        .unwrap_or("value"),
+                    self.spec.backend
+                ),
+            )
+        })
+    }
+
+    /// The option parsed as `T`, or `default` when absent.
+    pub fn get_or<T: FromStr>(&self, key: &str, default: T) -> Result<T, WireError> {
+        Ok(self.get(key)?.unwrap_or(default))
+    }
+
+    /// The raw string value.
+    pub fn str(&self, key: &str) -> Option<&'a str> {
+        self.spec.options.get(key).map(String::as_str)
+    }
+
+    /// Refuses options the backend does not know, so a typo is an error
+    /// rather than a silently ignored setting.
+    pub fn only(&self, known: &[&str]) -> Result<(), WireError> {
+        let known: BTreeSet<&str> = known.iter().copied().collect();
+        let unknown: Vec<&str> = self
+            .spec
+            .options
+            .keys()
+            .map(String::as_str)
+            .filter(|k| !known.contains(k))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        Err(WireError::new(
+            ErrorKind::LoadFailed,
+            format!(
+                "model `{}`: backend `{}` has no option {} (it takes: {})",
+                self.spec.name,
+                self.spec.backend,
+                unknown
+                    .iter()
+                    .map(|k| format!("`{k}`"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.iter().copied().collect::<Vec<_>>().join(", ")
+                }
+            ),
+        ))
+    }
+}
