@@ -151,19 +151,20 @@ impl Supervisor {
         }
         match launch::launch(&spec, &self.inner.config).await {
             Ok((worker, report)) => {
-                let mut slots = self.slots();
-                match slots.get_mut(&name) {
+                let installed = match self.slots().get_mut(&name) {
                     Some(slot) => {
                         slot.state = ModelState::Ready;
-                        slot.worker = Some(worker);
-                        Ok(report)
+                        slot.worker = Some(Arc::clone(&worker));
+                        true
                     }
-                    None => {
-                        // Removed while loading (shutdown): stop what we started.
-                        drop(slots);
-                        stop::stop(&worker, self.inner.config.stop_graces).await;
-                        Err(Error::ShuttingDown { model: name })
-                    }
+                    None => false,
+                };
+                if installed {
+                    Ok(report)
+                } else {
+                    // Removed while loading (shutdown): stop what we started.
+                    stop::stop(&worker, self.inner.config.stop_graces).await;
+                    Err(Error::ShuttingDown { model: name })
                 }
             }
             Err(e) => {

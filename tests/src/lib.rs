@@ -1,1 +1,109 @@
+//! Helpers for the end-to-end tests: find the real binaries, build a
+//! supervisor that uses them, poll instead of sleeping.
 
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use berth::{StopGraces, Supervisor, SupervisorConfig};
+
+/// `target/<profile>/`: the test executable lives in its `deps/` folder.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().expect("exe dir");
+    if dir.ends_with("deps") {
+        dir.parent().unwrap().to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
+}
+
+/// Path of a binary built by this workspace, with a clear failure if it is missing.
+pub fn bin(name: &str) -> PathBuf {
+    let path = target_dir().join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run the tests with `cargo test --workspace --release`, which builds every binary",
+        path.display()
+    );
+    path
+}
+
+pub fn berth_bin() -> PathBuf {
+    bin("berth")
+}
+
+pub fn worker_bin() -> PathBuf {
+    bin("berth-worker")
+}
+
+pub fn test_worker_bin() -> PathBuf {
+    bin("berth-test-worker")
+}
+
+/// Settings for tests: the real worker binary, short graces so the
+/// escalation paths run in seconds.
+pub fn test_config() -> SupervisorConfig {
+    SupervisorConfig {
+        worker_binary: Some(worker_bin()),
+        load_timeout: Duration::from_secs(60),
+        stop_graces: StopGraces {
+            shutdown: Duration::from_secs(2),
+            term: Duration::from_secs(1),
+        },
+        ..SupervisorConfig::default()
+    }
+}
+
+pub fn supervisor() -> Supervisor {
+    Supervisor::new(test_config())
+}
+
+/// Polls `condition` every 10 ms until it holds or `timeout` passes.
+pub fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// True while `pid` is a live process (a zombie counts as gone: it holds
+/// no memory and only waits for its parent to reap it).
+pub fn alive(pid: u32) -> bool {
+    match procfs::process::Process::new(pid as i32).and_then(|p| p.stat()) {
+        Ok(stat) => stat.state != 'Z' && stat.state != 'X',
+        Err(_) => false,
+    }
+}
+
+/// Children of `parent` (zombies included, so a missing reap shows).
+pub fn children_of(parent: u32) -> Vec<(u32, char)> {
+    procfs::process::all_processes()
+        .map(|all| {
+            all.filter_map(Result::ok)
+                .filter_map(|p| p.stat().ok())
+                .filter(|s| s.ppid == parent as i32)
+                .map(|s| (s.pid as u32, s.state))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Open file descriptors of this process.
+pub fn fd_count() -> usize {
+    procfs::process::Process::myself()
+        .and_then(|p| p.fd_count())
+        .expect("fd count")
+}
+
+/// Tests that measure system memory hold this, so one test's allocations do
+/// not show up in another's reclaimed-bytes figure.
+pub async fn memory_lock() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
+}

@@ -49,8 +49,12 @@ struct Fault {
 
 fn crash() -> ! {
     eprintln!("fault: raising SIGSEGV as asked");
-    // SAFETY: raising a signal has no memory-safety preconditions.
+    // Rust's runtime handles SIGSEGV to report stack overflows and returns
+    // from a raised one; restore the default so it kills, as a real fault does.
+    // SAFETY: resetting a disposition and raising a signal have no
+    // memory-safety preconditions.
     unsafe {
+        libc::signal(libc::SIGSEGV, libc::SIG_DFL);
         libc::raise(libc::SIGSEGV);
     }
     unreachable!("SIGSEGV is fatal")
