@@ -19,6 +19,7 @@
 
 mod config;
 mod error;
+pub mod fetch;
 mod report;
 mod supervisor;
 pub mod worker;

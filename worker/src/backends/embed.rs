@@ -1,0 +1,239 @@
+//! `embed`: sentence embeddings from a sentence-transformers BERT directory
+//! (all-MiniLM-L6-v2 and its kind) with candle on the CPU.
+//!
+//! The directory holds `config.json`, `model.safetensors`, `tokenizer.json`
+//! and optionally `1_Pooling/config.json` (only mean pooling is supported,
+//! which is what these models use). A batch is padded to its longest text
+//! and runs as one forward pass; vectors are mean-pooled over the attention
+//! mask and L2-normalised.
+//!
+//! Options: `load_mode` = `mmap` (default) | `read`; `threads`;
+//! `max_length` (tokens per text, default 256, the model's training length).
+//! Request: `{"input": "text"}` or `{"input": ["text", ...]}`.
+//! Response: `{"embeddings": [[...], ...], "dim": 384, "tokens": N}`.
+
+use std::path::{Path, PathBuf};
+
+use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert::{BertModel, Config};
+use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
+
+use crate::backends::{LoadMode, configure_threads, parse_request};
+use crate::{Backend, LoadContext, RequestContext};
+
+struct Embed {
+    model: BertModel,
+    tokenizer: Tokenizer,
+    dim: usize,
+    dir: PathBuf,
+    load_mode: LoadMode,
+    max_length: usize,
+    threads: usize,
+}
+
+fn load_error(spec: &LoadSpec, message: String) -> WireError {
+    WireError::new(
+        ErrorKind::LoadFailed,
+        format!("model `{}`: {message}", spec.name),
+    )
+}
+
+fn read_text(spec: &LoadSpec, path: &Path) -> Result<String, WireError> {
+    std::fs::read_to_string(path)
+        .map_err(|e| load_error(spec, format!("cannot read `{}`: {e}", path.display())))
+}
+
+pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
+    let opts = ctx.options(spec);
+    opts.only(&["load_mode", "threads", "max_length"])?;
+    let load_mode = LoadMode::from_options(spec, &opts)?;
+    let threads = configure_threads(opts.get("threads")?);
+    let max_length: usize = opts.get_or("max_length", 256)?;
+    let dir = PathBuf::from(spec.model.as_deref().ok_or_else(|| {
+        load_error(
+            spec,
+            "the embed backend needs --model DIR (a sentence-transformers directory)".into(),
+        )
+    })?);
+    if !dir.is_dir() {
+        return Err(load_error(
+            spec,
+            format!("`{}` is not a directory", dir.display()),
+        ));
+    }
+
+    let config_path = dir.join("config.json");
+    let config: Config = serde_json::from_str(&read_text(spec, &config_path)?).map_err(|e| {
+        load_error(
+            spec,
+            format!("`{}` is not a BERT config: {e}", config_path.display()),
+        )
+    })?;
+    let pooling = dir.join("1_Pooling/config.json");
+    if pooling.is_file() {
+        let value: serde_json::Value = serde_json::from_str(&read_text(spec, &pooling)?)
+            .map_err(|e| load_error(spec, format!("`{}` is not JSON: {e}", pooling.display())))?;
+        if value["pooling_mode_mean_tokens"] != serde_json::Value::Bool(true) {
+            return Err(load_error(
+                spec,
+                format!(
+                    "`{}` asks for a pooling other than mean pooling, which is all this backend does",
+                    pooling.display()
+                ),
+            ));
+        }
+    }
+    ctx.progress().advance();
+
+    let tokenizer_path = dir.join("tokenizer.json");
+    if !tokenizer_path.is_file() {
+        return Err(load_error(
+            spec,
+            format!("`{}` is missing", tokenizer_path.display()),
+        ));
+    }
+    let mut tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| {
+        load_error(
+            spec,
+            format!("cannot load `{}`: {e}", tokenizer_path.display()),
+        )
+    })?;
+    let max_length = max_length.min(config.max_position_embeddings);
+    // tokenizer.json pads every text to 128; padding to the longest in the
+    // batch is what makes single texts cheap.
+    tokenizer.with_padding(Some(PaddingParams {
+        strategy: PaddingStrategy::BatchLongest,
+        ..Default::default()
+    }));
+    tokenizer
+        .with_truncation(Some(TruncationParams {
+            max_length,
+            ..Default::default()
+        }))
+        .map_err(|e| load_error(spec, format!("cannot set truncation: {e}")))?;
+    ctx.progress().advance();
+
+    let weights = dir.join("model.safetensors");
+    if !weights.is_file() {
+        return Err(load_error(
+            spec,
+            format!("`{}` is missing", weights.display()),
+        ));
+    }
+    let bad_weights = |e: candle_core::Error| {
+        load_error(
+            spec,
+            format!("cannot load weights from `{}`: {e}", weights.display()),
+        )
+    };
+    let vb = match load_mode {
+        // SAFETY: the file is mapped read-only; berth's fetch step writes
+        // weights by rename, so a mapped file is never modified in place.
+        LoadMode::Mmap => unsafe {
+            VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, &Device::Cpu)
+                .map_err(bad_weights)?
+        },
+        LoadMode::Read => {
+            let bytes = std::fs::read(&weights).map_err(|e| {
+                load_error(spec, format!("cannot read `{}`: {e}", weights.display()))
+            })?;
+            VarBuilder::from_buffered_safetensors(bytes, DType::F32, &Device::Cpu)
+                .map_err(bad_weights)?
+        }
+    };
+    let model = BertModel::load(vb, &config).map_err(bad_weights)?;
+    ctx.progress().advance();
+    Ok(Box::new(Embed {
+        model,
+        tokenizer,
+        dim: config.hidden_size,
+        dir,
+        load_mode,
+        max_length,
+        threads,
+    }))
+}
+
+/// `{"input": "text"}` or `{"input": ["a", "b"]}`.
+#[derive(serde::Deserialize)]
+struct EmbedRequest {
+    input: Input,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Input {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Embed {
+    /// Embeds `texts` in one forward pass; one unit-length vector per text.
+    pub fn embed(&self, texts: &[String]) -> Result<(Vec<Vec<f32>>, usize), String> {
+        let encodings = self
+            .tokenizer
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| format!("tokenizing: {e}"))?;
+        let n = encodings.len();
+        let len = encodings.first().map(|e| e.get_ids().len()).unwrap_or(0);
+        let mut ids = Vec::with_capacity(n * len);
+        let mut types = Vec::with_capacity(n * len);
+        let mut mask = Vec::with_capacity(n * len);
+        for e in &encodings {
+            ids.extend_from_slice(e.get_ids());
+            types.extend_from_slice(e.get_type_ids());
+            mask.extend_from_slice(e.get_attention_mask());
+        }
+        let tokens = mask.iter().filter(|m| **m != 0).count();
+        let run = || -> candle_core::Result<Vec<Vec<f32>>> {
+            let ids = Tensor::from_vec(ids, (n, len), &Device::Cpu)?;
+            let types = Tensor::from_vec(types, (n, len), &Device::Cpu)?;
+            let mask = Tensor::from_vec(mask, (n, len), &Device::Cpu)?;
+            let hidden = self.model.forward(&ids, &types, Some(&mask))?;
+            let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+            let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
+            let counts = mask.sum(1)?;
+            let mean = summed.broadcast_div(&counts)?;
+            let norm = mean.sqr()?.sum_keepdim(1)?.sqrt()?;
+            mean.broadcast_div(&norm)?.to_vec2::<f32>()
+        };
+        run()
+            .map(|v| (v, tokens))
+            .map_err(|e| format!("running the model: {e}"))
+    }
+}
+
+impl Backend for Embed {
+    fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        let req: EmbedRequest =
+            parse_request(&request, r#"{"input": "text"} or {"input": ["text", ...]}"#)?;
+        let texts = match req.input {
+            Input::One(text) => vec![text],
+            Input::Many(texts) => texts,
+        };
+        if texts.is_empty() {
+            return Err(WireError::new(
+                ErrorKind::BadRequest,
+                "`input` is an empty list; give at least one text",
+            ));
+        }
+        let (vectors, tokens) = self
+            .embed(&texts)
+            .map_err(|e| WireError::new(ErrorKind::Backend, e))?;
+        ctx.progress().advance();
+        let body = serde_json::json!({ "embeddings": vectors, "dim": self.dim, "tokens": tokens });
+        Ok(Body::json(body.to_string()))
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "dim": self.dim,
+            "dir": self.dir.display().to_string(),
+            "load_mode": self.load_mode.as_str(),
+            "max_length": self.max_length,
+            "threads": self.threads,
+        })
+    }
+}
