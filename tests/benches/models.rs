@@ -1,0 +1,204 @@
+//! Model benchmarks, printed as the README's tables.
+//!
+//! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench models`
+//! (fetches the default models first if they are missing).
+
+use std::time::{Duration, Instant};
+
+use berth::{Body, ModelSpec, Supervisor};
+use berth_protocol::LoadSpec;
+use berth_tests::{default_model, test_config};
+use berth_worker::{Backend, LoadContext, Registry, RequestContext};
+use serde_json::json;
+
+fn sentences(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            format!(
+                "This is sentence number {i}, about {} things.",
+                ["cats", "markets", "rivers", "code"][i % 4]
+            )
+        })
+        .collect()
+}
+
+fn own_rss() -> u64 {
+    berth::worker::memory::process_memory(std::process::id())
+        .map(|m| m.rss_bytes)
+        .unwrap_or(0)
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+fn local_embed(options: &[(&str, &str)]) -> Box<dyn Backend> {
+    let spec = LoadSpec {
+        name: "minilm".into(),
+        backend: "embed".into(),
+        model: Some(default_model("minilm").display().to_string()),
+        options: options
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    Registry::builtin()
+        .load(&spec, &LoadContext::standalone())
+        .unwrap()
+}
+
+/// The status quo: load in-process, work, drop everything; what is left?
+fn in_process_residue() -> (u64, u64, u64) {
+    let before = own_rss();
+    {
+        let mut backend = local_embed(&[("load_mode", "read")]);
+        let ctx = RequestContext::standalone();
+        for chunk in sentences(256).chunks(32) {
+            backend
+                .handle(Body::json(json!({ "input": chunk }).to_string()), &ctx)
+                .unwrap();
+        }
+    }
+    let after_drop = own_rss();
+    // SAFETY: malloc_trim only returns free heap memory to the kernel.
+    unsafe { libc::malloc_trim(0) };
+    let after_trim = own_rss();
+    (before, after_drop, after_trim)
+}
+
+fn throughput(mut call: impl FnMut(&[String]), batch: usize, total: usize) -> f64 {
+    let texts = sentences(total);
+    call(&texts[..batch]); // warm-up
+    let started = Instant::now();
+    for chunk in texts.chunks(batch) {
+        call(chunk);
+    }
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
+async fn embed_speed(sup: &Supervisor) {
+    sup.load(ModelSpec::new("minilm", "embed").model(default_model("minilm")))
+        .await
+        .unwrap();
+    let worker = sup.worker("minilm").unwrap();
+    let handle = tokio::runtime::Handle::current();
+    let mut local = local_embed(&[]);
+    let ctx = RequestContext::standalone();
+    println!("| batch | through a worker | in-process | ratio |");
+    println!("|---|---|---|---|");
+    for (batch, total) in [(1, 64), (32, 256)] {
+        let remote = tokio::task::block_in_place(|| {
+            throughput(
+                |texts| {
+                    handle
+                        .block_on(worker.call(Body::json(json!({ "input": texts }).to_string())))
+                        .unwrap();
+                },
+                batch,
+                total,
+            )
+        });
+        let here = throughput(
+            |texts| {
+                local
+                    .handle(Body::json(json!({ "input": texts }).to_string()), &ctx)
+                    .unwrap();
+            },
+            batch,
+            total,
+        );
+        println!(
+            "| {batch} | {remote:.1} sentences/s | {here:.1} sentences/s | {:.3} |",
+            remote / here
+        );
+    }
+    sup.unload("minilm").await.unwrap();
+}
+
+async fn load_modes(sup: &Supervisor, name: &str, backend: &str) {
+    for mode in ["mmap", "read"] {
+        let mut times = Vec::new();
+        let mut peaks = Vec::new();
+        let mut rss = Vec::new();
+        for _ in 0..3 {
+            let spec = ModelSpec::new(name, backend)
+                .model(default_model(name))
+                .option("load_mode", mode);
+            let report = sup.load(spec).await.unwrap();
+            times.push(Duration::from_secs_f64(report.load_ms / 1e3));
+            peaks.push(report.peak_rss_bytes);
+            rss.push(report.rss_bytes);
+            sup.unload(name).await.unwrap();
+        }
+        times.sort();
+        println!(
+            "| {name} | {mode} | {:.0} ms | {} | {} |",
+            times[1].as_secs_f64() * 1e3,
+            mib(*rss.iter().max().unwrap()),
+            mib(*peaks.iter().max().unwrap())
+        );
+    }
+}
+
+async fn berth_residue(sup: &Supervisor) -> (u64, u64, u64) {
+    let before = own_rss();
+    let spec = ModelSpec::new("minilm", "embed")
+        .model(default_model("minilm"))
+        .option("load_mode", "read");
+    sup.load(spec).await.unwrap();
+    for chunk in sentences(256).chunks(32) {
+        sup.request("minilm", Body::json(json!({ "input": chunk }).to_string()))
+            .await
+            .unwrap();
+    }
+    let report = sup.unload("minilm").await.unwrap();
+    let worker_left = berth::worker::memory::process_memory(report.pid)
+        .map(|m| m.rss_bytes)
+        .unwrap_or(0);
+    (before, own_rss(), worker_left)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    default_model("minilm");
+    // First, in a fresh process: the status quo's residue.
+    let (before, after_drop, after_trim) = in_process_residue();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let sup = Supervisor::new(test_config());
+        let (sup_before, sup_after, worker_left) = berth_residue(&sup).await;
+        println!("### Memory left after load (read) + 256 embeddings + unload\n");
+        println!("| where | left behind |");
+        println!("|---|---|");
+        println!(
+            "| in-process, after dropping everything | {} |",
+            mib(after_drop.saturating_sub(before))
+        );
+        println!(
+            "| in-process, after also calling `malloc_trim(0)` | {} |",
+            mib(after_trim.saturating_sub(before))
+        );
+        println!(
+            "| berth: the worker after unload | {} (process gone) |",
+            mib(worker_left)
+        );
+        println!(
+            "| berth: the supervisor's own RSS change over the cycle | {} |\n",
+            mib(sup_after.saturating_sub(sup_before))
+        );
+        println!("### Embeddings: all-MiniLM-L6-v2, sentences/s\n");
+        embed_speed(&sup).await;
+        println!("\n### Load time and memory by load mode (median of 3 loads, max memory)\n");
+        println!("| model | load_mode | load | rss after load | peak rss |");
+        println!("|---|---|---|---|---|");
+        load_modes(&sup, "minilm", "embed").await;
+        if std::env::var_os("BERTH_BENCH_SKIP_GENERATE").is_none() {
+            load_modes(&sup, "smollm2", "generate").await;
+        }
+    });
+}
