@@ -23,7 +23,7 @@ pub struct ModelSpec {
     #[serde(default)]
     pub options: BTreeMap<String, String>,
     /// Overrides [`SupervisorConfig::load_timeout`].
-    #[serde(default, with = "humantime_serde_opt")]
+    #[serde(default, with = "crate::units::duration_opt")]
     pub load_timeout: Option<Duration>,
     /// Overrides [`SupervisorConfig::worker_binary`]: a host's own worker.
     #[serde(default)]
@@ -31,6 +31,23 @@ pub struct ModelSpec {
     /// Extra environment for the worker (`CUDA_VISIBLE_DEVICES`, ...).
     #[serde(default)]
     pub env: Vec<(String, String)>,
+    /// `mmap` or `read`; passed to the backend as its `load_mode` option.
+    #[serde(default)]
+    pub load_mode: Option<String>,
+    /// How long the model stays loaded after its last request
+    /// (default: [`SupervisorConfig::default_keep_alive`]). Zero unloads
+    /// right after each request.
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub keep_alive: Option<Duration>,
+    /// The worker's memory cap (`2GiB`).
+    #[serde(default, with = "crate::units::bytes_opt")]
+    pub memory_limit: Option<u64>,
+    /// Requests sent to the worker at once (default 8).
+    #[serde(default)]
+    pub max_concurrency: Option<usize>,
+    /// Requests waiting beyond that before new ones are refused (default 64).
+    #[serde(default)]
+    pub max_queue: Option<usize>,
 }
 
 impl ModelSpec {
@@ -43,6 +60,11 @@ impl ModelSpec {
             load_timeout: None,
             worker_binary: None,
             env: Vec::new(),
+            load_mode: None,
+            keep_alive: None,
+            memory_limit: None,
+            max_concurrency: None,
+            max_queue: None,
         }
     }
 
@@ -84,6 +106,15 @@ impl ModelSpec {
                 "a model name is letters, digits, `-`, `_` and `.`, and not empty".into(),
             );
         }
+        if let Some(mode) = &self.load_mode
+            && mode != "mmap"
+            && mode != "read"
+        {
+            return invalid(format!("load_mode `{mode}` is not `mmap` or `read`"));
+        }
+        if self.max_concurrency == Some(0) {
+            return invalid("max_concurrency must be at least 1".into());
+        }
         if self.backend.trim().is_empty() {
             return invalid("no backend given".into());
         }
@@ -114,6 +145,15 @@ pub struct SupervisorConfig {
     pub heartbeat_interval: Duration,
     /// A worker silent this long is killed (default 30 s).
     pub heartbeat_timeout: Duration,
+    /// Keep-alive of models without their own (`None`: until unloaded).
+    pub default_keep_alive: Option<Duration>,
+    /// Memory all loaded models may hold together; idle models are evicted,
+    /// least recently used first, to make room.
+    pub memory_budget: Option<u64>,
+    /// Models loaded at once; the least recently used idle one makes room.
+    pub max_loaded: Option<usize>,
+    /// Models registered at run time must lie under this folder.
+    pub models_root: Option<PathBuf>,
 }
 
 impl Default for SupervisorConfig {
@@ -125,55 +165,17 @@ impl Default for SupervisorConfig {
             drain_timeout: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(30),
+            default_keep_alive: None,
+            memory_budget: None,
+            max_loaded: None,
+            models_root: None,
         }
-    }
-}
-
-/// Parses `120`, `120s`, `2m`, `1h 30m`, `500ms`: a bare number is seconds.
-pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
-    let text = text.trim();
-    if let Ok(secs) = text.parse::<f64>() {
-        if secs.is_finite() && secs >= 0.0 {
-            return Ok(Duration::from_secs_f64(secs));
-        }
-        return Err(format!("`{text}` is not a duration"));
-    }
-    humantime::parse_duration(text)
-        .map_err(|e| format!("`{text}` is not a duration ({e}); try 30s, 5m, 500ms"))
-}
-
-mod humantime_serde_opt {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        let text: Option<String> = Option::deserialize(d)?;
-        text.map(|t| super::parse_duration(&t).map_err(serde::de::Error::custom))
-            .transpose()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_take_bare_seconds_and_units() {
-        assert_eq!(parse_duration("120").unwrap(), Duration::from_secs(120));
-        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
-        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        assert!(parse_duration("soon").unwrap_err().contains("soon"));
-        assert!(parse_duration("-1").is_err());
-    }
 
     #[test]
     fn names_are_checked_before_anything_starts() {

@@ -98,6 +98,41 @@ pub enum Error {
         what: &'static str,
         source: std::io::Error,
     },
+
+    #[error("no model `{model}` is registered{}", known_suffix(.known))]
+    UnknownModel { model: String, known: Vec<String> },
+
+    #[error(
+        "model `{model}`: {queued} requests are already waiting behind {max_concurrency} running; \
+         retry later or raise max_concurrency / max_queue"
+    )]
+    QueueFull {
+        model: String,
+        max_concurrency: usize,
+        queued: usize,
+    },
+
+    #[error("model `{model}` needs about {}, {reason}", crate::report::mib(*.needed))]
+    BudgetExceeded {
+        model: String,
+        needed: u64,
+        reason: String,
+    },
+
+    #[error("model `{model}` is busy: {reason}")]
+    Busy { model: String, reason: String },
+
+    /// A load another caller started failed; every caller waiting on it gets this.
+    #[error("{message}")]
+    SharedLoad { kind: &'static str, message: String },
+}
+
+fn known_suffix(known: &[String]) -> String {
+    if known.is_empty() {
+        "; register it first".into()
+    } else {
+        format!(" (registered: {})", known.join(", "))
+    }
 }
 
 fn stderr_suffix(lines: &[String]) -> String {
@@ -125,6 +160,11 @@ impl Error {
             Error::InvalidSpec { .. } => "invalid_spec",
             Error::ShuttingDown { .. } => "shutting_down",
             Error::Io { .. } => "io_error",
+            Error::UnknownModel { .. } => "model_not_found",
+            Error::QueueFull { .. } => "queue_full",
+            Error::BudgetExceeded { .. } => "memory_budget_exceeded",
+            Error::Busy { .. } => "busy",
+            Error::SharedLoad { kind, .. } => kind,
         }
     }
 
@@ -136,10 +176,22 @@ impl Error {
                 source.kind,
                 ErrorKind::BadRequest | ErrorKind::InputTooLarge | ErrorKind::UnknownBackend
             ),
-            Error::InvalidSpec { .. } | Error::NotLoaded { .. } | Error::AlreadyLoaded { .. } => {
-                true
-            }
+            Error::InvalidSpec { .. }
+            | Error::NotLoaded { .. }
+            | Error::AlreadyLoaded { .. }
+            | Error::UnknownModel { .. } => true,
             _ => false,
+        }
+    }
+}
+
+impl Error {
+    /// What a caller waiting on someone else's load gets (errors hold
+    /// io::Error and are not Clone).
+    pub(crate) fn shared(&self) -> Error {
+        Error::SharedLoad {
+            kind: self.kind(),
+            message: self.to_string(),
         }
     }
 }

@@ -20,15 +20,20 @@
 mod config;
 mod error;
 pub mod fetch;
+pub mod metrics;
 mod report;
 mod supervisor;
+mod units;
 pub mod worker;
 
 pub use berth_protocol as protocol;
 pub use berth_protocol::{Body, Bulk};
-pub use config::{ModelSpec, SupervisorConfig, parse_duration};
+pub use config::{ModelSpec, SupervisorConfig};
 pub use error::{Error, Result};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport};
-pub use supervisor::{ModelState, ModelStatus, Supervisor};
+pub use supervisor::{
+    CatalogueEntry, ModelState, ModelStatus, RequestOptions, RequestStream, Supervisor, SwapReport,
+};
+pub use units::{parse_bytes, parse_duration};
 pub use worker::handle::{Piece, ResponseStream, WorkerHandle};
 pub use worker::stop::StopGraces;

@@ -1,46 +1,67 @@
-//! `Supervisor`: the models, their workers, and the operations on them.
-//! The sidecar and the CLI are thin layers over this type.
+//! `Supervisor`: the catalogue of models, their workers, and the operations
+//! on them. The sidecar and the CLI are thin layers over this type.
+//!
+//! Policies that live here, so an embedding host gets them too:
+//! - on-demand loading: a request for a model that is not loaded loads it,
+//!   and concurrent requests wait for that one load;
+//! - keep-alive: an idle model is unloaded when its keep-alive runs out;
+//! - memory budget and `max_loaded`: before a load, idle models are evicted
+//!   least recently used first; a model with work in flight never is;
+//! - per-model concurrency with a bounded queue;
+//! - swap: the new worker is ready before routing switches, and the old one
+//!   drains before it stops.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
 use berth_protocol::Body;
 use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
-use crate::report::{LoadReport, UnloadReport};
-use crate::worker::handle::{ResponseStream, WorkerHandle};
+use crate::metrics::ModelCounters;
+use crate::report::{LoadReport, UnloadReport, mib};
+use crate::worker::handle::{Piece, ResponseStream, WorkerHandle};
 use crate::worker::{launch, stop};
 
-/// Where a model slot is in its life.
+/// Default per-model concurrency and queue bounds.
+pub const DEFAULT_MAX_CONCURRENCY: usize = 8;
+pub const DEFAULT_MAX_QUEUE: usize = 64;
+
+/// Where a model is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelState {
-    /// The worker process is starting (spawn, handshake).
-    Starting,
-    /// The worker is loading the model.
+    /// Registered, no worker.
+    Unloaded,
+    /// The worker process is starting or loading the model.
     Loading,
     Ready,
     /// No new requests; in-flight ones finish.
     Draining,
     Stopping,
-    /// The worker died on its own; requests fail until it is unloaded or reloaded.
+    /// The worker died on its own; requests fail until it is loaded again.
     Failed,
 }
 
 impl fmt::Display for ModelState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = serde_json::to_value(self)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_owned));
-        f.write_str(s.as_deref().unwrap_or("?"))
+        f.write_str(match self {
+            ModelState::Unloaded => "unloaded",
+            ModelState::Loading => "loading",
+            ModelState::Ready => "ready",
+            ModelState::Draining => "draining",
+            ModelState::Stopping => "stopping",
+            ModelState::Failed => "failed",
+        })
     }
 }
 
-/// A loaded (or loading) model as `stats()` shows it.
+/// A loaded (or loading) model, as `ps` shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelStatus {
     pub name: String,
@@ -53,26 +74,118 @@ pub struct ModelStatus {
     pub uptime_s: f64,
     pub requests: u64,
     pub in_flight: u32,
+    /// Requests waiting for a concurrency slot.
+    pub queued: usize,
+    /// Seconds until an idle model is unloaded; `None`: never.
+    pub keep_alive_left_s: Option<f64>,
 }
 
+/// A registered model, as the catalogue shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CatalogueEntry {
+    pub spec: ModelSpec,
+    pub state: ModelState,
+    pub pid: Option<u32>,
+    /// Peak memory of its last load, used to plan the next one.
+    pub last_peak_bytes: Option<u64>,
+}
+
+/// What a swap returns: both workers and the old one's unload report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SwapReport {
+    pub model: String,
+    pub old_pid: u32,
+    pub new_pid: u32,
+    /// From the swap call to the new worker taking requests.
+    pub switch_ms: f64,
+    pub took_ms: f64,
+    pub load: LoadReport,
+    pub unload: UnloadReport,
+}
+
+impl fmt::Display for SwapReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "swapped `{}`: worker pid {} -> pid {}, serving after {:.1} ms, done after {:.1} ms",
+            self.model, self.old_pid, self.new_pid, self.switch_ms, self.took_ms
+        )?;
+        writeln!(f, "{}", self.load)?;
+        write!(f, "{}", self.unload)
+    }
+}
+
+/// Per-request settings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestOptions {
+    /// Overrides the model's keep-alive from this request on.
+    pub keep_alive: Option<Duration>,
+}
+
+type LoadSignal = watch::Receiver<Option<std::result::Result<(), Arc<Error>>>>;
+
 struct Slot {
-    spec: ModelSpec,
     state: ModelState,
     worker: Option<Arc<WorkerHandle>>,
+    /// Set while loading: callers wait on it instead of loading again.
+    loading: Option<LoadSignal>,
+    /// Memory counted for a load still in progress.
+    reserved_bytes: u64,
+    last_used: Instant,
+    /// When an idle model is unloaded; `None`: never.
+    expires_at: Option<Instant>,
+    /// Set while a swap is in progress.
+    swapping: bool,
+}
+
+struct Entry {
+    spec: ModelSpec,
+    last_peak_bytes: Option<u64>,
+    permits: Arc<Semaphore>,
+    queued: Arc<AtomicUsize>,
+    keep_alive: Option<Duration>,
+    counters: Arc<ModelCounters>,
+}
+
+impl Entry {
+    fn new(spec: ModelSpec, default_keep_alive: Option<Duration>) -> Self {
+        let concurrency = spec.max_concurrency.unwrap_or(DEFAULT_MAX_CONCURRENCY);
+        Entry {
+            keep_alive: spec.keep_alive.or(default_keep_alive),
+            spec,
+            last_peak_bytes: None,
+            permits: Arc::new(Semaphore::new(concurrency)),
+            queued: Arc::default(),
+            counters: Arc::default(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    catalogue: BTreeMap<String, Entry>,
+    slots: HashMap<String, Slot>,
 }
 
 struct Inner {
     config: SupervisorConfig,
-    slots: Mutex<HashMap<String, Slot>>,
+    state: Mutex<State>,
+    /// Woken whenever a slot changes state.
+    changed: Notify,
+    /// Serialises "make room, then reserve" so two loads cannot both count
+    /// the same free memory.
+    load_gate: tokio::sync::Mutex<()>,
     shutting_down: AtomicBool,
+    started: Instant,
+    unloads: AtomicU64,
 }
 
 impl Drop for Inner {
     /// A supervisor dropped without `shutdown()` still leaves no worker
     /// behind: each group is killed (and reaped by its waiter thread).
     fn drop(&mut self) {
-        let slots = self.slots.get_mut().unwrap_or_else(|e| e.into_inner());
-        for slot in slots.values() {
+        let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for slot in state.slots.values() {
             if let Some(worker) = &slot.worker {
                 worker.kill();
             }
@@ -82,7 +195,8 @@ impl Drop for Inner {
 
 /// Runs each model in a worker process of its own.
 ///
-/// Cheap to clone; clones share the models. Needs a tokio runtime.
+/// Cheap to clone; clones share the models. Create it inside a tokio
+/// runtime (it starts a keep-alive task there).
 #[derive(Clone)]
 pub struct Supervisor {
     inner: Arc<Inner>,
@@ -90,140 +204,449 @@ pub struct Supervisor {
 
 impl fmt::Debug for Supervisor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<String> = self.lock().slots.keys().cloned().collect();
         f.debug_struct("Supervisor")
-            .field("models", &self.model_names())
+            .field("loaded", &names)
             .finish_non_exhaustive()
     }
 }
 
 impl Supervisor {
     pub fn new(config: SupervisorConfig) -> Self {
-        Supervisor {
-            inner: Arc::new(Inner {
-                config,
-                slots: Mutex::new(HashMap::new()),
-                shutting_down: AtomicBool::new(false),
-            }),
+        let inner = Arc::new(Inner {
+            config,
+            state: Mutex::new(State::default()),
+            changed: Notify::new(),
+            load_gate: tokio::sync::Mutex::new(()),
+            shutting_down: AtomicBool::new(false),
+            started: Instant::now(),
+            unloads: AtomicU64::new(0),
+        });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(keep_alive_reaper(Arc::downgrade(&inner)));
         }
+        Supervisor { inner }
     }
 
     pub fn config(&self) -> &SupervisorConfig {
         &self.inner.config
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
-        self.inner.slots.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn model_names(&self) -> Vec<String> {
-        self.slots().keys().cloned().collect()
+    fn check_running(&self, model: &str) -> Result<()> {
+        if self.inner.shutting_down.load(Ordering::SeqCst) {
+            return Err(Error::ShuttingDown {
+                model: model.into(),
+            });
+        }
+        Ok(())
     }
 
-    /// Starts a worker for `spec` and loads the model in it.
-    pub async fn load(&self, spec: ModelSpec) -> Result<LoadReport> {
+    // ----- catalogue -----
+
+    /// Adds a model to the catalogue (or replaces an unloaded one's spec).
+    /// It loads on its first request, or with [`Supervisor::load_registered`].
+    pub fn register(&self, spec: ModelSpec) -> Result<()> {
         spec.validate()?;
-        let name = spec.name.clone();
-        {
-            let mut slots = self.slots();
-            if self.inner.shutting_down.load(Ordering::SeqCst) {
-                return Err(Error::ShuttingDown { model: name });
+        if let (Some(root), Some(path)) = (&self.inner.config.models_root, &spec.model) {
+            let inside = path
+                .canonicalize()
+                .ok()
+                .zip(root.canonicalize().ok())
+                .is_some_and(|(p, r)| p.starts_with(r));
+            if !inside {
+                return Err(Error::InvalidSpec {
+                    model: spec.name.clone(),
+                    reason: format!(
+                        "model path `{}` is outside the models directory `{}`",
+                        path.display(),
+                        root.display()
+                    ),
+                });
             }
-            if let Some(slot) = slots.get(&name) {
+        }
+        let mut state = self.lock();
+        if let Some(slot) = state.slots.get(&spec.name) {
+            let pid = slot.worker.as_ref().map(|w| w.pid()).unwrap_or(0);
+            return Err(Error::AlreadyLoaded {
+                model: spec.name.clone(),
+                pid,
+            });
+        }
+        let name = spec.name.clone();
+        let entry = Entry::new(spec, self.inner.config.default_keep_alive);
+        let counters = state.catalogue.get(&name).map(|e| Arc::clone(&e.counters));
+        let entry = Entry {
+            counters: counters.unwrap_or(entry.counters.clone()),
+            ..entry
+        };
+        state.catalogue.insert(name, entry);
+        Ok(())
+    }
+
+    /// Removes a model from the catalogue, unloading it first if loaded.
+    pub async fn deregister(&self, model: &str) -> Result<Option<UnloadReport>> {
+        if !self.lock().catalogue.contains_key(model) {
+            return Err(self.unknown(model));
+        }
+        let report = match self.unload(model).await {
+            Ok(report) => Some(report),
+            Err(Error::NotLoaded { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        self.lock().catalogue.remove(model);
+        Ok(report)
+    }
+
+    fn unknown(&self, model: &str) -> Error {
+        Error::UnknownModel {
+            model: model.into(),
+            known: self.lock().catalogue.keys().cloned().collect(),
+        }
+    }
+
+    /// Every registered model with its state.
+    pub fn catalogue(&self) -> Vec<CatalogueEntry> {
+        let state = self.lock();
+        state
+            .catalogue
+            .iter()
+            .map(|(name, entry)| {
+                let slot = state.slots.get(name);
+                CatalogueEntry {
+                    spec: entry.spec.clone(),
+                    state: slot.map(slot_state).unwrap_or(ModelState::Unloaded),
+                    pid: slot.and_then(|s| s.worker.as_ref()).map(|w| w.pid()),
+                    last_peak_bytes: entry.last_peak_bytes,
+                }
+            })
+            .collect()
+    }
+
+    /// The spec a model is registered with.
+    pub fn spec(&self, model: &str) -> Option<ModelSpec> {
+        self.lock().catalogue.get(model).map(|e| e.spec.clone())
+    }
+
+    // ----- load / unload -----
+
+    /// Registers `spec` (replacing an unloaded model of that name) and loads it.
+    pub async fn load(&self, spec: ModelSpec) -> Result<LoadReport> {
+        self.check_running(&spec.name)?;
+        let name = spec.name.clone();
+        self.register(spec)?;
+        self.start_load(&name).await
+    }
+
+    /// Loads a registered model.
+    pub async fn load_registered(&self, model: &str) -> Result<LoadReport> {
+        self.check_running(model)?;
+        self.start_load(model).await
+    }
+
+    /// Makes room, reserves the slot, launches the worker.
+    async fn start_load(&self, model: &str) -> Result<LoadReport> {
+        let gate = self.inner.load_gate.lock().await;
+        let (spec, footprint) = {
+            let state = self.lock();
+            let entry = state
+                .catalogue
+                .get(model)
+                .ok_or_else(|| Error::UnknownModel {
+                    model: model.into(),
+                    known: state.catalogue.keys().cloned().collect(),
+                })?;
+            if let Some(slot) = state.slots.get(model) {
                 return Err(match &slot.worker {
                     Some(w) => Error::AlreadyLoaded {
-                        model: name,
+                        model: model.into(),
                         pid: w.pid(),
                     },
-                    None => Error::InvalidSpec {
-                        model: name,
-                        reason: format!("it is already {}; wait for that to finish", slot.state),
+                    None => Error::Busy {
+                        model: model.into(),
+                        reason: format!("it is {}", slot_state(slot)),
                     },
                 });
             }
-            slots.insert(
-                name.clone(),
+            (
+                entry.spec.clone(),
+                entry
+                    .last_peak_bytes
+                    .unwrap_or_else(|| footprint_on_disk(&entry.spec)),
+            )
+        };
+        self.make_room(model, footprint).await?;
+        let (done, signal) = watch::channel(None);
+        {
+            let mut state = self.lock();
+            self.check_running(model)?;
+            state.slots.insert(
+                model.to_string(),
                 Slot {
-                    spec: spec.clone(),
-                    state: ModelState::Starting,
+                    state: ModelState::Loading,
                     worker: None,
+                    loading: Some(signal),
+                    reserved_bytes: footprint,
+                    last_used: Instant::now(),
+                    expires_at: None,
+                    swapping: false,
                 },
             );
         }
-        match launch::launch(&spec, &self.inner.config).await {
-            Ok((worker, report)) => {
-                let installed = match self.slots().get_mut(&name) {
-                    Some(slot) => {
-                        slot.state = ModelState::Ready;
-                        slot.worker = Some(Arc::clone(&worker));
-                        true
+        drop(gate);
+        self.inner.changed.notify_waiters();
+
+        let launched = launch::launch(&spec, &self.inner.config).await;
+        let outcome = {
+            let mut state = self.lock();
+            let State { catalogue, slots } = &mut *state;
+            match (launched, slots.get_mut(model)) {
+                (Ok((worker, report)), Some(slot)) => {
+                    slot.state = ModelState::Ready;
+                    slot.worker = Some(Arc::clone(&worker));
+                    slot.loading = None;
+                    slot.reserved_bytes = 0;
+                    slot.last_used = Instant::now();
+                    if let Some(entry) = catalogue.get_mut(model) {
+                        entry.last_peak_bytes = Some(report.peak_rss_bytes);
+                        entry.counters.loads.fetch_add(1, Ordering::Relaxed);
+                        slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
                     }
-                    None => false,
-                };
-                if installed {
                     Ok(report)
-                } else {
-                    // Removed while loading (shutdown): stop what we started.
-                    stop::stop(&worker, self.inner.config.stop_graces).await;
-                    Err(Error::ShuttingDown { model: name })
+                }
+                (Ok((worker, _)), None) => Err(worker),
+                (Err(e), _) => {
+                    slots.remove(model);
+                    let _ = done.send(Some(Err(Arc::new(e.shared()))));
+                    self.inner.changed.notify_waiters();
+                    return Err(e);
                 }
             }
-            Err(e) => {
-                self.slots().remove(&name);
-                Err(e)
+        };
+        let result = match outcome {
+            Ok(report) => {
+                let _ = done.send(Some(Ok(())));
+                Ok(report)
+            }
+            Err(orphan) => {
+                // The slot went away while loading (shutdown): stop what we started.
+                stop::stop(&orphan, self.inner.config.stop_graces).await;
+                let err = Error::ShuttingDown {
+                    model: model.into(),
+                };
+                let _ = done.send(Some(Err(Arc::new(err.shared()))));
+                Err(err)
+            }
+        };
+        self.inner.changed.notify_waiters();
+        result
+    }
+
+    /// The worker of a loaded model, loading it first if needed (concurrent
+    /// callers share one load).
+    pub async fn ensure_loaded(&self, model: &str) -> Result<Arc<WorkerHandle>> {
+        loop {
+            self.check_running(model)?;
+            enum Next {
+                Wait(LoadSignal),
+                WaitChange,
+                Load,
+            }
+            let changed = self.inner.changed.notified();
+            let next = {
+                let state = self.lock();
+                if !state.catalogue.contains_key(model) {
+                    return Err(Error::UnknownModel {
+                        model: model.into(),
+                        known: state.catalogue.keys().cloned().collect(),
+                    });
+                }
+                match state.slots.get(model) {
+                    None => Next::Load,
+                    Some(slot) => match (slot_state(slot), &slot.worker, &slot.loading) {
+                        (ModelState::Ready, Some(worker), _) => return Ok(Arc::clone(worker)),
+                        (ModelState::Failed, Some(worker), _) => {
+                            let exit = worker
+                                .exit_status()
+                                .map(|e| e.to_string())
+                                .unwrap_or_default();
+                            return Err(Error::Busy {
+                                model: model.into(),
+                                reason: format!(
+                                    "its worker (pid {}) {exit}; unload and load it again",
+                                    worker.pid()
+                                ),
+                            });
+                        }
+                        (_, _, Some(signal)) => Next::Wait(signal.clone()),
+                        _ => Next::WaitChange,
+                    },
+                }
+            };
+            match next {
+                Next::Wait(mut signal) => {
+                    let outcome = signal.wait_for(Option::is_some).await.map(|v| v.clone());
+                    if let Ok(Some(Err(e))) = outcome {
+                        return Err(Error::SharedLoad {
+                            kind: e.kind(),
+                            message: e.to_string(),
+                        });
+                    }
+                }
+                Next::WaitChange => {
+                    let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
+                }
+                Next::Load => match self.start_load(model).await {
+                    Ok(_) | Err(Error::AlreadyLoaded { .. } | Error::Busy { .. }) => {}
+                    Err(e) => return Err(e),
+                },
             }
         }
     }
 
-    /// The worker serving `model`, if it is ready.
-    pub fn worker(&self, model: &str) -> Result<Arc<WorkerHandle>> {
-        let slots = self.slots();
-        let slot = slots.get(model).ok_or_else(|| Error::NotLoaded {
-            model: model.into(),
-        })?;
-        match (&slot.worker, slot.state) {
-            (Some(worker), ModelState::Ready) => Ok(Arc::clone(worker)),
-            (_, ModelState::Draining | ModelState::Stopping) => Err(Error::NotLoaded {
+    /// Evicts idle models, least recently used first, until `needed` more
+    /// bytes fit the budget and one more model fits `max_loaded`.
+    async fn make_room(&self, model: &str, needed: u64) -> Result<()> {
+        let budget = self.inner.config.memory_budget;
+        let max_loaded = self.inner.config.max_loaded;
+        if let Some(budget) = budget
+            && needed > budget
+        {
+            return Err(Error::BudgetExceeded {
                 model: model.into(),
-            }),
-            (_, state) => Err(Error::InvalidSpec {
-                model: model.into(),
-                reason: format!("it is {state}, not ready for requests"),
-            }),
+                needed,
+                reason: format!("more than the whole memory budget of {}", mib(budget)),
+            });
+        }
+        loop {
+            let (fits, victim, holders) = {
+                let state = self.lock();
+                let used: u64 = state
+                    .slots
+                    .values()
+                    .map(|s| {
+                        let rss = s
+                            .worker
+                            .as_ref()
+                            .map(|w| w.memory().last.rss_bytes)
+                            .unwrap_or(0);
+                        rss.max(s.reserved_bytes)
+                    })
+                    .sum();
+                let fits = budget.is_none_or(|b| used + needed <= b)
+                    && max_loaded.is_none_or(|m| state.slots.len() < m);
+                let victim = state
+                    .slots
+                    .iter()
+                    .filter(|(name, slot)| {
+                        name.as_str() != model
+                            && slot.state == ModelState::Ready
+                            && !slot.swapping
+                            && slot.worker.as_ref().is_some_and(|w| w.in_flight() == 0)
+                            && state
+                                .catalogue
+                                .get(*name)
+                                .is_none_or(|e| e.queued.load(Ordering::SeqCst) == 0)
+                    })
+                    .min_by_key(|(_, slot)| slot.last_used)
+                    .map(|(name, _)| name.clone());
+                let holders: Vec<String> = state
+                    .slots
+                    .iter()
+                    .map(|(name, s)| {
+                        let rss = s
+                            .worker
+                            .as_ref()
+                            .map(|w| w.memory().last.rss_bytes)
+                            .unwrap_or(s.reserved_bytes);
+                        let busy = s.worker.as_ref().map(|w| w.in_flight()).unwrap_or(0);
+                        format!(
+                            "`{name}` {} ({} in flight, {})",
+                            mib(rss),
+                            busy,
+                            slot_state(s)
+                        )
+                    })
+                    .collect();
+                (fits, victim, holders)
+            };
+            if fits {
+                return Ok(());
+            }
+            match victim {
+                Some(victim) => {
+                    tracing::info!(
+                        model,
+                        victim,
+                        "evicting the least recently used idle model to make room"
+                    );
+                    match self.unload(&victim).await {
+                        Ok(report) => tracing::info!("{report}"),
+                        Err(e) => tracing::warn!(victim, "eviction failed: {e}"),
+                    }
+                }
+                None => {
+                    let limits = match (budget, max_loaded) {
+                        (Some(b), Some(m)) => {
+                            format!("the memory budget of {} and max_loaded {m}", mib(b))
+                        }
+                        (Some(b), None) => format!("the memory budget of {}", mib(b)),
+                        (None, Some(m)) => format!("max_loaded {m}"),
+                        (None, None) => "the limits".into(),
+                    };
+                    return Err(Error::BudgetExceeded {
+                        model: model.into(),
+                        needed,
+                        reason: format!(
+                            "which does not fit {limits}, and no idle model can be evicted; held by: {}",
+                            holders.join(", ")
+                        ),
+                    });
+                }
+            }
         }
     }
 
-    /// Sends one request and waits for the answer.
-    pub async fn request(&self, model: &str, body: Body) -> Result<Body> {
-        self.worker(model)?.call(body).await
-    }
-
-    /// Sends one request; its chunks and final body arrive on the stream.
-    /// Dropping the stream cancels the request in the worker.
-    pub fn request_stream(&self, model: &str, body: Body) -> Result<ResponseStream> {
-        self.worker(model)?.call_stream(body)
-    }
-
-    /// Drains and stops the model's worker, and proves what came back.
+    /// Drains and stops the model's worker, and proves what came back. The
+    /// model stays in the catalogue.
     pub async fn unload(&self, model: &str) -> Result<UnloadReport> {
         let worker = {
-            let mut slots = self.slots();
-            let slot = slots.get_mut(model).ok_or_else(|| Error::NotLoaded {
-                model: model.into(),
-            })?;
-            let Some(worker) = slot.worker.clone() else {
-                return Err(Error::InvalidSpec {
-                    model: model.into(),
-                    reason: format!("it is {}; wait for that to finish", slot.state),
+            let mut state = self.lock();
+            let known = state.catalogue.contains_key(model);
+            let Some(slot) = state.slots.get_mut(model) else {
+                return Err(if known {
+                    Error::NotLoaded {
+                        model: model.into(),
+                    }
+                } else {
+                    self.unknown_locked(model, &state)
                 });
             };
-            if matches!(slot.state, ModelState::Draining | ModelState::Stopping) {
-                return Err(Error::NotLoaded {
+            let Some(worker) = slot.worker.clone() else {
+                return Err(Error::Busy {
                     model: model.into(),
+                    reason: "it is still loading".into(),
+                });
+            };
+            if slot.swapping {
+                return Err(Error::Busy {
+                    model: model.into(),
+                    reason: "a swap is in progress".into(),
+                });
+            }
+            if matches!(slot.state, ModelState::Draining | ModelState::Stopping) {
+                return Err(Error::Busy {
+                    model: model.into(),
+                    reason: format!("it is already {}", slot.state),
                 });
             }
             slot.state = ModelState::Draining;
             worker
         };
+        self.inner.changed.notify_waiters();
         if !worker.drain(self.inner.config.drain_timeout).await {
             tracing::warn!(
                 model,
@@ -233,38 +656,287 @@ impl Supervisor {
         }
         self.set_state(model, ModelState::Stopping);
         let report = stop::stop(&worker, self.inner.config.stop_graces).await;
-        self.slots().remove(model);
+        {
+            let mut state = self.lock();
+            state.slots.remove(model);
+            if let Some(entry) = state.catalogue.get(model) {
+                entry.counters.unloads.fetch_add(1, Ordering::Relaxed);
+                entry
+                    .counters
+                    .reclaimed_bytes
+                    .fetch_add(report.reclaimed_bytes, Ordering::Relaxed);
+            }
+        }
+        self.inner.unloads.fetch_add(1, Ordering::Relaxed);
+        self.inner.changed.notify_waiters();
         tracing::info!(model, "{report}");
         Ok(report)
     }
 
-    fn set_state(&self, model: &str, state: ModelState) {
-        if let Some(slot) = self.slots().get_mut(model) {
-            slot.state = state;
+    fn unknown_locked(&self, model: &str, state: &State) -> Error {
+        Error::UnknownModel {
+            model: model.into(),
+            known: state.catalogue.keys().cloned().collect(),
         }
     }
 
-    /// The spec a model was loaded with.
-    pub fn spec(&self, model: &str) -> Option<ModelSpec> {
-        self.slots().get(model).map(|s| s.spec.clone())
+    fn set_state(&self, model: &str, new: ModelState) {
+        if let Some(slot) = self.lock().slots.get_mut(model) {
+            slot.state = new;
+        }
+        self.inner.changed.notify_waiters();
     }
 
-    /// Every model slot, with fresh memory readings.
+    /// Replaces a loaded model's worker with one for `spec` without dropping
+    /// a request: the new worker loads while the old one serves, routing
+    /// switches atomically, the old one drains and stops. If the new worker
+    /// fails to load, the old one keeps serving and the error is returned.
+    pub async fn swap(&self, spec: ModelSpec) -> Result<SwapReport> {
+        let started = Instant::now();
+        let model = spec.name.clone();
+        self.check_running(&model)?;
+        spec.validate()?;
+        {
+            let mut state = self.lock();
+            if !state.catalogue.contains_key(&model) {
+                return Err(self.unknown_locked(&model, &state));
+            }
+            let slot = state
+                .slots
+                .get_mut(&model)
+                .ok_or_else(|| Error::NotLoaded {
+                    model: model.clone(),
+                })?;
+            if slot.swapping || slot_state(slot) != ModelState::Ready {
+                return Err(Error::Busy {
+                    model: model.clone(),
+                    reason: format!("it is {}", slot_state(slot)),
+                });
+            }
+            slot.swapping = true;
+        }
+        let clear = |this: &Self| {
+            if let Some(slot) = this.lock().slots.get_mut(&model) {
+                slot.swapping = false;
+            }
+        };
+        let footprint = footprint_on_disk(&spec);
+        let gate = self.inner.load_gate.lock().await;
+        if let Err(e) = self.make_room(&model, footprint).await {
+            clear(self);
+            return Err(e);
+        }
+        drop(gate);
+        let (new_worker, load) = match launch::launch(&spec, &self.inner.config).await {
+            Ok(launched) => launched,
+            Err(e) => {
+                clear(self);
+                return Err(e);
+            }
+        };
+        let old = {
+            let mut state = self.lock();
+            let State { catalogue, slots } = &mut *state;
+            let slot = slots
+                .get_mut(&model)
+                .expect("a swapping slot is never removed");
+            let old = slot
+                .worker
+                .replace(Arc::clone(&new_worker))
+                .expect("a ready slot has a worker");
+            slot.swapping = false;
+            slot.state = ModelState::Ready;
+            if let Some(entry) = catalogue.get_mut(&model) {
+                let counters = Arc::clone(&entry.counters);
+                let mut replacement =
+                    Entry::new(spec.clone(), self.inner.config.default_keep_alive);
+                replacement.counters = counters;
+                replacement.permits = Arc::clone(&entry.permits);
+                replacement.queued = Arc::clone(&entry.queued);
+                replacement.last_peak_bytes = Some(load.peak_rss_bytes);
+                *entry = replacement;
+                entry.counters.loads.fetch_add(1, Ordering::Relaxed);
+            }
+            old
+        };
+        let switch_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.inner.changed.notify_waiters();
+        if !old.drain(self.inner.config.drain_timeout).await {
+            tracing::warn!(
+                model,
+                in_flight = old.in_flight(),
+                "old worker missed the drain deadline"
+            );
+        }
+        let unload = stop::stop(&old, self.inner.config.stop_graces).await;
+        if let Some(entry) = self.lock().catalogue.get(&model) {
+            entry.counters.unloads.fetch_add(1, Ordering::Relaxed);
+            entry
+                .counters
+                .reclaimed_bytes
+                .fetch_add(unload.reclaimed_bytes, Ordering::Relaxed);
+        }
+        Ok(SwapReport {
+            model,
+            old_pid: old.pid(),
+            new_pid: new_worker.pid(),
+            switch_ms,
+            took_ms: started.elapsed().as_secs_f64() * 1e3,
+            load,
+            unload,
+        })
+    }
+
+    // ----- requests -----
+
+    /// The worker serving `model`, if it is loaded and ready (no loading).
+    pub fn worker(&self, model: &str) -> Result<Arc<WorkerHandle>> {
+        let state = self.lock();
+        match state.slots.get(model) {
+            Some(slot) if slot_state(slot) == ModelState::Ready => Ok(Arc::clone(
+                slot.worker.as_ref().expect("ready slots have a worker"),
+            )),
+            Some(slot) => Err(Error::Busy {
+                model: model.into(),
+                reason: format!("it is {}", slot_state(slot)),
+            }),
+            None if state.catalogue.contains_key(model) => Err(Error::NotLoaded {
+                model: model.into(),
+            }),
+            None => Err(self.unknown_locked(model, &state)),
+        }
+    }
+
+    /// Sends one request and waits for the answer, loading the model first
+    /// if it is registered but not loaded.
+    pub async fn request(&self, model: &str, body: Body) -> Result<Body> {
+        self.request_with(model, body, RequestOptions::default())
+            .await
+    }
+
+    pub async fn request_with(
+        &self,
+        model: &str,
+        body: Body,
+        options: RequestOptions,
+    ) -> Result<Body> {
+        let mut stream = self.request_stream_with(model, body, options).await?;
+        loop {
+            match stream.next().await {
+                Some(Ok(Piece::Done(body))) => return Ok(body),
+                Some(Ok(Piece::Chunk(_))) => {}
+                Some(Err(e)) => return Err(e),
+                None => {
+                    return Err(Error::NotLoaded {
+                        model: model.into(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Sends one request; its chunks and final body arrive on the stream.
+    /// Dropping the stream cancels the request in the worker.
+    pub async fn request_stream(&self, model: &str, body: Body) -> Result<RequestStream> {
+        self.request_stream_with(model, body, RequestOptions::default())
+            .await
+    }
+
+    pub async fn request_stream_with(
+        &self,
+        model: &str,
+        body: Body,
+        options: RequestOptions,
+    ) -> Result<RequestStream> {
+        self.check_running(model)?;
+        let (permits, queued, max_queue, counters) = {
+            let state = self.lock();
+            let entry = state
+                .catalogue
+                .get(model)
+                .ok_or_else(|| self.unknown_locked(model, &state))?;
+            (
+                Arc::clone(&entry.permits),
+                Arc::clone(&entry.queued),
+                entry.spec.max_queue.unwrap_or(DEFAULT_MAX_QUEUE),
+                Arc::clone(&entry.counters),
+            )
+        };
+        let permit = match Arc::clone(&permits).try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                // Count ourselves in the queue first, so the bound holds under a burst.
+                if queued.fetch_add(1, Ordering::SeqCst) >= max_queue {
+                    queued.fetch_sub(1, Ordering::SeqCst);
+                    counters.errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(Error::QueueFull {
+                        model: model.into(),
+                        max_concurrency: self
+                            .spec(model)
+                            .and_then(|s| s.max_concurrency)
+                            .unwrap_or(DEFAULT_MAX_CONCURRENCY),
+                        queued: max_queue,
+                    });
+                }
+                let permit = permits.acquire_owned().await;
+                queued.fetch_sub(1, Ordering::SeqCst);
+                permit.map_err(|_| Error::ShuttingDown {
+                    model: model.into(),
+                })?
+            }
+        };
+        let started = Instant::now();
+        let mut body = Some(body);
+        for _ in 0..3 {
+            self.ensure_loaded(model).await.inspect_err(|_| {
+                counters.errors.fetch_add(1, Ordering::Relaxed);
+            })?;
+            // Pick the current worker and register the call under one lock,
+            // so a swap or unload that starts now sees this request in flight.
+            let state = self.lock();
+            let Some(slot) = state.slots.get(model) else {
+                continue;
+            };
+            if slot_state(slot) != ModelState::Ready {
+                continue;
+            }
+            let worker = slot.worker.as_ref().expect("ready slots have a worker");
+            let inner = worker.call_stream(body.take().expect("sent once"))?;
+            counters.requests.fetch_add(1, Ordering::Relaxed);
+            return Ok(RequestStream {
+                inner,
+                model: model.to_string(),
+                supervisor: Arc::downgrade(&self.inner),
+                counters,
+                started,
+                keep_alive: options.keep_alive,
+                failed: false,
+                _permit: permit,
+            });
+        }
+        Err(Error::Busy {
+            model: model.into(),
+            reason: "it kept changing state; retry".into(),
+        })
+    }
+
+    // ----- status -----
+
+    /// Every loaded (or loading) model, with fresh memory readings.
     pub fn stats(&self) -> Vec<ModelStatus> {
-        let slots = self.slots();
-        let mut out: Vec<ModelStatus> = slots
+        let state = self.lock();
+        let now = Instant::now();
+        let mut out: Vec<ModelStatus> = state
+            .slots
             .iter()
             .map(|(name, slot)| {
+                let entry = state.catalogue.get(name);
                 let worker = slot.worker.as_ref();
                 let memory = worker.and_then(|w| w.sample_memory()).unwrap_or_default();
-                let state = match worker {
-                    Some(w) if !w.is_alive() => ModelState::Failed,
-                    _ => slot.state,
-                };
                 ModelStatus {
                     name: name.clone(),
-                    backend: slot.spec.backend.clone(),
-                    state,
+                    backend: entry.map(|e| e.spec.backend.clone()).unwrap_or_default(),
+                    state: slot_state(slot),
                     pid: worker.map(|w| w.pid()),
                     rss_bytes: memory.rss_bytes,
                     pss_bytes: memory.pss_bytes,
@@ -272,6 +944,10 @@ impl Supervisor {
                     uptime_s: worker.map(|w| w.uptime().as_secs_f64()).unwrap_or(0.0),
                     requests: worker.map(|w| w.requests()).unwrap_or(0),
                     in_flight: worker.map(|w| w.in_flight()).unwrap_or(0),
+                    queued: entry.map(|e| e.queued.load(Ordering::SeqCst)).unwrap_or(0),
+                    keep_alive_left_s: slot
+                        .expires_at
+                        .map(|t| t.saturating_duration_since(now).as_secs_f64()),
                 }
             })
             .collect();
@@ -279,16 +955,34 @@ impl Supervisor {
         out
     }
 
-    /// Refuses new loads, unloads every model (concurrently) and returns the
+    /// Counters per registered model, for metrics.
+    pub fn counters(&self) -> Vec<(String, Arc<ModelCounters>)> {
+        self.lock()
+            .catalogue
+            .iter()
+            .map(|(n, e)| (n.clone(), Arc::clone(&e.counters)))
+            .collect()
+    }
+
+    pub fn uptime(&self) -> Duration {
+        self.inner.started.elapsed()
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Refuses new work, unloads every model (concurrently) and returns the
     /// reports.
     pub async fn shutdown(&self) -> Vec<Result<UnloadReport>> {
         self.inner.shutting_down.store(true, Ordering::SeqCst);
         let names: Vec<String> = {
-            let mut slots = self.slots();
+            let mut state = self.lock();
             // Loads still in progress find their slot gone and stop their worker.
-            slots.retain(|_, slot| slot.worker.is_some());
-            slots.keys().cloned().collect()
+            state.slots.retain(|_, slot| slot.worker.is_some());
+            state.slots.keys().cloned().collect()
         };
+        self.inner.changed.notify_waiters();
         let mut tasks = tokio::task::JoinSet::new();
         for name in names {
             let this = self.clone();
@@ -301,5 +995,134 @@ impl Supervisor {
             }
         }
         reports
+    }
+
+    /// Called when a request ends: the model was just used.
+    fn request_finished(inner: &Inner, model: &str, keep_alive: Option<Duration>) {
+        let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        let State { catalogue, slots } = &mut *state;
+        let Some(entry) = catalogue.get_mut(model) else {
+            return;
+        };
+        if let Some(k) = keep_alive {
+            entry.keep_alive = Some(k);
+        }
+        if let Some(slot) = slots.get_mut(model) {
+            slot.last_used = Instant::now();
+            slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
+        }
+    }
+}
+
+fn slot_state(slot: &Slot) -> ModelState {
+    match &slot.worker {
+        Some(w) if !w.is_alive() && slot.state == ModelState::Ready => ModelState::Failed,
+        _ => slot.state,
+    }
+}
+
+/// What a model needs before its first load is measured: the size of its files.
+fn footprint_on_disk(spec: &ModelSpec) -> u64 {
+    fn size(path: &std::path::Path) -> u64 {
+        match std::fs::metadata(path) {
+            Ok(m) if m.is_dir() => std::fs::read_dir(path)
+                .map(|entries| {
+                    entries
+                        .filter_map(Result::ok)
+                        .map(|e| size(&e.path()))
+                        .sum()
+                })
+                .unwrap_or(0),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        }
+    }
+    spec.model.as_deref().map(size).unwrap_or(0)
+}
+
+/// Unloads idle models whose keep-alive ran out.
+async fn keep_alive_reaper(inner: Weak<Inner>) {
+    let mut ticker = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        ticker.tick().await;
+        let Some(strong) = inner.upgrade() else {
+            return;
+        };
+        if strong.shutting_down.load(Ordering::SeqCst) {
+            return;
+        }
+        let now = Instant::now();
+        let expired: Vec<String> = {
+            let state = strong.state.lock().unwrap_or_else(|e| e.into_inner());
+            state
+                .slots
+                .iter()
+                .filter(|(name, slot)| {
+                    slot.state == ModelState::Ready
+                        && !slot.swapping
+                        && slot.expires_at.is_some_and(|t| t <= now)
+                        && slot.worker.as_ref().is_some_and(|w| w.in_flight() == 0)
+                        && state
+                            .catalogue
+                            .get(*name)
+                            .is_none_or(|e| e.queued.load(Ordering::SeqCst) == 0)
+                })
+                .map(|(name, _)| name.clone())
+                .collect()
+        };
+        let supervisor = Supervisor { inner: strong };
+        for name in expired {
+            let supervisor = supervisor.clone();
+            tokio::spawn(async move {
+                match supervisor.unload(&name).await {
+                    Ok(report) => tracing::info!(model = name, "keep-alive ran out; {report}"),
+                    Err(e) => tracing::debug!(model = name, "keep-alive unload skipped: {e}"),
+                }
+            });
+        }
+    }
+}
+
+/// A request's answer, piece by piece, with the model's bookkeeping
+/// (concurrency slot, keep-alive, metrics) done when it ends.
+pub struct RequestStream {
+    inner: ResponseStream,
+    model: String,
+    supervisor: Weak<Inner>,
+    counters: Arc<ModelCounters>,
+    started: Instant,
+    keep_alive: Option<Duration>,
+    failed: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl fmt::Debug for RequestStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestStream")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RequestStream {
+    /// The next piece; `None` after the final one.
+    pub async fn next(&mut self) -> Option<Result<Piece>> {
+        let piece = self.inner.next().await;
+        if matches!(piece, Some(Err(_))) {
+            self.failed = true;
+        }
+        piece
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if self.failed {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        self.counters.observe_latency(self.started.elapsed());
+        if let Some(inner) = self.supervisor.upgrade() {
+            Supervisor::request_finished(&inner, &self.model, self.keep_alive);
+        }
     }
 }

@@ -49,10 +49,15 @@ async fn echo_round_trips_json_inline_and_shared_bytes() {
     assert_eq!(unload.requests, 3);
     assert_eq!(unload.leftover_processes, 0);
     assert!(!alive(load.pid));
-    assert!(matches!(
-        sup.request("echo", Body::json("{}")).await,
-        Err(Error::NotLoaded { .. })
-    ));
+    // The model stays registered: the next request loads it again, in a new worker.
+    assert_eq!(
+        sup.request("echo", Body::json("{}")).await.unwrap().json,
+        "{}"
+    );
+    let again = sup.stats();
+    assert_eq!(again.len(), 1);
+    assert_ne!(again[0].pid, Some(load.pid));
+    sup.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,7 +408,7 @@ async fn dropping_a_stream_cancels_and_unload_drains() {
     let sup = supervisor();
     sup.load(ModelSpec::new("e", "echo")).await.unwrap();
     let worker = sup.worker("e").unwrap();
-    let stream = sup.request_stream("e", Body::json("{}")).unwrap();
+    let stream = sup.request_stream("e", Body::json("{}")).await.unwrap();
     assert_eq!(worker.in_flight(), 1);
     drop(stream);
     assert_eq!(

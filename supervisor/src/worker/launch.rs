@@ -155,7 +155,13 @@ impl ModelSpec {
             name: self.name.clone(),
             backend: self.backend.clone(),
             model: self.model.as_ref().map(|p| p.display().to_string()),
-            options: self.options.clone(),
+            options: {
+                let mut options = self.options.clone();
+                if let Some(mode) = &self.load_mode {
+                    options.insert("load_mode".into(), mode.clone());
+                }
+                options
+            },
         }
     }
 }

@@ -1,0 +1,170 @@
+//! Per-model counters and their Prometheus text rendering.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::supervisor::Supervisor;
+
+/// Upper bounds of the latency histogram buckets, in seconds.
+pub const LATENCY_BUCKETS: [f64; 12] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+/// Counters kept per registered model; they survive loads and unloads.
+#[derive(Debug, Default)]
+pub struct ModelCounters {
+    pub requests: AtomicU64,
+    pub errors: AtomicU64,
+    pub loads: AtomicU64,
+    pub unloads: AtomicU64,
+    pub restarts: AtomicU64,
+    pub reclaimed_bytes: AtomicU64,
+    latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+    latency_count: AtomicU64,
+    latency_sum_micros: AtomicU64,
+}
+
+impl ModelCounters {
+    pub fn observe_latency(&self, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&self.latency_buckets) {
+            if secs <= *bound {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.latency_count.fetch_add(1, Ordering::Relaxed);
+        self.latency_sum_micros
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+    }
+}
+
+fn escape(label: &str) -> String {
+    label
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The supervisor's state as Prometheus text exposition.
+pub fn render(supervisor: &Supervisor) -> String {
+    let counters = supervisor.counters();
+    let stats = supervisor.stats();
+    let mut out = String::new();
+    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    let simple: [(&str, &str, fn(&ModelCounters) -> u64); 6] = [
+        ("berth_requests_total", "Requests sent to the model.", |c| {
+            c.requests.load(Ordering::Relaxed)
+        }),
+        ("berth_request_errors_total", "Requests that failed.", |c| {
+            c.errors.load(Ordering::Relaxed)
+        }),
+        ("berth_loads_total", "Workers loaded for the model.", |c| {
+            c.loads.load(Ordering::Relaxed)
+        }),
+        (
+            "berth_unloads_total",
+            "Workers stopped for the model.",
+            |c| c.unloads.load(Ordering::Relaxed),
+        ),
+        (
+            "berth_restarts_total",
+            "Workers restarted after a crash.",
+            |c| c.restarts.load(Ordering::Relaxed),
+        ),
+        (
+            "berth_reclaimed_bytes_total",
+            "Anonymous memory confirmed returned by unloads.",
+            |c| c.reclaimed_bytes.load(Ordering::Relaxed),
+        ),
+    ];
+    for (name, help, get) in simple {
+        family(&mut out, name, "counter", help);
+        for (model, c) in &counters {
+            let _ = writeln!(out, "{name}{{model=\"{}\"}} {}", escape(model), get(c));
+        }
+    }
+    family(
+        &mut out,
+        "berth_request_duration_seconds",
+        "histogram",
+        "Request latency, queueing included.",
+    );
+    for (model, c) in &counters {
+        let m = escape(model);
+        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&c.latency_buckets) {
+            let _ = writeln!(
+                out,
+                "berth_request_duration_seconds_bucket{{model=\"{m}\",le=\"{bound}\"}} {}",
+                bucket.load(Ordering::Relaxed)
+            );
+        }
+        let count = c.latency_count.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "berth_request_duration_seconds_bucket{{model=\"{m}\",le=\"+Inf\"}} {count}"
+        );
+        let sum = c.latency_sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(
+            out,
+            "berth_request_duration_seconds_sum{{model=\"{m}\"}} {sum}"
+        );
+        let _ = writeln!(
+            out,
+            "berth_request_duration_seconds_count{{model=\"{m}\"}} {count}"
+        );
+    }
+    family(
+        &mut out,
+        "berth_worker_rss_bytes",
+        "gauge",
+        "Resident memory of the model's worker.",
+    );
+    for s in &stats {
+        let _ = writeln!(
+            out,
+            "berth_worker_rss_bytes{{model=\"{}\",pid=\"{}\"}} {}",
+            escape(&s.name),
+            s.pid.unwrap_or(0),
+            s.rss_bytes
+        );
+    }
+    family(
+        &mut out,
+        "berth_queue_depth",
+        "gauge",
+        "Requests waiting for a concurrency slot.",
+    );
+    for s in &stats {
+        let _ = writeln!(
+            out,
+            "berth_queue_depth{{model=\"{}\"}} {}",
+            escape(&s.name),
+            s.queued
+        );
+    }
+    family(
+        &mut out,
+        "berth_in_flight",
+        "gauge",
+        "Requests inside the model's worker.",
+    );
+    for s in &stats {
+        let _ = writeln!(
+            out,
+            "berth_in_flight{{model=\"{}\"}} {}",
+            escape(&s.name),
+            s.in_flight
+        );
+    }
+    family(
+        &mut out,
+        "berth_models_loaded",
+        "gauge",
+        "Models with a worker.",
+    );
+    let _ = writeln!(out, "berth_models_loaded {}", stats.len());
+    out
+}

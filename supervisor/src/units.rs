@@ -1,0 +1,137 @@
+//! Human units in configs and on the command line: `2GiB`, `512MiB`,
+//! `5m`, `500ms`. A bare number is bytes or seconds.
+
+use std::time::Duration;
+
+/// Parses `120`, `120s`, `2m`, `1h 30m`, `500ms`: a bare number is seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if let Ok(secs) = text.parse::<f64>() {
+        if secs.is_finite() && secs >= 0.0 {
+            return Ok(Duration::from_secs_f64(secs));
+        }
+        return Err(format!("`{text}` is not a duration"));
+    }
+    humantime::parse_duration(text)
+        .map_err(|e| format!("`{text}` is not a duration ({e}); try 30s, 5m, 500ms"))
+}
+
+/// Parses `2GiB`, `512MiB`, `1.5GB`, `4096`: binary (`KiB`, `MiB`, `GiB`,
+/// `TiB`) and decimal (`KB`, `MB`, `GB`, `TB`) units; a bare number is bytes.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size; try 2GiB, 512MiB"))?;
+    let factor: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        other => {
+            return Err(format!(
+                "`{text}`: unknown size unit `{other}`; use KiB, MiB, GiB, KB, MB, GB"
+            ));
+        }
+    };
+    if !number.is_finite() || number < 0.0 {
+        return Err(format!("`{text}` is not a size"));
+    }
+    Ok((number * factor).round() as u64)
+}
+
+/// Serde for `Option<Duration>` as a human string (or a number of seconds).
+pub(crate) mod duration_opt {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Text(String),
+        Secs(f64),
+    }
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        match Option::<Raw>::deserialize(d)? {
+            None => Ok(None),
+            Some(Raw::Text(t)) => super::parse_duration(&t)
+                .map(Some)
+                .map_err(serde::de::Error::custom),
+            Some(Raw::Secs(s)) => super::parse_duration(&s.to_string())
+                .map(Some)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Serde for `Option<u64>` bytes as a human string (or a number of bytes).
+pub(crate) mod bytes_opt {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Text(String),
+        Bytes(u64),
+    }
+
+    pub fn serialize<S: Serializer>(b: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match b {
+            Some(b) => s.serialize_u64(*b),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        match Option::<Raw>::deserialize(d)? {
+            None => Ok(None),
+            Some(Raw::Text(t)) => super::parse_bytes(&t)
+                .map(Some)
+                .map_err(serde::de::Error::custom),
+            Some(Raw::Bytes(b)) => Ok(Some(b)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_take_bare_seconds_and_units() {
+        assert_eq!(parse_duration("120").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert!(parse_duration("soon").unwrap_err().contains("soon"));
+        assert!(parse_duration("-1").is_err());
+    }
+
+    #[test]
+    fn sizes_take_binary_and_decimal_units() {
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("512 MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").unwrap_err().contains("parsecs"));
+    }
+}
