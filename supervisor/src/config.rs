@@ -19,8 +19,9 @@ pub struct ModelSpec {
     /// Weights file or directory.
     #[serde(default)]
     pub model: Option<PathBuf>,
-    /// Backend options (`KEY=VALUE`).
-    #[serde(default)]
+    /// Backend options (`KEY=VALUE`); numbers and booleans are accepted
+    /// and passed on as text.
+    #[serde(default, deserialize_with = "crate::units::scalar_map")]
     pub options: BTreeMap<String, String>,
     /// Overrides [`SupervisorConfig::load_timeout`].
     #[serde(default, with = "crate::units::duration_opt")]
@@ -152,7 +153,7 @@ pub struct SupervisorConfig {
     pub memory_budget: Option<u64>,
     /// Models loaded at once; the least recently used idle one makes room.
     pub max_loaded: Option<usize>,
-    /// Models registered at run time must lie under this folder.
+    /// Models registered through the HTTP API must lie under this folder.
     pub models_root: Option<PathBuf>,
 }
 

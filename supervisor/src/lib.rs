@@ -22,6 +22,7 @@ mod error;
 pub mod fetch;
 pub mod metrics;
 mod report;
+pub mod server;
 mod supervisor;
 mod units;
 pub mod worker;

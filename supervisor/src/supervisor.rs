@@ -251,23 +251,6 @@ impl Supervisor {
     /// It loads on its first request, or with [`Supervisor::load_registered`].
     pub fn register(&self, spec: ModelSpec) -> Result<()> {
         spec.validate()?;
-        if let (Some(root), Some(path)) = (&self.inner.config.models_root, &spec.model) {
-            let inside = path
-                .canonicalize()
-                .ok()
-                .zip(root.canonicalize().ok())
-                .is_some_and(|(p, r)| p.starts_with(r));
-            if !inside {
-                return Err(Error::InvalidSpec {
-                    model: spec.name.clone(),
-                    reason: format!(
-                        "model path `{}` is outside the models directory `{}`",
-                        path.display(),
-                        root.display()
-                    ),
-                });
-            }
-        }
         let mut state = self.lock();
         if let Some(slot) = state.slots.get(&spec.name) {
             let pid = slot.worker.as_ref().map(|w| w.pid()).unwrap_or(0);
@@ -1074,9 +1057,9 @@ async fn keep_alive_reaper(inner: Weak<Inner>) {
         for name in expired {
             let supervisor = supervisor.clone();
             tokio::spawn(async move {
-                match supervisor.unload(&name).await {
-                    Ok(report) => tracing::info!(model = name, "keep-alive ran out; {report}"),
-                    Err(e) => tracing::debug!(model = name, "keep-alive unload skipped: {e}"),
+                tracing::info!(model = name, "keep-alive ran out; unloading");
+                if let Err(e) = supervisor.unload(&name).await {
+                    tracing::debug!(model = name, "keep-alive unload skipped: {e}");
                 }
             });
         }

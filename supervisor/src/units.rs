@@ -135,3 +135,33 @@ mod tests {
         assert!(parse_bytes("3 parsecs").unwrap_err().contains("parsecs"));
     }
 }
+
+/// Deserialises a table of options whose values may be strings, numbers or
+/// booleans (as TOML and JSON write them) into strings, the form backends take.
+pub(crate) fn scalar_map<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<std::collections::BTreeMap<String, String>, D::Error> {
+    use serde::Deserialize;
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Scalar {
+        Text(String),
+        Int(i64),
+        Float(f64),
+        Bool(bool),
+    }
+    let raw = std::collections::BTreeMap::<String, Scalar>::deserialize(d)?;
+    Ok(raw
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                Scalar::Text(s) => s,
+                Scalar::Int(i) => i.to_string(),
+                Scalar::Float(f) => f.to_string(),
+                Scalar::Bool(b) => b.to_string(),
+            };
+            (k, v)
+        })
+        .collect())
+}

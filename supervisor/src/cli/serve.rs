@@ -1,0 +1,95 @@
+//! `berth serve`: the sidecar daemon.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use berth::fetch::{DEFAULT_MODELS, fetch, models_dir};
+use berth::server::config::{DEFAULT_KEEP_ALIVE, DEFAULT_LISTEN, ServeConfig};
+use berth::server::{Listen, serve};
+use berth::{ModelSpec, Supervisor, SupervisorConfig};
+use clap::Args;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// A TOML config (see the README); without one, the default models are
+    /// served (fetched by package name if missing).
+    #[arg(long, short = 'c')]
+    config: Option<PathBuf>,
+    /// `127.0.0.1:7733` (default), `0.0.0.0:7733` (needs a token) or `unix:/path`.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Bearer token clients must send; overrides the config's.
+    #[arg(long, env = "BERTH_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// The worker binary (default: `berth-worker` next to `berth`).
+    #[arg(long, env = "BERTH_WORKER")]
+    worker: Option<PathBuf>,
+}
+
+pub async fn run(args: ServeArgs) -> ExitCode {
+    match start(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => super::fail("serve_failed", &message, false),
+    }
+}
+
+async fn start(args: ServeArgs) -> Result<(), String> {
+    let config = match &args.config {
+        Some(path) => ServeConfig::from_file(path)?,
+        None => ServeConfig::default(),
+    };
+    let listen = Listen::parse(
+        args.listen
+            .as_deref()
+            .or(config.listen.as_deref())
+            .unwrap_or(DEFAULT_LISTEN),
+    )?;
+    let token = args
+        .token
+        .clone()
+        .or(config.token.clone())
+        .filter(|t| !t.is_empty());
+    let models_root = config.models_dir.clone().unwrap_or_else(models_dir);
+    let defaults = SupervisorConfig::default();
+    let supervisor = Supervisor::new(SupervisorConfig {
+        worker_binary: args.worker.clone(),
+        load_timeout: config.load_timeout.unwrap_or(defaults.load_timeout),
+        drain_timeout: config.drain_timeout.unwrap_or(defaults.drain_timeout),
+        default_keep_alive: Some(config.keep_alive.unwrap_or(DEFAULT_KEEP_ALIVE)),
+        memory_budget: config.memory_budget,
+        max_loaded: config.max_loaded,
+        models_root: Some(models_root.clone()),
+        ..defaults
+    });
+    let models = if args.config.is_some() {
+        config.models.clone()
+    } else {
+        default_catalogue(&models_root)?
+    };
+    for spec in models {
+        let name = spec.name.clone();
+        supervisor
+            .register(spec)
+            .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
+    }
+    let max_body = config.max_body.unwrap_or(16 << 20) as usize;
+    serve(supervisor, listen, token, max_body).await
+}
+
+/// The default models, fetched first where missing.
+fn default_catalogue(dir: &std::path::Path) -> Result<Vec<ModelSpec>, String> {
+    let terminal = std::io::stderr().is_terminal();
+    let mut specs = Vec::new();
+    for model in DEFAULT_MODELS {
+        let mut say = |line: &str| {
+            if terminal || !model.is_present(dir) {
+                eprintln!("berth: {line}");
+            }
+        };
+        let path = fetch(model, dir, &mut say)
+            .map_err(|e| format!("cannot fetch default model `{}`: {e}", model.name))?;
+        specs.push(ModelSpec::new(model.name, model.backend).model(path));
+    }
+    Ok(specs)
+}

@@ -1,0 +1,113 @@
+//! The management API: what is loaded, the catalogue, load / unload / swap,
+//! and `infer` for any backend.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::error::{ApiError, parse};
+use super::openai::{KeepAliveField, request_options};
+use crate::{Body, ModelSpec};
+
+pub async fn ps(State(app): State<AppState>) -> Json<Value> {
+    Json(json!({ "models": app.supervisor.stats() }))
+}
+
+pub async fn catalogue(State(app): State<AppState>) -> Json<Value> {
+    Json(json!({ "models": app.supervisor.catalogue() }))
+}
+
+/// A spec in a request body; the name comes from the path.
+fn spec_from(name: &str, body: &[u8]) -> Result<ModelSpec, ApiError> {
+    let mut value: Value = parse(body)?;
+    let object = value
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
+    if let Some(given) = object.get("name").and_then(Value::as_str)
+        && given != name
+    {
+        return Err(ApiError::bad_request(format!(
+            "the body names model `{given}` but the path names `{name}`"
+        )));
+    }
+    object.insert("name".into(), Value::String(name.into()));
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::bad_request(format!("invalid model spec: {e}")))
+}
+
+pub async fn register(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let spec = spec_from(&name, &body)?;
+    app.check_model_path(&spec)?;
+    app.supervisor.register(spec)?;
+    let entry = app
+        .supervisor
+        .catalogue()
+        .into_iter()
+        .find(|e| e.spec.name == name);
+    Ok((StatusCode::CREATED, Json(json!(entry))).into_response())
+}
+
+pub async fn deregister(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let unload = app.supervisor.deregister(&name).await?;
+    Ok(Json(json!({ "removed": name, "unload": unload })))
+}
+
+pub async fn load(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!(app.supervisor.load_registered(&name).await?)))
+}
+
+pub async fn unload(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!(app.supervisor.unload(&name).await?)))
+}
+
+pub async fn swap(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let spec = spec_from(&name, &body)?;
+    app.check_model_path(&spec)?;
+    Ok(Json(json!(app.supervisor.swap(spec).await?)))
+}
+
+/// Passes the JSON body to the backend as its request; answers with the
+/// backend's JSON. `?keep_alive=` applies as on the OpenAI endpoints.
+pub async fn infer(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+    axum::extract::Query(query): axum::extract::Query<InferQuery>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let _: Value = parse(&body)?;
+    let json = String::from_utf8(body.to_vec())
+        .map_err(|_| ApiError::bad_request("the body is not UTF-8"))?;
+    let options = request_options(query.keep_alive.as_ref())?;
+    let reply = app
+        .supervisor
+        .request_with(&name, Body::json(json), options)
+        .await?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], reply.json).into_response())
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct InferQuery {
+    #[serde(default)]
+    keep_alive: Option<KeepAliveField>,
+}

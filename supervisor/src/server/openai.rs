@@ -1,0 +1,373 @@
+//! The OpenAI-compatible endpoints: `/v1/models`, `/v1/embeddings`,
+//! `/v1/chat/completions` (plain and `stream: true` as server-sent events).
+//! They translate shapes and delegate to the supervisor; the backends speak
+//! berth's own request JSON.
+
+use std::convert::Infallible;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::error::{ApiError, parse};
+use crate::supervisor::RequestOptions;
+use crate::worker::handle::Piece;
+use crate::{Body, RequestStream};
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// `keep_alive` in a request body: `"5m"`, a number of seconds, or 0.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum KeepAliveField {
+    Text(String),
+    Secs(f64),
+}
+
+pub(crate) fn request_options(
+    keep_alive: Option<&KeepAliveField>,
+) -> Result<RequestOptions, ApiError> {
+    let keep_alive = match keep_alive {
+        None => None,
+        Some(KeepAliveField::Text(t)) => {
+            Some(crate::parse_duration(t).map_err(ApiError::bad_request)?)
+        }
+        Some(KeepAliveField::Secs(s)) => {
+            Some(crate::parse_duration(&s.to_string()).map_err(ApiError::bad_request)?)
+        }
+    };
+    Ok(RequestOptions { keep_alive })
+}
+
+pub async fn models(State(app): State<AppState>) -> Json<Value> {
+    let data: Vec<Value> = app
+        .supervisor
+        .catalogue()
+        .into_iter()
+        .map(|e| json!({ "id": e.spec.name, "object": "model", "created": 0, "owned_by": "berth", "backend": e.spec.backend, "state": e.state }))
+        .collect();
+    Json(json!({ "object": "list", "data": data }))
+}
+
+#[derive(Debug, Deserialize)]
+struct EmbeddingsRequest {
+    model: String,
+    input: Value,
+    #[serde(default)]
+    encoding_format: Option<String>,
+    #[serde(default)]
+    keep_alive: Option<KeepAliveField>,
+}
+
+pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let req: EmbeddingsRequest = parse(&body)?;
+    if !(req.input.is_string()
+        || req
+            .input
+            .as_array()
+            .is_some_and(|a| a.iter().all(Value::is_string)))
+    {
+        return Err(ApiError::bad_request(
+            "`input` must be a string or an array of strings",
+        ));
+    }
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "encoding_format `{other}` is not `float` or `base64`"
+            )));
+        }
+    };
+    let options = request_options(req.keep_alive.as_ref())?;
+    let body = Body::json(json!({ "input": req.input }).to_string());
+    let reply = app
+        .supervisor
+        .request_with(&req.model, body, options)
+        .await?;
+    let out: Value = serde_json::from_str(&reply.json).map_err(|e| {
+        ApiError::new(
+            axum::http::StatusCode::BAD_GATEWAY,
+            "backend_error",
+            format!(
+                "model `{}` answered something that is not JSON: {e}",
+                req.model
+            ),
+        )
+    })?;
+    let vectors = out["embeddings"].as_array().cloned().ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "model `{}` is not an embedding model (backend gave no `embeddings`)",
+            req.model
+        ))
+    })?;
+    let data: Vec<Value> = vectors
+        .into_iter()
+        .enumerate()
+        .map(|(index, v)| {
+            let embedding = if base64 {
+                Value::String(encode_f32_base64(&v))
+            } else {
+                v
+            };
+            json!({ "object": "embedding", "index": index, "embedding": embedding })
+        })
+        .collect();
+    let tokens = out["tokens"].as_u64().unwrap_or(0);
+    Ok(Json(json!({
+        "object": "list",
+        "data": data,
+        "model": req.model,
+        "usage": { "prompt_tokens": tokens, "total_tokens": tokens },
+    })))
+}
+
+/// OpenAI's `base64` encoding: little-endian f32s, standard base64.
+fn encode_f32_base64(vector: &Value) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = vector
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|x| (x.as_f64().unwrap_or(0.0) as f32).to_le_bytes())
+        .collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: String,
+    messages: Vec<Value>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stop: Option<Value>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<Value>,
+    #[serde(default)]
+    keep_alive: Option<KeepAliveField>,
+}
+
+pub async fn chat_completions(
+    State(app): State<AppState>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse(&body)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_request("`messages` is empty"));
+    }
+    let mut backend_request = json!({ "messages": req.messages });
+    let fields = [
+        (
+            "max_tokens",
+            req.max_completion_tokens
+                .or(req.max_tokens)
+                .map(Value::from),
+        ),
+        ("temperature", req.temperature.map(Value::from)),
+        ("top_p", req.top_p.map(Value::from)),
+        ("seed", req.seed.map(Value::from)),
+        ("stop", req.stop.clone()),
+    ];
+    for (key, value) in fields {
+        if let Some(value) = value {
+            backend_request[key] = value;
+        }
+    }
+    let options = request_options(req.keep_alive.as_ref())?;
+    let id = format!("chatcmpl-{:x}", rand_id());
+    let created = now_unix();
+    let body = Body::json(backend_request.to_string());
+    let stream = app
+        .supervisor
+        .request_stream_with(&req.model, body, options)
+        .await?;
+    if req.stream {
+        let include_usage = req
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o["include_usage"] == Value::Bool(true));
+        let events = sse_events(stream, id, created, req.model, include_usage);
+        return Ok(Sse::new(events)
+            .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+            .into_response());
+    }
+    let out = final_body(stream, &req.model).await?;
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": req.model,
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": out["text"] },
+            "finish_reason": out["finish_reason"],
+            "logprobs": null,
+        }],
+        "usage": usage(&out),
+    }))
+    .into_response())
+}
+
+fn usage(out: &Value) -> Value {
+    let prompt = out["prompt_tokens"].as_u64().unwrap_or(0);
+    let completion = out["completion_tokens"].as_u64().unwrap_or(0);
+    json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+async fn final_body(mut stream: RequestStream, model: &str) -> Result<Value, ApiError> {
+    loop {
+        match stream.next().await {
+            Some(Ok(Piece::Done(body))) => {
+                return serde_json::from_str(&body.json).map_err(|e| {
+                    ApiError::new(
+                        axum::http::StatusCode::BAD_GATEWAY,
+                        "backend_error",
+                        format!("model `{model}` answered non-JSON: {e}"),
+                    )
+                });
+            }
+            Some(Ok(Piece::Chunk(_))) => {}
+            Some(Err(e)) => return Err(e.into()),
+            None => {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::BAD_GATEWAY,
+                    "worker_died",
+                    "the stream ended early",
+                ));
+            }
+        }
+    }
+}
+
+fn sse_events(
+    stream: RequestStream,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let chunk = move |delta: Value, finish: Value| {
+        json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+        })
+    };
+    let first = chunk(json!({ "role": "assistant", "content": "" }), Value::Null);
+    enum Phase {
+        Start(RequestStream, Value),
+        Streaming(RequestStream),
+        Tail(Vec<Value>),
+        Done,
+    }
+    let chunk = std::sync::Arc::new(chunk);
+    stream::unfold(Phase::Start(stream, first), move |phase| {
+        let chunk = std::sync::Arc::clone(&chunk);
+        async move {
+            match phase {
+                Phase::Start(stream, first) => Some((Ok(data(&first)), Phase::Streaming(stream))),
+                Phase::Streaming(mut stream) => match stream.next().await {
+                    Some(Ok(Piece::Chunk(body))) => {
+                        let delta: Value = serde_json::from_str(&body.json).unwrap_or(Value::Null);
+                        let text = delta["delta"].as_str().unwrap_or_default().to_string();
+                        Some((
+                            Ok(data(&chunk(json!({ "content": text }), Value::Null))),
+                            Phase::Streaming(stream),
+                        ))
+                    }
+                    Some(Ok(Piece::Done(body))) => {
+                        let out: Value = serde_json::from_str(&body.json).unwrap_or(Value::Null);
+                        let mut tail = vec![chunk(json!({}), out["finish_reason"].clone())];
+                        if include_usage {
+                            let mut u = chunk(json!({}), Value::Null);
+                            u["choices"] = json!([]);
+                            u["usage"] = usage(&out);
+                            tail.push(u);
+                        }
+                        tail.reverse();
+                        let first = tail.pop().expect("one element");
+                        Some((Ok(data(&first)), Phase::Tail(tail)))
+                    }
+                    Some(Err(e)) => {
+                        let e = ApiError::from(e);
+                        let err = json!({ "error": { "message": e.message, "type": "server_error", "code": e.code } });
+                        Some((Ok(data(&err)), Phase::Tail(Vec::new())))
+                    }
+                    None => Some((Ok(Event::default().data("[DONE]")), Phase::Done)),
+                },
+                Phase::Tail(mut rest) => match rest.pop() {
+                    Some(next) => Some((Ok(data(&next)), Phase::Tail(rest))),
+                    None => Some((Ok(Event::default().data("[DONE]")), Phase::Done)),
+                },
+                Phase::Done => None,
+            }
+        }
+    })
+}
+
+fn data(value: &Value) -> Event {
+    Event::default().data(value.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_the_standard_alphabet() {
+        // 1.0f32 = 00 00 80 3f; 2.0f32 = 00 00 00 40.
+        assert_eq!(encode_f32_base64(&json!([1.0])), "AACAPw==");
+        assert_eq!(encode_f32_base64(&json!([1.0, 2.0])), "AACAPwAAAEA=");
+    }
+}
