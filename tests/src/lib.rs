@@ -146,3 +146,193 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
     let nb: f32 = b.iter().map(|x| x * x).sum::<f32>().sqrt();
     dot / (na * nb)
 }
+
+/// A real `berth serve` on a free loopback port, stopped (SIGTERM, then
+/// SIGKILL) when dropped.
+#[allow(missing_debug_implementations)]
+pub struct Server {
+    pub child: std::process::Child,
+    pub url: String,
+    pub token: Option<String>,
+    pub config: PathBuf,
+    agent: ureq::Agent,
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Server {
+    /// Starts `berth serve` with `config_toml` (no `listen` key: the port is chosen here).
+    pub fn start(config_toml: &str) -> Server {
+        Self::start_with(config_toml, &[])
+    }
+
+    pub fn start_with(config_toml: &str, extra_args: &[&str]) -> Server {
+        let port = free_port();
+        let config =
+            std::env::temp_dir().join(format!("berth-test-{}-{port}.toml", std::process::id()));
+        std::fs::write(&config, config_toml).unwrap();
+        let child = std::process::Command::new(berth_bin())
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--config",
+            ])
+            .arg(&config)
+            .args(extra_args)
+            .env("BERTH_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let token = extra_args
+            .windows(2)
+            .find(|w| w[0] == "--token")
+            .map(|w| w[1].to_string());
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(120)))
+            .build()
+            .into();
+        let server = Server {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            token,
+            config,
+            agent,
+        };
+        assert!(
+            wait_for(Duration::from_secs(20), || server.get("/healthz").0 == 200),
+            "berth serve did not come up"
+        );
+        server
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn finish(
+        &self,
+        result: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> (u16, serde_json::Value) {
+        match result {
+            Ok(mut response) => {
+                let status = response.status().as_u16();
+                let text = response.body_mut().read_to_string().unwrap_or_default();
+                (
+                    status,
+                    serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+                )
+            }
+            Err(e) => (0, serde_json::Value::String(e.to_string())),
+        }
+    }
+
+    fn auth<B>(&self, request: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.token {
+            Some(token) => request.header("Authorization", format!("Bearer {token}")),
+            None => request,
+        }
+    }
+
+    pub fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        self.finish(
+            self.auth(self.agent.get(format!("{}{path}", self.url)))
+                .call(),
+        )
+    }
+
+    pub fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+        self.finish(
+            self.auth(self.agent.post(format!("{}{path}", self.url)))
+                .send_json(body),
+        )
+    }
+
+    pub fn post_raw(&self, path: &str, body: &str) -> (u16, serde_json::Value) {
+        let request = self
+            .auth(self.agent.post(format!("{}{path}", self.url)))
+            .header("Content-Type", "application/json");
+        self.finish(request.send(body))
+    }
+
+    /// The raw text of a response (for server-sent events).
+    pub fn post_text(&self, path: &str, body: serde_json::Value) -> (u16, String) {
+        match self
+            .auth(self.agent.post(format!("{}{path}", self.url)))
+            .send_json(body)
+        {
+            Ok(mut r) => (
+                r.status().as_u16(),
+                r.body_mut().read_to_string().unwrap_or_default(),
+            ),
+            Err(e) => (0, e.to_string()),
+        }
+    }
+
+    pub fn put(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+        self.finish(
+            self.auth(self.agent.put(format!("{}{path}", self.url)))
+                .send_json(body),
+        )
+    }
+
+    pub fn delete(&self, path: &str) -> (u16, serde_json::Value) {
+        self.finish(
+            self.auth(self.agent.delete(format!("{}{path}", self.url)))
+                .call(),
+        )
+    }
+
+    /// `/api/ps`'s models.
+    pub fn ps(&self) -> Vec<serde_json::Value> {
+        let (status, body) = self.get("/api/ps");
+        assert_eq!(status, 200, "{body}");
+        body["models"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Worker pids of the server (its children).
+    pub fn workers(&self) -> Vec<u32> {
+        children_of(self.pid())
+            .into_iter()
+            .filter(|(_, state)| *state != 'Z')
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
+    /// SIGTERM, then the exit status within `timeout`.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.terminate(Duration::from_secs(15)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_file(&self.config);
+    }
+}

@@ -115,7 +115,39 @@ pub fn router(supervisor: Supervisor, token: Option<String>, max_body: usize) ->
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(middleware::map_response(openai_shaped))
         .with_state(state)
+}
+
+/// Turns axum's own plain-text rejections (413 body too large, 405, 415,
+/// ...) into the same error shape as every other error.
+async fn openai_shaped(response: Response) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| {
+            v.as_bytes().starts_with(b"application/json")
+                || v.as_bytes().starts_with(b"text/event-stream")
+        });
+    if status.is_success() || is_json || !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let text = axum::body::to_bytes(response.into_body(), 64 << 10)
+        .await
+        .unwrap_or_default();
+    let message = String::from_utf8_lossy(&text).trim().to_string();
+    let code = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        _ => "bad_request",
+    };
+    let message = if message.is_empty() {
+        status.to_string()
+    } else {
+        message
+    };
+    ApiError::new(status, code, message).into_response()
 }
 
 async fn authorize(State(app): State<AppState>, request: Request, next: Next) -> Response {

@@ -4,9 +4,12 @@
 //! boundary gets every byte back.
 //!
 //! Options: `alloc_mib` (held from load on, default 0),
-//! `leak_kib_per_request` (default 0).
+//! `leak_kib_per_request` (default 0), `work_ms` (each request takes this
+//! long, advancing progress as it goes, like a model computing; default 0).
 
-use berth_protocol::{Body, LoadSpec, WireError};
+use std::time::{Duration, Instant};
+
+use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
 
 use crate::{Backend, LoadContext, RequestContext};
 
@@ -16,6 +19,7 @@ const PAGE: usize = 4096;
 struct Hog {
     held: Vec<Vec<u8>>,
     leak_bytes: usize,
+    work: Duration,
 }
 
 /// Allocates `bytes` and writes every page so it is resident, not merely reserved.
@@ -32,13 +36,15 @@ fn touched(bytes: usize, ctx_progress: impl Fn()) -> Vec<u8> {
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["alloc_mib", "leak_kib_per_request"])?;
+    opts.only(&["alloc_mib", "leak_kib_per_request", "work_ms"])?;
     let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
     let leak_kib: usize = opts.get_or("leak_kib_per_request", 0)?;
     let block = touched(alloc_mib << 20, || ctx.progress().advance());
+    let work = Duration::from_millis(opts.get_or("work_ms", 0)?);
     Ok(Box::new(Hog {
         held: vec![block],
         leak_bytes: leak_kib << 10,
+        work,
     }))
 }
 
@@ -50,6 +56,17 @@ impl Hog {
 
 impl Backend for Hog {
     fn handle(&mut self, _request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        let started = Instant::now();
+        while started.elapsed() < self.work {
+            if ctx.is_cancelled() {
+                return Err(WireError::new(
+                    ErrorKind::Cancelled,
+                    "cancelled while working",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(10).min(self.work));
+            ctx.progress().advance();
+        }
         if self.leak_bytes > 0 {
             let leaked = touched(self.leak_bytes, || {});
             self.held.push(leaked);
