@@ -61,6 +61,7 @@ impl Registry {
         r.register("echo", crate::backends::echo::load);
         r.register("hog", crate::backends::hog::load);
         r.register("fault", crate::backends::fault::load);
+        r.register("generate", crate::backends::generate::load);
         r.register("embed", crate::backends::embed::load);
         r
     }

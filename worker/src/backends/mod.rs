@@ -8,6 +8,7 @@ mod common;
 pub mod echo;
 pub mod embed;
 pub mod fault;
+pub mod generate;
 pub mod hog;
 
 pub use common::{LoadMode, configure_threads, parse_request};
