@@ -43,6 +43,23 @@ pub struct ModelSpec {
     /// The worker's memory cap (`2GiB`).
     #[serde(default, with = "crate::units::bytes_opt")]
     pub memory_limit: Option<u64>,
+    /// A request making no progress this long gets its worker killed
+    /// (default: never).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub stall_timeout: Option<Duration>,
+    /// Replace the worker once its resident memory passes this (a leak).
+    #[serde(default, with = "crate::units::bytes_opt")]
+    pub max_rss: Option<u64>,
+    /// Replace the worker after this many requests.
+    #[serde(default)]
+    pub max_requests: Option<u64>,
+    /// Crash restarts allowed within `restart_window` before the model is
+    /// marked failed (default 5).
+    #[serde(default)]
+    pub max_restarts: Option<u32>,
+    /// Default 60 s.
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub restart_window: Option<Duration>,
     /// Requests sent to the worker at once (default 8).
     #[serde(default)]
     pub max_concurrency: Option<usize>,
@@ -64,6 +81,11 @@ impl ModelSpec {
             load_mode: None,
             keep_alive: None,
             memory_limit: None,
+            stall_timeout: None,
+            max_rss: None,
+            max_requests: None,
+            max_restarts: None,
+            restart_window: None,
             max_concurrency: None,
             max_queue: None,
         }
@@ -153,6 +175,9 @@ pub struct SupervisorConfig {
     pub memory_budget: Option<u64>,
     /// Models loaded at once; the least recently used idle one makes room.
     pub max_loaded: Option<usize>,
+    /// First delay before restarting a crashed worker; it doubles per
+    /// consecutive crash, up to 60 s (default 500 ms).
+    pub restart_backoff: Duration,
     /// Models registered through the HTTP API must lie under this folder.
     pub models_root: Option<PathBuf>,
 }
@@ -170,6 +195,7 @@ impl Default for SupervisorConfig {
             memory_budget: None,
             max_loaded: None,
             models_root: None,
+            restart_backoff: Duration::from_millis(500),
         }
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use berth_protocol::{ErrorKind, WireError};
 
 use crate::report::ExitStatus;
+use crate::worker::process::KillCause;
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -66,7 +67,8 @@ pub enum Error {
     LoadFailed { model: String, source: WireError },
 
     #[error(
-        "model `{model}`: worker pid {pid} {exit} during {during}{}",
+        "model `{model}`: worker pid {pid} {}{exit} during {during}{}",
+        cause_prefix(.cause),
         stderr_suffix(.stderr_tail)
     )]
     WorkerDied {
@@ -75,6 +77,23 @@ pub enum Error {
         exit: ExitStatus,
         during: &'static str,
         stderr_tail: Vec<String>,
+        /// Set when the supervisor killed it (stall, lost heartbeat).
+        cause: Option<KillCause>,
+    },
+
+    #[error(
+        "model `{model}`: worker pid {pid} exceeded its memory limit of {} during {during} (peak {}, \
+         enforced by {mechanism}); raise memory_limit or use a smaller model",
+        crate::report::mib(*.limit),
+        crate::report::mib(*.peak)
+    )]
+    MemoryLimitExceeded {
+        model: String,
+        pid: u32,
+        limit: u64,
+        peak: u64,
+        mechanism: crate::worker::limits::CapMechanism,
+        during: &'static str,
     },
 
     #[error("model `{model}`: {source}")]
@@ -122,6 +141,21 @@ pub enum Error {
     #[error("model `{model}` is busy: {reason}")]
     Busy { model: String, reason: String },
 
+    #[error(
+        "model `{model}` failed and takes no requests until it is loaded again by hand \
+         (`berth load {model}`): {reason}"
+    )]
+    ModelFailed { model: String, reason: String },
+
+    #[error(
+        "model `{model}`: this request was in flight when its worker died twice in a row and is \
+         refused (quarantined) so it cannot take down another worker"
+    )]
+    Quarantined { model: String },
+
+    #[error("model `{model}`: no answer within the request's deadline ({:.1} s); it was cancelled", .after.as_secs_f64())]
+    DeadlineExceeded { model: String, after: Duration },
+
     /// A load another caller started failed; every caller waiting on it gets this.
     #[error("{message}")]
     SharedLoad { kind: &'static str, message: String },
@@ -132,6 +166,13 @@ fn known_suffix(known: &[String]) -> String {
         "; register it first".into()
     } else {
         format!(" (registered: {})", known.join(", "))
+    }
+}
+
+fn cause_prefix(cause: &Option<KillCause>) -> String {
+    match cause {
+        Some(cause) => format!("was {cause} and "),
+        None => String::new(),
     }
 }
 
@@ -154,7 +195,16 @@ impl Error {
             Error::UnexpectedMessage { .. } => "unexpected_message",
             Error::LoadTimeout { .. } => "load_timeout",
             Error::LoadFailed { source, .. } | Error::Request { source, .. } => source.kind.code(),
+            Error::WorkerDied {
+                cause: Some(KillCause::Stalled { .. }),
+                ..
+            } => "stalled",
+            Error::WorkerDied {
+                cause: Some(KillCause::HeartbeatLost { .. }),
+                ..
+            } => "heartbeat_lost",
             Error::WorkerDied { .. } => "worker_died",
+            Error::MemoryLimitExceeded { .. } => "memory_limit_exceeded",
             Error::NotLoaded { .. } => "not_loaded",
             Error::AlreadyLoaded { .. } => "already_loaded",
             Error::InvalidSpec { .. } => "invalid_spec",
@@ -164,6 +214,9 @@ impl Error {
             Error::QueueFull { .. } => "queue_full",
             Error::BudgetExceeded { .. } => "memory_budget_exceeded",
             Error::Busy { .. } => "busy",
+            Error::ModelFailed { .. } => "model_failed",
+            Error::Quarantined { .. } => "quarantined",
+            Error::DeadlineExceeded { .. } => "deadline_exceeded",
             Error::SharedLoad { kind, .. } => kind,
         }
     }

@@ -19,6 +19,7 @@ pub struct ModelCounters {
     pub loads: AtomicU64,
     pub unloads: AtomicU64,
     pub restarts: AtomicU64,
+    pub recycles: AtomicU64,
     pub reclaimed_bytes: AtomicU64,
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     latency_count: AtomicU64,
@@ -46,6 +47,9 @@ fn escape(label: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// A counter family: name, help, and how to read it.
+type Counter = (&'static str, &'static str, fn(&ModelCounters) -> u64);
+
 /// The supervisor's state as Prometheus text exposition.
 pub fn render(supervisor: &Supervisor) -> String {
     let counters = supervisor.counters();
@@ -54,7 +58,7 @@ pub fn render(supervisor: &Supervisor) -> String {
     let family = |out: &mut String, name: &str, kind: &str, help: &str| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     };
-    let simple: [(&str, &str, fn(&ModelCounters) -> u64); 6] = [
+    let simple: [Counter; 7] = [
         ("berth_requests_total", "Requests sent to the model.", |c| {
             c.requests.load(Ordering::Relaxed)
         }),
@@ -73,6 +77,11 @@ pub fn render(supervisor: &Supervisor) -> String {
             "berth_restarts_total",
             "Workers restarted after a crash.",
             |c| c.restarts.load(Ordering::Relaxed),
+        ),
+        (
+            "berth_recycles_total",
+            "Workers replaced for crossing max_rss or max_requests.",
+            |c| c.recycles.load(Ordering::Relaxed),
         ),
         (
             "berth_reclaimed_bytes_total",

@@ -86,8 +86,12 @@ pub struct LoadReport {
     pub rss_bytes: u64,
     /// Proportional set size: shared pages (mapped weights) split among sharers.
     pub pss_bytes: u64,
-    /// Peak resident memory of the worker up to the end of the load.
+    /// Peak memory of the worker up to the end of the load (`VmHWM`, or the
+    /// cgroup's peak where the worker has one, whichever is higher).
     pub peak_rss_bytes: u64,
+    /// The worker's memory cap, if it has one, and how it is enforced.
+    pub memory_limit_bytes: Option<u64>,
+    pub memory_cap: Option<crate::worker::limits::CapMechanism>,
     pub system_available_bytes: u64,
     /// What the backend says about the loaded model.
     pub details: serde_json::Value,
@@ -139,7 +143,11 @@ impl fmt::Display for LoadReport {
             mib(self.pss_bytes),
             mib(self.peak_rss_bytes),
             mib(self.system_available_bytes)
-        )
+        )?;
+        if let (Some(limit), Some(cap)) = (self.memory_limit_bytes, self.memory_cap) {
+            write!(f, "; limit {} ({cap})", mib(limit))?;
+        }
+        Ok(())
     }
 }
 

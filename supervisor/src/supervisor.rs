@@ -28,6 +28,10 @@ use crate::report::{LoadReport, UnloadReport, mib};
 use crate::worker::handle::{Piece, ResponseStream, WorkerHandle};
 use crate::worker::{launch, stop};
 
+mod resilience;
+
+pub use resilience::LastExit;
+
 /// Default per-model concurrency and queue bounds.
 pub const DEFAULT_MAX_CONCURRENCY: usize = 8;
 pub const DEFAULT_MAX_QUEUE: usize = 64;
@@ -78,6 +82,15 @@ pub struct ModelStatus {
     pub queued: usize,
     /// Seconds until an idle model is unloaded; `None`: never.
     pub keep_alive_left_s: Option<f64>,
+    /// Crash restarts of this model.
+    pub restarts: u64,
+    /// Workers replaced for crossing `max_rss` or `max_requests`.
+    pub recycles: u64,
+    /// The last unexpected exit: cause and stderr tail.
+    pub last_exit: Option<LastExit>,
+    /// Resident memory growth per request since load: a leak shows here
+    /// before it matters.
+    pub rss_growth_per_request_bytes: f64,
 }
 
 /// A registered model, as the catalogue shows it.
@@ -120,9 +133,27 @@ impl fmt::Display for SwapReport {
 pub struct RequestOptions {
     /// Overrides the model's keep-alive from this request on.
     pub keep_alive: Option<Duration>,
+    /// The request fails (and is cancelled in the worker) past this.
+    pub deadline: Option<Duration>,
 }
 
 type LoadSignal = watch::Receiver<Option<std::result::Result<(), Arc<Error>>>>;
+
+impl Slot {
+    fn loading(signal: LoadSignal, reserved_bytes: u64) -> Slot {
+        Slot {
+            state: ModelState::Loading,
+            worker: None,
+            loading: Some(signal),
+            reserved_bytes,
+            last_used: Instant::now(),
+            expires_at: None,
+            swapping: false,
+            hold: false,
+            failure: None,
+        }
+    }
+}
 
 struct Slot {
     state: ModelState,
@@ -134,8 +165,13 @@ struct Slot {
     last_used: Instant,
     /// When an idle model is unloaded; `None`: never.
     expires_at: Option<Instant>,
-    /// Set while a swap is in progress.
+    /// Set while a swap or recycle is in progress.
     swapping: bool,
+    /// Set when the worker crossed `max_rss` before its replacement was
+    /// ready: new requests wait for the replacement.
+    hold: bool,
+    /// Why the model failed (state `Failed`, no worker).
+    failure: Option<String>,
 }
 
 struct Entry {
@@ -145,6 +181,8 @@ struct Entry {
     queued: Arc<AtomicUsize>,
     keep_alive: Option<Duration>,
     counters: Arc<ModelCounters>,
+    /// Crash restarts and what the last unexpected exit was.
+    health: resilience::CrashHistory,
 }
 
 impl Entry {
@@ -157,6 +195,7 @@ impl Entry {
             permits: Arc::new(Semaphore::new(concurrency)),
             queued: Arc::default(),
             counters: Arc::default(),
+            health: resilience::CrashHistory::default(),
         }
     }
 }
@@ -334,14 +373,15 @@ impl Supervisor {
     async fn start_load(&self, model: &str) -> Result<LoadReport> {
         let gate = self.inner.load_gate.lock().await;
         let (spec, footprint) = {
-            let state = self.lock();
-            let entry = state
-                .catalogue
+            let mut state = self.lock();
+            if state
+                .slots
                 .get(model)
-                .ok_or_else(|| Error::UnknownModel {
-                    model: model.into(),
-                    known: state.catalogue.keys().cloned().collect(),
-                })?;
+                .is_some_and(|s| s.state == ModelState::Failed && s.worker.is_none())
+            {
+                // Loading by hand is how a failed model comes back.
+                state.slots.remove(model);
+            }
             if let Some(slot) = state.slots.get(model) {
                 return Err(match &slot.worker {
                     Some(w) => Error::AlreadyLoaded {
@@ -354,30 +394,23 @@ impl Supervisor {
                     },
                 });
             }
-            (
-                entry.spec.clone(),
-                entry
-                    .last_peak_bytes
-                    .unwrap_or_else(|| footprint_on_disk(&entry.spec)),
-            )
+            let entry = state
+                .catalogue
+                .get(model)
+                .ok_or_else(|| self.unknown_locked(model, &state))?;
+            let footprint = entry
+                .last_peak_bytes
+                .unwrap_or_else(|| footprint_on_disk(&entry.spec));
+            (entry.spec.clone(), footprint)
         };
         self.make_room(model, footprint).await?;
         let (done, signal) = watch::channel(None);
         {
             let mut state = self.lock();
             self.check_running(model)?;
-            state.slots.insert(
-                model.to_string(),
-                Slot {
-                    state: ModelState::Loading,
-                    worker: None,
-                    loading: Some(signal),
-                    reserved_bytes: footprint,
-                    last_used: Instant::now(),
-                    expires_at: None,
-                    swapping: false,
-                },
-            );
+            state
+                .slots
+                .insert(model.to_string(), Slot::loading(signal, footprint));
         }
         drop(gate);
         self.inner.changed.notify_waiters();
@@ -398,6 +431,7 @@ impl Supervisor {
                         entry.counters.loads.fetch_add(1, Ordering::Relaxed);
                         slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
                     }
+                    self.watch_worker(model, &worker);
                     Ok(report)
                 }
                 (Ok((worker, _)), None) => Err(worker),
@@ -451,19 +485,14 @@ impl Supervisor {
                     None => Next::Load,
                     Some(slot) => match (slot_state(slot), &slot.worker, &slot.loading) {
                         (ModelState::Ready, Some(worker), _) => return Ok(Arc::clone(worker)),
-                        (ModelState::Failed, Some(worker), _) => {
-                            let exit = worker
-                                .exit_status()
-                                .map(|e| e.to_string())
-                                .unwrap_or_default();
-                            return Err(Error::Busy {
+                        (ModelState::Failed, None, _) => {
+                            return Err(Error::ModelFailed {
                                 model: model.into(),
-                                reason: format!(
-                                    "its worker (pid {}) {exit}; unload and load it again",
-                                    worker.pid()
-                                ),
+                                reason: slot.failure.clone().unwrap_or_default(),
                             });
                         }
+                        // A worker that just died: the crash policy decides next.
+                        (ModelState::Failed, Some(_), _) => Next::WaitChange,
                         (_, _, Some(signal)) => Next::Wait(signal.clone()),
                         _ => Next::WaitChange,
                     },
@@ -520,7 +549,15 @@ impl Supervisor {
                     })
                     .sum();
                 let fits = budget.is_none_or(|b| used + needed <= b)
-                    && max_loaded.is_none_or(|m| state.slots.len() < m);
+                    && max_loaded.is_none_or(|m| {
+                        // A failed model holds nothing.
+                        state
+                            .slots
+                            .values()
+                            .filter(|s| s.worker.is_some() || s.loading.is_some())
+                            .count()
+                            < m
+                    });
                 let victim = state
                     .slots
                     .iter()
@@ -608,6 +645,13 @@ impl Supervisor {
                     self.unknown_locked(model, &state)
                 });
             };
+            if slot.state == ModelState::Failed && slot.worker.is_none() {
+                // Nothing runs; clearing the failure is all there is to do.
+                state.slots.remove(model);
+                return Err(Error::NotLoaded {
+                    model: model.into(),
+                });
+            }
             let Some(worker) = slot.worker.clone() else {
                 return Err(Error::Busy {
                     model: model.into(),
@@ -675,7 +719,6 @@ impl Supervisor {
     /// switches atomically, the old one drains and stops. If the new worker
     /// fails to load, the old one keeps serving and the error is returned.
     pub async fn swap(&self, spec: ModelSpec) -> Result<SwapReport> {
-        let started = Instant::now();
         let model = spec.name.clone();
         self.check_running(&model)?;
         spec.validate()?;
@@ -698,10 +741,20 @@ impl Supervisor {
             }
             slot.swapping = true;
         }
+        self.replace_worker(spec).await
+    }
+
+    /// The body of a swap (and of a recycle): the slot is already marked
+    /// `swapping` by the caller; this clears it whatever happens.
+    pub(super) async fn replace_worker(&self, spec: ModelSpec) -> Result<SwapReport> {
+        let started = Instant::now();
+        let model = spec.name.clone();
         let clear = |this: &Self| {
             if let Some(slot) = this.lock().slots.get_mut(&model) {
                 slot.swapping = false;
+                slot.hold = false;
             }
+            this.inner.changed.notify_waiters();
         };
         let footprint = footprint_on_disk(&spec);
         let gate = self.inner.load_gate.lock().await;
@@ -728,6 +781,7 @@ impl Supervisor {
                 .replace(Arc::clone(&new_worker))
                 .expect("a ready slot has a worker");
             slot.swapping = false;
+            slot.hold = false;
             slot.state = ModelState::Ready;
             if let Some(entry) = catalogue.get_mut(&model) {
                 let counters = Arc::clone(&entry.counters);
@@ -742,6 +796,7 @@ impl Supervisor {
             }
             old
         };
+        self.watch_worker(&model, &new_worker);
         let switch_ms = started.elapsed().as_secs_f64() * 1e3;
         self.inner.changed.notify_waiters();
         if !old.drain(self.inner.config.drain_timeout).await {
@@ -832,12 +887,19 @@ impl Supervisor {
         options: RequestOptions,
     ) -> Result<RequestStream> {
         self.check_running(model)?;
+        let hash = crate::worker::handle::body_hash(&body);
         let (permits, queued, max_queue, counters) = {
             let state = self.lock();
             let entry = state
                 .catalogue
                 .get(model)
                 .ok_or_else(|| self.unknown_locked(model, &state))?;
+            if entry.health.is_quarantined(hash) {
+                entry.counters.errors.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::Quarantined {
+                    model: model.into(),
+                });
+            }
             (
                 Arc::clone(&entry.permits),
                 Arc::clone(&entry.queued),
@@ -869,22 +931,30 @@ impl Supervisor {
             }
         };
         let started = Instant::now();
+        let give_up = started + self.inner.config.load_timeout * 2;
         let mut body = Some(body);
-        for _ in 0..3 {
+        while Instant::now() < give_up {
             self.ensure_loaded(model).await.inspect_err(|_| {
                 counters.errors.fetch_add(1, Ordering::Relaxed);
             })?;
+            let changed = self.inner.changed.notified();
             // Pick the current worker and register the call under one lock,
             // so a swap or unload that starts now sees this request in flight.
-            let state = self.lock();
-            let Some(slot) = state.slots.get(model) else {
+            let routed = {
+                let state = self.lock();
+                match state.slots.get(model) {
+                    Some(slot) if slot_state(slot) == ModelState::Ready && !slot.hold => {
+                        let worker = slot.worker.as_ref().expect("ready slots have a worker");
+                        Some(worker.call_stream(body.take().expect("sent once"))?)
+                    }
+                    _ => None,
+                }
+            };
+            let Some(inner) = routed else {
+                // Changing state (a recycle holding requests, a restart): wait for it.
+                let _ = tokio::time::timeout(Duration::from_millis(50), changed).await;
                 continue;
             };
-            if slot_state(slot) != ModelState::Ready {
-                continue;
-            }
-            let worker = slot.worker.as_ref().expect("ready slots have a worker");
-            let inner = worker.call_stream(body.take().expect("sent once"))?;
             counters.requests.fetch_add(1, Ordering::Relaxed);
             return Ok(RequestStream {
                 inner,
@@ -893,6 +963,7 @@ impl Supervisor {
                 counters,
                 started,
                 keep_alive: options.keep_alive,
+                deadline: options.deadline.map(|d| tokio::time::Instant::now() + d),
                 failed: false,
                 _permit: permit,
             });
@@ -931,6 +1002,16 @@ impl Supervisor {
                     keep_alive_left_s: slot
                         .expires_at
                         .map(|t| t.saturating_duration_since(now).as_secs_f64()),
+                    restarts: entry
+                        .map(|e| e.counters.restarts.load(Ordering::Relaxed))
+                        .unwrap_or(0),
+                    recycles: entry
+                        .map(|e| e.counters.recycles.load(Ordering::Relaxed))
+                        .unwrap_or(0),
+                    last_exit: entry.and_then(|e| e.health.last_exit.clone()),
+                    rss_growth_per_request_bytes: worker
+                        .map(|w| w.rss_growth_per_request())
+                        .unwrap_or(0.0),
                 }
             })
             .collect();
@@ -1075,6 +1156,7 @@ pub struct RequestStream {
     counters: Arc<ModelCounters>,
     started: Instant,
     keep_alive: Option<Duration>,
+    deadline: Option<tokio::time::Instant>,
     failed: bool,
     _permit: OwnedSemaphorePermit,
 }
@@ -1090,7 +1172,19 @@ impl fmt::Debug for RequestStream {
 impl RequestStream {
     /// The next piece; `None` after the final one.
     pub async fn next(&mut self) -> Option<Result<Piece>> {
-        let piece = self.inner.next().await;
+        let piece = match self.deadline {
+            None => self.inner.next().await,
+            Some(deadline) => match tokio::time::timeout_at(deadline, self.inner.next()).await {
+                Ok(piece) => piece,
+                Err(_) => {
+                    self.inner.cancel();
+                    Some(Err(Error::DeadlineExceeded {
+                        model: self.model.clone(),
+                        after: self.started.elapsed(),
+                    }))
+                }
+            },
+        };
         if matches!(piece, Some(Err(_))) {
             self.failed = true;
         }
@@ -1106,6 +1200,7 @@ impl Drop for RequestStream {
         self.counters.observe_latency(self.started.elapsed());
         if let Some(inner) = self.supervisor.upgrade() {
             Supervisor::request_finished(&inner, &self.model, self.keep_alive);
+            Supervisor::maybe_recycle(&inner, &self.model);
         }
     }
 }

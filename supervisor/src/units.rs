@@ -111,31 +111,6 @@ pub(crate) mod bytes_opt {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations_take_bare_seconds_and_units() {
-        assert_eq!(parse_duration("120").unwrap(), Duration::from_secs(120));
-        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
-        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        assert!(parse_duration("soon").unwrap_err().contains("soon"));
-        assert!(parse_duration("-1").is_err());
-    }
-
-    #[test]
-    fn sizes_take_binary_and_decimal_units() {
-        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
-        assert_eq!(parse_bytes("512 MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
-        assert_eq!(parse_bytes("4096").unwrap(), 4096);
-        assert!(parse_bytes("lots").is_err());
-        assert!(parse_bytes("3 parsecs").unwrap_err().contains("parsecs"));
-    }
-}
-
 /// Deserialises a table of options whose values may be strings, numbers or
 /// booleans (as TOML and JSON write them) into strings, the form backends take.
 pub(crate) fn scalar_map<'de, D: serde::Deserializer<'de>>(
@@ -164,4 +139,29 @@ pub(crate) fn scalar_map<'de, D: serde::Deserializer<'de>>(
             (k, v)
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_take_bare_seconds_and_units() {
+        assert_eq!(parse_duration("120").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert!(parse_duration("soon").unwrap_err().contains("soon"));
+        assert!(parse_duration("-1").is_err());
+    }
+
+    #[test]
+    fn sizes_take_binary_and_decimal_units() {
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("512 MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").unwrap_err().contains("parsecs"));
+    }
 }

@@ -50,6 +50,7 @@ pub fn test_config() -> SupervisorConfig {
             shutdown: Duration::from_secs(2),
             term: Duration::from_secs(1),
         },
+        restart_backoff: Duration::from_millis(100),
         ..SupervisorConfig::default()
     }
 }
@@ -69,6 +70,21 @@ pub fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool 
             return false;
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Polls `condition` every 10 ms on the async runtime until it holds or
+/// `timeout` passes.
+pub async fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

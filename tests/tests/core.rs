@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use berth::{Body, Bulk, Error, ExitStatus, ModelSpec, StopKind, Supervisor, SupervisorConfig};
+use berth::{
+    Body, Bulk, Error, ExitStatus, ModelSpec, ModelState, StopKind, Supervisor, SupervisorConfig,
+};
 use berth_tests::*;
 use ipc_channel::ipc::IpcSharedMemory;
 
@@ -145,9 +147,30 @@ async fn crash_then_recover(mode: &str, expect: &str) {
     );
     assert!(wait_for(Duration::from_secs(1), || !alive(load.pid)));
 
-    // The supervisor carries on: the dead model unloads with a report, and loads again.
+    // The supervisor carries on: the crash policy restarts the model in a new
+    // worker after its backoff, and it can be unloaded and loaded anew.
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let stats = sup.stats();
+            stats.len() == 1
+                && stats[0].state == ModelState::Ready
+                && stats[0].pid != Some(load.pid)
+        })
+        .await,
+        "restarted: {:?}",
+        sup.stats()
+    );
+    let stats = sup.stats();
+    assert_eq!(stats[0].restarts, 1);
+    assert!(
+        stats[0]
+            .last_exit
+            .as_ref()
+            .is_some_and(|e| e.description.contains(expect)),
+        "{stats:?}"
+    );
     let unload = sup.unload(&name).await.unwrap();
-    assert_eq!(unload.stop, StopKind::AlreadyExited);
+    assert_eq!(unload.stop, StopKind::Graceful);
     sup.load(ModelSpec::new(&name, "fault").option("mode", "ok"))
         .await
         .unwrap();

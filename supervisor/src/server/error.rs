@@ -44,6 +44,9 @@ fn status_for(kind: &str) -> StatusCode {
             StatusCode::BAD_GATEWAY
         }
         "cancelled" => StatusCode::REQUEST_TIMEOUT,
+        "deadline_exceeded" | "stalled" => StatusCode::GATEWAY_TIMEOUT,
+        "quarantined" => StatusCode::UNPROCESSABLE_ENTITY,
+        "memory_limit_exceeded" | "heartbeat_lost" => StatusCode::BAD_GATEWAY,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }

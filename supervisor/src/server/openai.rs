@@ -48,7 +48,10 @@ pub(crate) fn request_options(
             Some(crate::parse_duration(&s.to_string()).map_err(ApiError::bad_request)?)
         }
     };
-    Ok(RequestOptions { keep_alive })
+    Ok(RequestOptions {
+        keep_alive,
+        deadline: None,
+    })
 }
 
 pub async fn models(State(app): State<AppState>) -> Json<Value> {

@@ -22,13 +22,55 @@ use tokio::sync::{Notify, mpsc, watch};
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
 use crate::worker::memory::{ProcessMemory, process_memory};
-use crate::worker::process::ProcessWatch;
+use crate::worker::process::{KillCause, ProcessWatch};
 
 /// What a dead worker leaves for the requests it could not answer.
 #[derive(Debug, Clone)]
 pub(crate) struct Death {
     pub exit: ExitStatus,
     pub stderr_tail: Vec<String>,
+    pub cause: Option<KillCause>,
+    /// Hashes of the requests in flight when it died (for quarantine).
+    pub in_flight: Vec<u64>,
+}
+
+impl Death {
+    pub(crate) fn error(&self, model: &str, pid: u32, during: &'static str) -> Error {
+        match &self.cause {
+            Some(KillCause::MemoryLimit {
+                limit_bytes,
+                peak_bytes,
+                mechanism,
+            }) => Error::MemoryLimitExceeded {
+                model: model.into(),
+                pid,
+                limit: *limit_bytes,
+                peak: *peak_bytes,
+                mechanism: *mechanism,
+                during,
+            },
+            cause => Error::WorkerDied {
+                model: model.into(),
+                pid,
+                exit: self.exit.clone(),
+                during,
+                stderr_tail: self.stderr_tail.clone(),
+                cause: cause.clone(),
+            },
+        }
+    }
+}
+
+/// What identifies a request for quarantine: its JSON and the shape of its bulk part.
+pub(crate) fn body_hash(body: &Body) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    body.json.hash(&mut h);
+    let bulk = body.bulk_bytes();
+    bulk.len().hash(&mut h);
+    bulk[..bulk.len().min(4096)].hash(&mut h);
+    bulk[bulk.len().saturating_sub(4096)..].hash(&mut h);
+    h.finish()
 }
 
 enum Reply {
@@ -39,7 +81,7 @@ enum Reply {
 
 #[derive(Default)]
 struct RoutesInner {
-    pending: HashMap<RequestId, mpsc::UnboundedSender<Reply>>,
+    pending: HashMap<RequestId, (mpsc::UnboundedSender<Reply>, u64)>,
     death: Option<Arc<Death>>,
 }
 
@@ -56,9 +98,9 @@ impl Routes {
         let mut inner = self.lock();
         let done = matches!(reply, Reply::Done(_));
         let tx = if done {
-            inner.pending.remove(&id)
+            inner.pending.remove(&id).map(|(tx, _)| tx)
         } else {
-            inner.pending.get(&id).cloned()
+            inner.pending.get(&id).map(|(tx, _)| tx.clone())
         };
         drop(inner);
         if let Some(tx) = tx {
@@ -67,17 +109,20 @@ impl Routes {
     }
 
     /// Fails every pending request and refuses new ones. Idempotent.
-    fn close(&self, death: Arc<Death>) {
-        let pending = {
-            let mut inner = self.lock();
-            if inner.death.is_none() {
-                inner.death = Some(Arc::clone(&death));
-            }
-            std::mem::take(&mut inner.pending)
-        };
-        for (_, tx) in pending {
+    fn close(&self, mut death: Death) -> Arc<Death> {
+        let mut inner = self.lock();
+        if let Some(first) = &inner.death {
+            return Arc::clone(first);
+        }
+        let pending = std::mem::take(&mut inner.pending);
+        death.in_flight = pending.values().map(|(_, hash)| *hash).collect();
+        let death = Arc::new(death);
+        inner.death = Some(Arc::clone(&death));
+        drop(inner);
+        for (_, (tx, _)) in pending {
             let _ = tx.send(Reply::Died(Arc::clone(&death)));
         }
+        death
     }
 }
 
@@ -108,6 +153,9 @@ pub struct WorkerHandle {
     in_flight: Arc<InFlight>,
     memory: Mutex<MemoryState>,
     load_info: Mutex<Option<LoadInfo>>,
+    /// Resident memory right after load: the base of the per-request trend.
+    baseline_rss: AtomicU64,
+    died_tx: watch::Sender<Option<Arc<Death>>>,
 }
 
 impl std::fmt::Debug for WorkerHandle {
@@ -187,9 +235,12 @@ impl WorkerHandle {
             in_flight: Arc::default(),
             memory: Mutex::default(),
             load_info: Mutex::default(),
+            baseline_rss: AtomicU64::new(0),
+            died_tx: watch::channel(None).0,
         });
         // The death watch: once the process is reaped and its last events and
         // stderr lines are in, fail whatever is still pending.
+        let died_tx = handle.died_tx.clone();
         let process = Arc::clone(&handle.process);
         let routes = Arc::clone(&handle.routes);
         let mut reader_done = handle.reader_done.clone();
@@ -198,7 +249,13 @@ impl WorkerHandle {
             let _ = tokio::time::timeout(Duration::from_millis(500), reader_done.wait_for(|d| *d))
                 .await;
             let stderr_tail = process.stderr_tail().await;
-            routes.close(Arc::new(Death { exit, stderr_tail }));
+            let death = routes.close(Death {
+                exit,
+                stderr_tail,
+                cause: process.kill_cause(),
+                in_flight: Vec::new(),
+            });
+            let _ = died_tx.send(Some(death));
         });
         Ok(handle)
     }
@@ -271,6 +328,22 @@ impl WorkerHandle {
         Some(m.last)
     }
 
+    /// Records the current RSS as the base of the growth trend (after load).
+    pub(crate) fn set_baseline(&self) {
+        let rss = self.memory().last.rss_bytes;
+        self.baseline_rss.store(rss, Ordering::Relaxed);
+    }
+
+    /// Resident memory growth per request since load; a leak shows here.
+    pub fn rss_growth_per_request(&self) -> f64 {
+        let requests = self.requests();
+        if requests == 0 {
+            return 0.0;
+        }
+        let now = self.memory().last.rss_bytes;
+        now.saturating_sub(self.baseline_rss.load(Ordering::Relaxed)) as f64 / requests as f64
+    }
+
     fn record_stats(&self, stats: WorkerStats) {
         self.memory
             .lock()
@@ -279,12 +352,25 @@ impl WorkerHandle {
     }
 
     fn died(&self, death: &Death, during: &'static str) -> Error {
-        Error::WorkerDied {
-            model: self.model.clone(),
-            pid: self.pid,
-            exit: death.exit.clone(),
-            during,
-            stderr_tail: death.stderr_tail.clone(),
+        death.error(&self.model, self.pid, during)
+    }
+
+    /// Waits until the worker is dead and its death fully recorded.
+    pub(crate) async fn death(&self) -> Arc<Death> {
+        let mut rx = self.died_tx.subscribe();
+        let recorded = rx
+            .wait_for(Option::is_some)
+            .await
+            .ok()
+            .and_then(|d| d.clone());
+        match recorded {
+            Some(death) => death,
+            None => Arc::new(Death {
+                exit: self.process.exited().await,
+                stderr_tail: Vec::new(),
+                cause: self.process.kill_cause(),
+                in_flight: Vec::new(),
+            }),
         }
     }
 
@@ -293,7 +379,16 @@ impl WorkerHandle {
     async fn death_error(&self, during: &'static str) -> Error {
         let exit = self.process.exited().await;
         let stderr_tail = self.process.stderr_tail().await;
-        self.died(&Death { exit, stderr_tail }, during)
+        let cause = self.process.kill_cause();
+        self.died(
+            &Death {
+                exit,
+                stderr_tail,
+                cause,
+                in_flight: Vec::new(),
+            },
+            during,
+        )
     }
 
     fn send(&self, command: Command) -> std::result::Result<(), ipc_channel::IpcError> {
@@ -337,7 +432,7 @@ impl WorkerHandle {
             if let Some(death) = &routes.death {
                 return Err(self.died(death, "request"));
             }
-            routes.pending.insert(id, tx);
+            routes.pending.insert(id, (tx, body_hash(&body)));
         }
         self.in_flight.enter();
         let stream = ResponseStream {
@@ -504,13 +599,7 @@ impl ResponseStream {
             }
             Some(Reply::Died(death)) => {
                 self.finish();
-                Some(Err(Error::WorkerDied {
-                    model: self.model.clone(),
-                    pid: self.pid,
-                    exit: death.exit.clone(),
-                    during: "request",
-                    stderr_tail: death.stderr_tail.clone(),
-                }))
+                Some(Err(death.error(&self.model, self.pid, "request")))
             }
             None => {
                 self.finish();
@@ -527,13 +616,20 @@ impl ResponseStream {
     }
 }
 
-impl Drop for ResponseStream {
-    fn drop(&mut self) {
+impl ResponseStream {
+    /// Stops waiting and tells the worker to stop working on the request.
+    pub fn cancel(&mut self) {
         if !self.finished {
-            // Abandoned mid-way: stop routing and tell the worker to stop working.
             self.routes.lock().pending.remove(&self.id);
             let _ = self.commands.send(Command::Cancel { id: self.id });
             self.finish();
         }
+    }
+}
+
+impl Drop for ResponseStream {
+    /// Abandoned mid-way (a client went away): cancel it in the worker.
+    fn drop(&mut self) {
+        self.cancel();
     }
 }

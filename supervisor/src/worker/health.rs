@@ -1,19 +1,34 @@
 //! Heartbeats: a ping per interval, the worker's own stats back, and the
-//! supervisor's own procfs reading of its memory. A worker that stops
-//! answering for `timeout` is killed; its death then fails its requests like
+//! supervisor's own procfs reading of its memory.
+//!
+//! The pong comes from the worker's command thread, so a worker whose model
+//! code is stuck still answers it; what gives it away is the progress
+//! counter the model code itself advances. A worker whose request in flight
+//! makes no progress for `stall_timeout`, or that stops answering pings for
+//! `heartbeat_timeout`, is killed, and its death fails its requests like
 //! any crash.
 
 use std::sync::Weak;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::worker::handle::WorkerHandle;
+use crate::worker::process::KillCause;
+
+/// How a worker is watched.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HealthPolicy {
+    pub interval: Duration,
+    pub heartbeat_timeout: Duration,
+    pub stall_timeout: Option<Duration>,
+}
 
 /// Starts the heartbeat task. It ends when the worker dies or its handle is dropped.
-pub(crate) fn spawn(handle: Weak<WorkerHandle>, interval: Duration, timeout: Duration) {
+pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
     tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(interval);
+        let mut ticker = tokio::time::interval(policy.interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker.tick().await;
+        let mut last_progress: Option<(u64, Instant)> = None;
         loop {
             ticker.tick().await;
             let Some(worker) = handle.upgrade() else {
@@ -23,15 +38,44 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, interval: Duration, timeout: Dur
                 return;
             }
             worker.sample_memory();
-            if worker.ping(timeout).await.is_none() && worker.is_alive() {
-                tracing::warn!(
-                    model = worker.model(),
-                    pid = worker.pid(),
-                    "no heartbeat for {}; killing the worker",
-                    humantime::format_duration(timeout)
-                );
-                worker.kill();
+            let asked = Instant::now();
+            let Some(stats) = worker.ping(policy.heartbeat_timeout).await else {
+                if worker.is_alive() {
+                    tracing::warn!(
+                        model = worker.model(),
+                        pid = worker.pid(),
+                        "no heartbeat; killing the worker"
+                    );
+                    worker.process().kill_for(KillCause::HeartbeatLost {
+                        silent_for_s: asked.elapsed().as_secs_f64(),
+                    });
+                }
                 return;
+            };
+            let now = Instant::now();
+            match last_progress {
+                // Idle, or moving: the clock restarts.
+                _ if worker.in_flight() == 0 => last_progress = Some((stats.progress, now)),
+                Some((seen, _)) if seen != stats.progress => {
+                    last_progress = Some((stats.progress, now))
+                }
+                None => last_progress = Some((stats.progress, now)),
+                Some((_, since)) => {
+                    if let Some(stall) = policy.stall_timeout
+                        && now.duration_since(since) >= stall
+                    {
+                        tracing::warn!(
+                            model = worker.model(),
+                            pid = worker.pid(),
+                            "request made no progress for {:.1} s; killing the worker",
+                            now.duration_since(since).as_secs_f64()
+                        );
+                        worker.process().kill_for(KillCause::Stalled {
+                            no_progress_for_s: now.duration_since(since).as_secs_f64(),
+                        });
+                        return;
+                    }
+                }
             }
         }
     });

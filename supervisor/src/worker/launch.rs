@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::report::LoadReport;
 use crate::worker::handle::{LoadOutcome, WorkerHandle};
 use crate::worker::handshake::{self, HandshakeOutcome};
+use crate::worker::limits::MemoryCap;
 use crate::worker::memory::system_memory;
 use crate::worker::process::ProcessWatch;
 use crate::worker::spawn::{SpawnOptions, find_worker_binary, spawn};
@@ -44,14 +45,19 @@ pub(crate) async fn launch(
         None => find_worker_binary(WORKER_BINARY)?,
     };
     let (server, server_name) = handshake::open(model)?;
+    let cap = spec
+        .memory_limit
+        .map(|limit| MemoryCap::prepare(model, limit));
     let child = spawn(SpawnOptions {
         model,
         binary: &binary,
         server_name: &server_name,
         extra_env: &spec.env,
+        cgroup_procs: cap.as_ref().and_then(MemoryCap::procs_file),
     })
     .await?;
-    let process = Arc::new(ProcessWatch::start(model, child));
+    let process = Arc::new(ProcessWatch::start(model, child, cap));
+    process.spawn_rss_guard();
     let pid = process.pid();
     tracing::debug!(model, pid, binary = %binary.display(), "worker started");
 
@@ -113,10 +119,14 @@ pub(crate) async fn launch(
         }
     };
     let memory = handle.sample_memory().unwrap_or_default();
+    handle.set_baseline();
     health::spawn(
         Arc::downgrade(&handle),
-        config.heartbeat_interval,
-        config.heartbeat_timeout,
+        health::HealthPolicy {
+            interval: config.heartbeat_interval,
+            heartbeat_timeout: config.heartbeat_timeout,
+            stall_timeout: spec.stall_timeout,
+        },
     );
     let report = LoadReport {
         model: model.into(),
@@ -128,7 +138,11 @@ pub(crate) async fn launch(
         backend_load_ms: info.load_micros as f64 / 1e3,
         rss_bytes: memory.rss_bytes,
         pss_bytes: memory.pss_bytes,
-        peak_rss_bytes: memory.peak_rss_bytes,
+        peak_rss_bytes: memory
+            .peak_rss_bytes
+            .max(process.cap().and_then(MemoryCap::peak).unwrap_or(0)),
+        memory_limit_bytes: process.cap().map(|c| c.limit),
+        memory_cap: process.cap().map(|c| c.mechanism),
         system_available_bytes: system_memory().available_bytes,
         details: serde_json::from_str(&info.details).unwrap_or(serde_json::Value::Null),
     };

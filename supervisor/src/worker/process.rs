@@ -15,7 +15,49 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::sync::watch;
 
-use crate::report::ExitStatus;
+use crate::report::{ExitStatus, mib};
+use crate::worker::limits::{CapMechanism, MemoryCap};
+
+/// Why the supervisor (or the kernel, on its behalf) killed a worker.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum KillCause {
+    MemoryLimit {
+        limit_bytes: u64,
+        peak_bytes: u64,
+        mechanism: CapMechanism,
+    },
+    /// A request made no progress for this long.
+    Stalled { no_progress_for_s: f64 },
+    /// The worker stopped answering heartbeats.
+    HeartbeatLost { silent_for_s: f64 },
+}
+
+impl std::fmt::Display for KillCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KillCause::MemoryLimit {
+                limit_bytes,
+                peak_bytes,
+                mechanism,
+            } => write!(
+                f,
+                "killed by the memory limit ({} reached at {}, {mechanism})",
+                mib(*limit_bytes),
+                mib(*peak_bytes)
+            ),
+            KillCause::Stalled { no_progress_for_s } => {
+                write!(
+                    f,
+                    "killed after its request made no progress for {no_progress_for_s:.1} s (stall_timeout)"
+                )
+            }
+            KillCause::HeartbeatLost { silent_for_s } => {
+                write!(f, "killed after {silent_for_s:.1} s without a heartbeat")
+            }
+        }
+    }
+}
 
 /// How many stderr lines are kept for error messages.
 pub const STDERR_TAIL_LINES: usize = 20;
@@ -26,11 +68,15 @@ pub(crate) struct ProcessWatch {
     exit: watch::Receiver<Option<ExitStatus>>,
     stderr: Arc<Mutex<VecDeque<String>>>,
     stderr_closed: watch::Receiver<bool>,
+    cap: Option<MemoryCap>,
+    kill_cause: Mutex<Option<KillCause>>,
+    /// Highest RSS the supervisor saw (the RSS-polling cap's evidence).
+    polled_peak: std::sync::atomic::AtomicU64,
 }
 
 impl ProcessWatch {
     /// Takes ownership of the child: from here on, this watch reaps it.
-    pub fn start(model: &str, mut child: Child) -> Self {
+    pub fn start(model: &str, mut child: Child, cap: Option<MemoryCap>) -> Self {
         let pid = child.id();
         let stderr = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
         let (closed_tx, stderr_closed) = watch::channel(false);
@@ -71,7 +117,73 @@ impl ProcessWatch {
             exit,
             stderr,
             stderr_closed,
+            cap,
+            kill_cause: Mutex::new(None),
+            polled_peak: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    pub fn cap(&self) -> Option<&MemoryCap> {
+        self.cap.as_ref()
+    }
+
+    /// Kills the group, recording why (the first cause recorded wins).
+    pub fn kill_for(&self, cause: KillCause) {
+        self.kill_cause
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(cause);
+        self.signal_group(Signal::SIGKILL);
+    }
+
+    /// Why the worker died, if the supervisor or its cgroup killed it.
+    pub fn kill_cause(&self) -> Option<KillCause> {
+        if let Some(cause) = self
+            .kill_cause
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Some(cause);
+        }
+        let cap = self.cap.as_ref()?;
+        cap.oom_killed().then(|| KillCause::MemoryLimit {
+            limit_bytes: cap.limit,
+            peak_bytes: cap.peak().unwrap_or(cap.limit),
+            mechanism: cap.mechanism,
+        })
+    }
+
+    /// For a cap the kernel cannot enforce: samples RSS every 50 ms until the
+    /// process exits and kills it past the limit.
+    pub fn spawn_rss_guard(self: &Arc<Self>) {
+        let Some(cap) = &self.cap else { return };
+        if cap.mechanism != CapMechanism::RssPoll {
+            return;
+        }
+        let limit = cap.limit;
+        let watch = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(Duration::from_millis(50));
+            while watch.try_exit().is_none() {
+                ticker.tick().await;
+                let rss = crate::worker::memory::process_memory(watch.pid)
+                    .map(|m| m.rss_bytes)
+                    .unwrap_or(0);
+                let peak = watch
+                    .polled_peak
+                    .fetch_max(rss, std::sync::atomic::Ordering::Relaxed)
+                    .max(rss);
+                if rss > limit {
+                    watch.kill_for(KillCause::MemoryLimit {
+                        limit_bytes: limit,
+                        peak_bytes: peak,
+                        mechanism: CapMechanism::RssPoll,
+                    });
+                    return;
+                }
+            }
+        });
     }
 
     pub fn pid(&self) -> u32 {

@@ -81,6 +81,8 @@ pub struct SpawnOptions<'a> {
     pub binary: &'a Path,
     pub server_name: &'a str,
     pub extra_env: &'a [(String, String)],
+    /// A cgroup's `cgroup.procs` the child writes itself into before exec.
+    pub cgroup_procs: Option<&'a std::ffi::CString>,
 }
 
 /// Starts a worker; it connects to `server_name` on its own.
@@ -102,10 +104,23 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    let cgroup_procs = opts.cgroup_procs.cloned();
     // SAFETY: the closure runs between fork and exec and calls only
-    // async-signal-safe functions (prctl, getppid); it allocates nothing.
+    // async-signal-safe functions (prctl, getppid, open, write, close); it
+    // allocates nothing (the path was allocated before the fork).
     unsafe {
         command.pre_exec(move || {
+            if let Some(procs) = &cgroup_procs {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if written != 1 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
                 return Err(io::Error::last_os_error());
             }

@@ -1,0 +1,368 @@
+//! What keeps a model serving through faults:
+//!
+//! - **crash restarts**: a worker that dies unexpectedly is restarted after
+//!   a backoff (500 ms, doubling, capped at 60 s, reset once a worker has
+//!   served 30 s); more than `max_restarts` crashes within `restart_window`
+//!   (5 in 60 s, as OTP and systemd do) marks the model failed, with the last
+//!   exit's cause and stderr, until it is loaded again by hand;
+//! - **quarantine**: a request (by body hash) in flight at two consecutive
+//!   deaths is refused from then on, so one poison input cannot take down
+//!   every new worker;
+//! - **recycling**: a worker past `max_rss` or `max_requests` is replaced the
+//!   way a swap does it. Past `max_rss` the old worker also stops taking new
+//!   requests, which wait for the replacement, so a leak stays bounded.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::{Inner, ModelState, State, Supervisor};
+use crate::config::ModelSpec;
+use crate::error::Error;
+use crate::report::ExitStatus;
+use crate::worker::handle::{Death, WorkerHandle};
+use crate::worker::launch;
+use crate::worker::process::KillCause;
+
+/// Defaults of the crash policy.
+pub const DEFAULT_MAX_RESTARTS: u32 = 5;
+pub const DEFAULT_RESTART_WINDOW: Duration = Duration::from_secs(60);
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// A worker that served this long resets the backoff.
+const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(30);
+
+/// The last unexpected exit of a model's worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LastExit {
+    pub pid: u32,
+    pub exit: ExitStatus,
+    /// Set when the supervisor or the kernel killed it (memory limit, stall).
+    pub cause: Option<KillCause>,
+    /// What happened, in a sentence.
+    pub description: String,
+    pub stderr_tail: Vec<String>,
+    pub at_unix_s: u64,
+}
+
+/// A model's crash record; it outlives its workers.
+#[derive(Debug, Default)]
+pub(super) struct CrashHistory {
+    crashes: VecDeque<Instant>,
+    consecutive: u32,
+    pub last_exit: Option<LastExit>,
+    last_in_flight: Vec<u64>,
+    quarantine: HashSet<u64>,
+}
+
+impl CrashHistory {
+    pub fn is_quarantined(&self, hash: u64) -> bool {
+        self.quarantine.contains(&hash)
+    }
+
+    /// Records how a worker died and quarantines the requests that were in
+    /// flight at this death and the one before.
+    fn note_death(&mut self, model: &str, pid: u32, death: &Death) {
+        let description = match &death.cause {
+            Some(cause) => format!("worker pid {pid} was {cause} ({})", death.exit),
+            None => format!("worker pid {pid} {}", death.exit),
+        };
+        for hash in death
+            .in_flight
+            .iter()
+            .filter(|h| self.last_in_flight.contains(h))
+        {
+            if self.quarantine.insert(*hash) {
+                tracing::warn!(
+                    model,
+                    "a request was in flight at two worker deaths in a row; it is quarantined"
+                );
+            }
+        }
+        self.last_in_flight = death.in_flight.clone();
+        self.last_exit = Some(LastExit {
+            pid,
+            exit: death.exit.clone(),
+            cause: death.cause.clone(),
+            description,
+            stderr_tail: death.stderr_tail.clone(),
+            at_unix_s: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        });
+    }
+
+    /// Counts a crash; returns the backoff before the next start, or `None`
+    /// once the intensity cap is passed.
+    fn next_restart(
+        &mut self,
+        served: Duration,
+        spec: &ModelSpec,
+        base: Duration,
+    ) -> Option<Duration> {
+        if served >= BACKOFF_RESET_AFTER {
+            self.consecutive = 0;
+        }
+        let now = Instant::now();
+        let window = spec.restart_window.unwrap_or(DEFAULT_RESTART_WINDOW);
+        self.crashes.push_back(now);
+        while self
+            .crashes
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > window)
+        {
+            self.crashes.pop_front();
+        }
+        if self.crashes.len() as u32 > spec.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS) {
+            return None;
+        }
+        let delay = base
+            .saturating_mul(1 << self.consecutive.min(16))
+            .min(MAX_BACKOFF);
+        self.consecutive += 1;
+        Some(delay)
+    }
+
+    fn failure(&self, spec: &ModelSpec) -> String {
+        format!(
+            "more than {} crashes within {}; last: {}",
+            spec.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS),
+            humantime::format_duration(spec.restart_window.unwrap_or(DEFAULT_RESTART_WINDOW)),
+            self.last_exit
+                .as_ref()
+                .map(|e| e.description.as_str())
+                .unwrap_or("unknown")
+        )
+    }
+}
+
+type Done = watch::Sender<Option<std::result::Result<(), Arc<Error>>>>;
+
+impl Supervisor {
+    /// Watches a worker that just started serving: an unplanned death goes
+    /// to the crash policy.
+    pub(super) fn watch_worker(&self, model: &str, worker: &Arc<WorkerHandle>) {
+        let inner = Arc::downgrade(&self.inner);
+        let worker = Arc::clone(worker);
+        let model = model.to_string();
+        tokio::spawn(async move {
+            let death = worker.death().await;
+            if let Some(inner) = inner.upgrade() {
+                Supervisor { inner }.on_death(&model, &worker, &death);
+            }
+        });
+    }
+
+    fn on_death(&self, model: &str, worker: &Arc<WorkerHandle>, death: &Death) {
+        let base = self.inner.config.restart_backoff;
+        let restart = {
+            let mut state = self.lock();
+            let State { catalogue, slots } = &mut *state;
+            let (Some(entry), Some(slot)) = (catalogue.get_mut(model), slots.get_mut(model)) else {
+                return;
+            };
+            let current = slot.worker.as_ref().is_some_and(|w| Arc::ptr_eq(w, worker));
+            if !current || slot.state != ModelState::Ready || self.is_shutting_down() {
+                return; // a planned stop, or a worker already replaced
+            }
+            entry.health.note_death(model, worker.pid(), death);
+            let last = entry
+                .health
+                .last_exit
+                .as_ref()
+                .map(|e| e.description.clone())
+                .unwrap_or_default();
+            tracing::warn!(model, "{last}");
+            slot.worker = None;
+            slot.hold = false;
+            match entry
+                .health
+                .next_restart(worker.uptime(), &entry.spec, base)
+            {
+                None => {
+                    let failure = entry.health.failure(&entry.spec);
+                    tracing::error!(model, "model failed: {failure}");
+                    slot.state = ModelState::Failed;
+                    slot.failure = Some(failure);
+                    None
+                }
+                Some(delay) => {
+                    let (done, signal) = watch::channel(None);
+                    slot.state = ModelState::Loading;
+                    slot.loading = Some(signal);
+                    slot.reserved_bytes = entry.last_peak_bytes.unwrap_or(0);
+                    Some((delay, done, entry.spec.clone()))
+                }
+            }
+        };
+        self.inner.changed.notify_waiters();
+        if let Some((delay, done, spec)) = restart {
+            tokio::spawn(self.clone().restart(model.to_string(), spec, delay, done));
+        }
+    }
+
+    /// Restarts a crashed model after `delay`, again with longer delays while
+    /// the new workers fail, until it serves or the model is marked failed.
+    async fn restart(self, model: String, spec: ModelSpec, mut delay: Duration, done: Done) {
+        loop {
+            tracing::info!(model, "restarting in {}", humantime::format_duration(delay));
+            tokio::time::sleep(delay).await;
+            let wanted = self
+                .lock()
+                .slots
+                .get(&model)
+                .is_some_and(|s| s.state == ModelState::Loading);
+            if !wanted || self.is_shutting_down() {
+                let _ = done.send(Some(Err(Arc::new(
+                    Error::ShuttingDown {
+                        model: model.clone(),
+                    }
+                    .shared(),
+                ))));
+                return;
+            }
+            if let Some(entry) = self.lock().catalogue.get(&model) {
+                entry.counters.restarts.fetch_add(1, Ordering::Relaxed);
+            }
+            match launch::launch(&spec, &self.inner.config).await {
+                Ok((worker, report)) => {
+                    let installed = {
+                        let mut state = self.lock();
+                        let State { catalogue, slots } = &mut *state;
+                        match (slots.get_mut(&model), catalogue.get_mut(&model)) {
+                            (Some(slot), Some(entry)) if slot.state == ModelState::Loading => {
+                                slot.state = ModelState::Ready;
+                                slot.worker = Some(Arc::clone(&worker));
+                                slot.loading = None;
+                                slot.reserved_bytes = 0;
+                                slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
+                                entry.last_peak_bytes = Some(report.peak_rss_bytes);
+                                entry.counters.loads.fetch_add(1, Ordering::Relaxed);
+                                true
+                            }
+                            _ => false,
+                        }
+                    };
+                    if installed {
+                        tracing::info!(model, pid = report.pid, "restarted");
+                        self.watch_worker(&model, &worker);
+                        let _ = done.send(Some(Ok(())));
+                    } else {
+                        crate::worker::stop::stop(&worker, self.inner.config.stop_graces).await;
+                        let _ = done.send(Some(Err(Arc::new(
+                            Error::ShuttingDown {
+                                model: model.clone(),
+                            }
+                            .shared(),
+                        ))));
+                    }
+                    self.inner.changed.notify_waiters();
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(model, "restart failed: {e}");
+                    let next = {
+                        let mut state = self.lock();
+                        let State { catalogue, slots } = &mut *state;
+                        let (Some(entry), Some(slot)) =
+                            (catalogue.get_mut(&model), slots.get_mut(&model))
+                        else {
+                            return;
+                        };
+                        entry.health.last_exit = Some(LastExit {
+                            pid: 0,
+                            exit: ExitStatus::Code(-1),
+                            cause: None,
+                            description: format!("restart failed: {e}"),
+                            stderr_tail: Vec::new(),
+                            at_unix_s: SystemTime::now()
+                                .duration_since(UNIX_EPOCH)
+                                .map(|d| d.as_secs())
+                                .unwrap_or(0),
+                        });
+                        match entry.health.next_restart(
+                            Duration::ZERO,
+                            &entry.spec,
+                            self.inner.config.restart_backoff,
+                        ) {
+                            Some(d) => Some(d),
+                            None => {
+                                let failure = entry.health.failure(&entry.spec);
+                                tracing::error!(model, "model failed: {failure}");
+                                slot.state = ModelState::Failed;
+                                slot.loading = None;
+                                slot.failure = Some(failure);
+                                None
+                            }
+                        }
+                    };
+                    match next {
+                        Some(d) => delay = d,
+                        None => {
+                            let _ = done.send(Some(Err(Arc::new(e.shared()))));
+                            self.inner.changed.notify_waiters();
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// After each request: replace a worker past `max_rss` or `max_requests`.
+    pub(super) fn maybe_recycle(inner: &Arc<Inner>, model: &str) {
+        let spec = {
+            let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
+            let State { catalogue, slots } = &mut *state;
+            let (Some(entry), Some(slot)) = (catalogue.get(model), slots.get_mut(model)) else {
+                return;
+            };
+            let (max_rss, max_requests) = (entry.spec.max_rss, entry.spec.max_requests);
+            if (max_rss.is_none() && max_requests.is_none()) || slot.state != ModelState::Ready {
+                return;
+            }
+            let Some(worker) = slot.worker.clone() else {
+                return;
+            };
+            let rss = worker.sample_memory().map(|m| m.rss_bytes).unwrap_or(0);
+            let over = max_rss.is_some_and(|m| rss >= m);
+            if over {
+                // Not one more request for this worker: they wait for its replacement.
+                slot.hold = true;
+            }
+            if slot.swapping {
+                return;
+            }
+            // Start early enough that the replacement is ready before the limit.
+            let headroom = worker.rss_growth_per_request() * (f64::from(worker.in_flight()) + 2.0);
+            let soon = max_rss.is_some_and(|m| rss as f64 + headroom >= m as f64);
+            let worn = max_requests.is_some_and(|m| worker.requests() >= m);
+            if !(over || soon || worn) {
+                return;
+            }
+            slot.swapping = true;
+            entry.counters.recycles.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                model,
+                pid = worker.pid(),
+                rss,
+                requests = worker.requests(),
+                "recycling the worker"
+            );
+            entry.spec.clone()
+        };
+        let supervisor = Supervisor {
+            inner: Arc::clone(inner),
+        };
+        tokio::spawn(async move {
+            match supervisor.replace_worker(spec).await {
+                Ok(report) => tracing::info!("recycled: {report}"),
+                Err(e) => tracing::error!("recycling failed; the old worker keeps serving: {e}"),
+            }
+        });
+    }
+}
