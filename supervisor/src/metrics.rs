@@ -20,6 +20,8 @@ pub struct ModelCounters {
     pub unloads: AtomicU64,
     pub restarts: AtomicU64,
     pub recycles: AtomicU64,
+    /// Highest peak RSS of any stopped worker of the model (`VmHWM` at stop).
+    pub worker_peak_rss_bytes: AtomicU64,
     pub reclaimed_bytes: AtomicU64,
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     latency_count: AtomicU64,
@@ -27,6 +29,15 @@ pub struct ModelCounters {
 }
 
 impl ModelCounters {
+    /// Counts a stopped worker and what its stop proved.
+    pub fn record_unload(&self, report: &crate::UnloadReport) {
+        self.unloads.fetch_add(1, Ordering::Relaxed);
+        self.reclaimed_bytes
+            .fetch_add(report.reclaimed_bytes, Ordering::Relaxed);
+        self.worker_peak_rss_bytes
+            .fetch_max(report.peak_rss_bytes, Ordering::Relaxed);
+    }
+
     pub fn observe_latency(&self, elapsed: Duration) {
         let secs = elapsed.as_secs_f64();
         for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&self.latency_buckets) {
@@ -138,6 +149,20 @@ pub fn render(supervisor: &Supervisor) -> String {
             escape(&s.name),
             s.pid.unwrap_or(0),
             s.rss_bytes
+        );
+    }
+    family(
+        &mut out,
+        "berth_worker_peak_rss_bytes",
+        "gauge",
+        "Highest peak RSS of any stopped worker of the model.",
+    );
+    for (model, c) in &counters {
+        let peak = c.worker_peak_rss_bytes.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "berth_worker_peak_rss_bytes{{model=\"{}\"}} {peak}",
+            escape(model)
         );
     }
     family(

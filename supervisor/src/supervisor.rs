@@ -687,11 +687,7 @@ impl Supervisor {
             let mut state = self.lock();
             state.slots.remove(model);
             if let Some(entry) = state.catalogue.get(model) {
-                entry.counters.unloads.fetch_add(1, Ordering::Relaxed);
-                entry
-                    .counters
-                    .reclaimed_bytes
-                    .fetch_add(report.reclaimed_bytes, Ordering::Relaxed);
+                entry.counters.record_unload(&report);
             }
         }
         self.inner.unloads.fetch_add(1, Ordering::Relaxed);
@@ -808,11 +804,7 @@ impl Supervisor {
         }
         let unload = stop::stop(&old, self.inner.config.stop_graces).await;
         if let Some(entry) = self.lock().catalogue.get(&model) {
-            entry.counters.unloads.fetch_add(1, Ordering::Relaxed);
-            entry
-                .counters
-                .reclaimed_bytes
-                .fetch_add(unload.reclaimed_bytes, Ordering::Relaxed);
+            entry.counters.record_unload(&unload);
         }
         Ok(SwapReport {
             model,

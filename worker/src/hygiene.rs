@@ -15,10 +15,15 @@ pub(crate) struct Bootstrap {
 /// way. The parent check closes the race where the supervisor died before the
 /// signal was armed: then we have been re-parented and must not run on.
 pub(crate) fn start() -> Result<Bootstrap, String> {
-    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number and has no
-    // memory-safety preconditions.
+    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number, and
+    // resetting a signal's disposition has no memory-safety preconditions.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+        // Rust's runtime handles SIGSEGV and SIGBUS to report stack overflows,
+        // and swallows one that was sent rather than faulted. A worker dies of
+        // the signal that hit it, so the supervisor can report it.
+        libc::signal(libc::SIGSEGV, libc::SIG_DFL);
+        libc::signal(libc::SIGBUS, libc::SIG_DFL);
     }
     let server_name = std::env::var(ENV_BOOTSTRAP).map_err(|_| {
         format!(

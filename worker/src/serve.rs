@@ -126,6 +126,8 @@ fn run(registry: Registry, server_name: &str) -> Result<(), String> {
             Ok(command) => command,
             // The supervisor dropped its end: it is gone or gave up on us.
             Err(IpcError::Disconnected) => return Err("the supervisor closed the channel".into()),
+            // A signal landed during the wait (a grandchild's SIGCHLD, say): not an error.
+            Err(IpcError::Io(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(format!("cannot read a command: {e}")),
         };
         match command {

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use berth::fetch::{DEFAULT_MODELS, fetch, models_dir};
 use berth::server::config::{DEFAULT_KEEP_ALIVE, DEFAULT_LISTEN, ServeConfig};
 use berth::server::{Listen, serve};
+use berth::worker::orphans;
 use berth::{ModelSpec, Supervisor, SupervisorConfig};
 use clap::Args;
 
@@ -60,6 +61,7 @@ async fn start(args: ServeArgs) -> Result<(), String> {
         memory_budget: config.memory_budget,
         max_loaded: config.max_loaded,
         models_root: Some(models_root.clone()),
+        restart_backoff: config.restart_backoff.unwrap_or(defaults.restart_backoff),
         ..defaults
     });
     let models = if args.config.is_some() {
@@ -74,7 +76,48 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
     }
     let max_body = config.max_body.unwrap_or(16 << 20) as usize;
+    adopt_orphans(
+        config
+            .state_file
+            .clone()
+            .unwrap_or_else(|| default_state_file(&listen)),
+    )?;
     serve(supervisor, listen, token, max_body).await
+}
+
+/// Reaps what workers fork, and stops what a killed predecessor left.
+fn adopt_orphans(state_file: PathBuf) -> Result<(), String> {
+    if let Err(e) = orphans::become_subreaper() {
+        tracing::warn!("cannot become a child subreaper ({e}); orphans of workers go to init");
+    }
+    let stopped = orphans::use_state_file(&state_file)?;
+    if stopped > 0 {
+        eprintln!(
+            "berth: stopped {stopped} processes left by a previous supervisor ({})",
+            state_file.display()
+        );
+    }
+    tokio::spawn(async {
+        let mut ticker = tokio::time::interval(std::time::Duration::from_secs(1));
+        loop {
+            ticker.tick().await;
+            orphans::reap_strays();
+        }
+    });
+    Ok(())
+}
+
+fn default_state_file(listen: &Listen) -> PathBuf {
+    let name: String = listen
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache/berth/run")
+        .join(format!("serve-{name}.json"))
 }
 
 /// The default models, fetched first where missing.

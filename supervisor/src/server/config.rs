@@ -50,6 +50,13 @@ pub struct ServeConfig {
     /// Largest request body accepted (default 16 MiB).
     #[serde(default, with = "crate::units::bytes_opt")]
     pub max_body: Option<u64>,
+    /// Where the supervisor records its workers, so the next one can stop
+    /// what it leaves if it is killed (default: under `~/.cache/berth/run/`).
+    #[serde(default)]
+    pub state_file: Option<PathBuf>,
+    /// First restart delay after a crash (default 500 ms, doubling to 60 s).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub restart_backoff: Option<Duration>,
     #[serde(default, rename = "model")]
     pub models: Vec<ModelSpec>,
 }

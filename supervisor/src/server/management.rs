@@ -98,7 +98,7 @@ pub async fn infer(
     let _: Value = parse(&body)?;
     let json = String::from_utf8(body.to_vec())
         .map_err(|_| ApiError::bad_request("the body is not UTF-8"))?;
-    let options = request_options(query.keep_alive.as_ref())?;
+    let options = request_options(query.keep_alive.as_ref(), query.timeout.as_ref())?;
     let reply = app
         .supervisor
         .request_with(&name, Body::json(json), options)
@@ -110,4 +110,6 @@ pub async fn infer(
 pub struct InferQuery {
     #[serde(default)]
     keep_alive: Option<KeepAliveField>,
+    #[serde(default)]
+    timeout: Option<KeepAliveField>,
 }

@@ -38,19 +38,22 @@ pub(crate) enum KeepAliveField {
 
 pub(crate) fn request_options(
     keep_alive: Option<&KeepAliveField>,
+    timeout: Option<&KeepAliveField>,
 ) -> Result<RequestOptions, ApiError> {
-    let keep_alive = match keep_alive {
-        None => None,
-        Some(KeepAliveField::Text(t)) => {
-            Some(crate::parse_duration(t).map_err(ApiError::bad_request)?)
-        }
-        Some(KeepAliveField::Secs(s)) => {
-            Some(crate::parse_duration(&s.to_string()).map_err(ApiError::bad_request)?)
+    let parse = |field: Option<&KeepAliveField>| -> Result<Option<std::time::Duration>, ApiError> {
+        match field {
+            None => Ok(None),
+            Some(KeepAliveField::Text(t)) => crate::parse_duration(t)
+                .map(Some)
+                .map_err(ApiError::bad_request),
+            Some(KeepAliveField::Secs(s)) => crate::parse_duration(&s.to_string())
+                .map(Some)
+                .map_err(ApiError::bad_request),
         }
     };
     Ok(RequestOptions {
-        keep_alive,
-        deadline: None,
+        keep_alive: parse(keep_alive)?,
+        deadline: parse(timeout)?,
     })
 }
 
@@ -72,6 +75,9 @@ struct EmbeddingsRequest {
     encoding_format: Option<String>,
     #[serde(default)]
     keep_alive: Option<KeepAliveField>,
+    /// berth's extension: fail (and cancel) past this (`30s`, or seconds).
+    #[serde(default)]
+    timeout: Option<KeepAliveField>,
 }
 
 pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
@@ -95,7 +101,7 @@ pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Json
             )));
         }
     };
-    let options = request_options(req.keep_alive.as_ref())?;
+    let options = request_options(req.keep_alive.as_ref(), req.timeout.as_ref())?;
     let body = Body::json(json!({ "input": req.input }).to_string());
     let reply = app
         .supervisor
@@ -188,6 +194,9 @@ struct ChatRequest {
     stream_options: Option<Value>,
     #[serde(default)]
     keep_alive: Option<KeepAliveField>,
+    /// berth's extension: fail (and cancel) past this (`30s`, or seconds).
+    #[serde(default)]
+    timeout: Option<KeepAliveField>,
 }
 
 pub async fn chat_completions(
@@ -216,7 +225,7 @@ pub async fn chat_completions(
             backend_request[key] = value;
         }
     }
-    let options = request_options(req.keep_alive.as_ref())?;
+    let options = request_options(req.keep_alive.as_ref(), req.timeout.as_ref())?;
     let id = format!("chatcmpl-{:x}", rand_id());
     let created = now_unix();
     let body = Body::json(backend_request.to_string());

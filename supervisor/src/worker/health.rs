@@ -52,7 +52,10 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
                 }
                 return;
             };
-            let now = Instant::now();
+            // Stamped at the tick, not after the pong, so pong latency cannot
+            // make a full stall look a hair short of the timeout.
+            let now = asked;
+            let half_beat = policy.interval / 2;
             match last_progress {
                 // Idle, or moving: the clock restarts.
                 _ if worker.in_flight() == 0 => last_progress = Some((stats.progress, now)),
@@ -62,7 +65,7 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
                 None => last_progress = Some((stats.progress, now)),
                 Some((_, since)) => {
                     if let Some(stall) = policy.stall_timeout
-                        && now.duration_since(since) >= stall
+                        && now.duration_since(since) + half_beat >= stall
                     {
                         tracing::warn!(
                             model = worker.model(),

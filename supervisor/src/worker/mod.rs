@@ -6,6 +6,7 @@ pub(crate) mod health;
 pub(crate) mod launch;
 pub mod limits;
 pub mod memory;
+pub mod orphans;
 pub mod process;
 pub mod spawn;
 pub mod stop;

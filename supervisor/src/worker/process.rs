@@ -96,6 +96,7 @@ impl ProcessWatch {
                 let _ = closed_tx.send(true);
             }
         }
+        crate::worker::orphans::register(pid, model);
         let (exit_tx, exit) = watch::channel(None);
         let spawned = std::thread::Builder::new()
             .name(format!("berth-wait-{pid}"))
@@ -104,6 +105,7 @@ impl ProcessWatch {
                     Ok(status) => ExitStatus::from_std(status),
                     Err(_) => ExitStatus::Code(-1),
                 };
+                crate::worker::orphans::unregister(pid);
                 let _ = exit_tx.send(Some(status));
             });
         if spawned.is_err() {

@@ -98,6 +98,8 @@ async fn sweep_group(pgid: u32) -> u32 {
     let deadline = Instant::now() + Duration::from_secs(2);
     loop {
         let members = group_members(pgid);
+        // Under a subreaper, killed grandchildren are our children to reap.
+        crate::worker::orphans::reap_strays();
         if members.is_empty() {
             return 0;
         }

@@ -10,7 +10,14 @@
 //! - `ignore-shutdown`: serves like `echo`, but ignores SIGTERM and never
 //!   finishes the `Shutdown` command, so only SIGKILL ends it.
 //!
-//! Option `load_delay_ms` sleeps during load (a slow but progressing load).
+//! Other options:
+//! - `load_delay_ms`: sleeps during load (a slow but progressing load);
+//! - `crash_on`: a request whose JSON contains this text crashes the worker
+//!   (a poison input), others are echoed;
+//! - `crash_on_load_if_exists`: crashes at load while this file exists (a
+//!   model broken until someone fixes it);
+//! - `spawn_grandchild`: at load, starts a process that ignores SIGTERM (a
+//!   worker's helper that would outlive it).
 
 use std::time::Duration;
 
@@ -45,6 +52,8 @@ const MODES: &[(&str, Mode)] = &[
 struct Fault {
     mode: Mode,
     exit_code: i32,
+    crash_on: Option<String>,
+    grandchild: Option<std::process::Child>,
 }
 
 fn crash() -> ! {
@@ -69,7 +78,20 @@ fn hang() -> ! {
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["mode", "exit_code", "load_delay_ms"])?;
+    opts.only(&[
+        "mode",
+        "exit_code",
+        "load_delay_ms",
+        "crash_on",
+        "crash_on_load_if_exists",
+        "spawn_grandchild",
+    ])?;
+    if let Some(marker) = opts.str("crash_on_load_if_exists")
+        && std::path::Path::new(marker).exists()
+    {
+        eprintln!("fault: {marker} exists; crashing on load as asked");
+        crash();
+    }
     let name = opts.str("mode").unwrap_or("ok");
     let mode = MODES
         .iter()
@@ -101,14 +123,41 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         }
         _ => {}
     }
+    let grandchild = if opts.get_or("spawn_grandchild", false)? {
+        let child = std::process::Command::new("sh")
+            .args(["-c", "trap '' TERM; while :; do sleep 1; done"])
+            .spawn()
+            .map_err(|e| {
+                WireError::new(
+                    ErrorKind::LoadFailed,
+                    format!("model `{}`: cannot start the grandchild: {e}", spec.name),
+                )
+            })?;
+        eprintln!(
+            "fault: started grandchild pid {} that ignores SIGTERM",
+            child.id()
+        );
+        Some(child)
+    } else {
+        None
+    };
     Ok(Box::new(Fault {
         mode,
         exit_code: opts.get_or("exit_code", 3)?,
+        crash_on: opts.str("crash_on").map(str::to_owned),
+        grandchild,
     }))
 }
 
 impl Backend for Fault {
     fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        if self
+            .crash_on
+            .as_deref()
+            .is_some_and(|poison| request.json.contains(poison))
+        {
+            crash();
+        }
         match self.mode {
             Mode::CrashOnRequest => crash(),
             Mode::HangOnRequest => hang(),
@@ -125,6 +174,10 @@ impl Backend for Fault {
                 Ok(request)
             }
         }
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({ "grandchild_pid": self.grandchild.as_ref().map(std::process::Child::id) })
     }
 
     fn shutdown(&mut self) {

@@ -1,0 +1,202 @@
+//! Processes that outlive their supervisor, and what berth does about them.
+//!
+//! Workers die with their supervisor (parent-death signal), but what a
+//! worker forked does not: the signal is not inherited across fork. So:
+//! - the supervisor can become a *child subreaper*: orphans of its workers
+//!   are re-parented to it (not to init), and it reaps them;
+//! - every worker's pid, process group and start time is kept in a state
+//!   file; a supervisor starting with the same file after one that could
+//!   not clean up (it was SIGKILLed, the host lost power to it) stops what
+//!   is left in those process groups, checked by boot id and start time so
+//!   a recycled pid is never touched.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+
+/// One live worker, as the state file records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    pub pid: u32,
+    /// The worker's process group (its own pid: workers lead their group).
+    pub pgid: u32,
+    /// Start time in clock ticks since boot (`/proc/<pid>/stat` field 22).
+    pub start_time: u64,
+    pub model: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct StateFile {
+    supervisor_pid: u32,
+    boot_id: String,
+    workers: Vec<WorkerRecord>,
+}
+
+static LIVE: Mutex<BTreeMap<u32, WorkerRecord>> = Mutex::new(BTreeMap::new());
+static STATE_FILE: OnceLock<PathBuf> = OnceLock::new();
+
+fn live() -> std::sync::MutexGuard<'static, BTreeMap<u32, WorkerRecord>> {
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn start_time(pid: u32) -> Option<u64> {
+    procfs::process::Process::new(pid as i32)
+        .and_then(|p| p.stat())
+        .ok()
+        .map(|s| s.starttime)
+}
+
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Called when a worker starts.
+pub(crate) fn register(pid: u32, model: &str) {
+    let record = WorkerRecord {
+        pid,
+        pgid: pid,
+        start_time: start_time(pid).unwrap_or(0),
+        model: model.into(),
+    };
+    live().insert(pid, record);
+    persist();
+}
+
+/// Called once a worker has been reaped.
+pub(crate) fn unregister(pid: u32) {
+    live().remove(&pid);
+    persist();
+}
+
+/// True for a pid this process spawned as a worker and has not reaped.
+fn is_worker(pid: u32) -> bool {
+    live().contains_key(&pid)
+}
+
+fn persist() {
+    let Some(path) = STATE_FILE.get() else { return };
+    let state = StateFile {
+        supervisor_pid: std::process::id(),
+        boot_id: boot_id(),
+        workers: live().values().cloned().collect(),
+    };
+    let tmp = path.with_extension("tmp");
+    let written = serde_json::to_vec_pretty(&state)
+        .map_err(std::io::Error::other)
+        .and_then(|bytes| std::fs::write(&tmp, bytes))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        tracing::warn!(path = %path.display(), "cannot write the state file: {e}");
+    }
+}
+
+/// Makes this process the subreaper of everything its workers fork.
+pub fn become_subreaper() -> std::io::Result<()> {
+    // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer flag; no memory is involved.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Reaps exited children that are not workers (orphans re-parented to a
+/// subreaper). Workers are left to their own waiter threads.
+pub fn reap_strays() -> usize {
+    let me = std::process::id() as i32;
+    let Ok(all) = procfs::process::all_processes() else {
+        return 0;
+    };
+    let strays: Vec<u32> = all
+        .filter_map(Result::ok)
+        .filter_map(|p| p.stat().ok())
+        .filter(|s| s.ppid == me && s.state == 'Z' && !is_worker(s.pid as u32))
+        .map(|s| s.pid as u32)
+        .collect();
+    for pid in &strays {
+        let _ = nix::sys::wait::waitpid(
+            Pid::from_raw(*pid as i32),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+        );
+    }
+    strays.len()
+}
+
+/// Adopts `path` as this supervisor's state file: first stops what a
+/// previous supervisor recorded there and left running, then keeps the file
+/// up to date. Returns how many processes were stopped.
+pub fn use_state_file(path: &Path) -> Result<usize, String> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+    }
+    let stopped = match std::fs::read(path) {
+        Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
+            Ok(previous) => stop_leftovers(&previous),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), "ignoring an unreadable state file: {e}");
+                0
+            }
+        },
+        Err(_) => 0,
+    };
+    STATE_FILE
+        .set(path.to_path_buf())
+        .map_err(|_| "a state file is already in use".to_string())?;
+    persist();
+    Ok(stopped)
+}
+
+fn stop_leftovers(previous: &StateFile) -> usize {
+    if previous.boot_id != boot_id() {
+        return 0; // another boot: every pid in it is gone or someone else's
+    }
+    let owner_alive = previous.supervisor_pid != std::process::id()
+        && procfs::process::Process::new(previous.supervisor_pid as i32)
+            .and_then(|p| p.stat())
+            .is_ok_and(|s| s.state != 'Z');
+    if owner_alive {
+        tracing::warn!(
+            pid = previous.supervisor_pid,
+            "the previous supervisor is still running; leaving its workers alone"
+        );
+        return 0;
+    }
+    let mut stopped = 0;
+    let Ok(all) = procfs::process::all_processes() else {
+        return 0;
+    };
+    let stats: Vec<_> = all
+        .filter_map(Result::ok)
+        .filter_map(|p| p.stat().ok())
+        .collect();
+    for record in &previous.workers {
+        // What is still in the worker's group and started no earlier than the
+        // worker: its descendants, never a stranger that reused the pid.
+        let members: Vec<u32> = stats
+            .iter()
+            .filter(|s| {
+                s.pgrp == record.pgid as i32 && s.starttime >= record.start_time && s.state != 'Z'
+            })
+            .map(|s| s.pid as u32)
+            .collect();
+        if members.is_empty() {
+            continue;
+        }
+        tracing::warn!(
+            model = record.model,
+            pgid = record.pgid,
+            ?members,
+            "stopping processes left by a previous supervisor"
+        );
+        let _ = killpg(Pid::from_raw(record.pgid as i32), Signal::SIGKILL);
+        stopped += members.len();
+    }
+    stopped
+}

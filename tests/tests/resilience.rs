@@ -1,0 +1,368 @@
+//! Issue 5's "must hold" list: restarts, quarantine, stalls, memory caps,
+//! recycling and orphans, against real workers.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use berth::{Body, ModelSpec, ModelState, StopKind, Supervisor};
+use berth_tests::*;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::json;
+
+fn signal(pid: u32, sig: Signal) {
+    kill(Pid::from_raw(pid as i32), sig).unwrap();
+}
+
+fn ready_pid(sup: &Supervisor, model: &str) -> Option<u32> {
+    sup.stats()
+        .into_iter()
+        .find(|s| s.name == model && s.state == ModelState::Ready)
+        .and_then(|s| s.pid)
+}
+
+#[test]
+fn killed_workers_fail_requests_at_once_and_are_restarted() {
+    let server = Server::start(
+        "restart_backoff = \"200ms\"\n[[model]]\nname = \"m\"\nbackend = \"hog\"\noptions = { work_ms = 2000 }\n",
+    );
+    assert_eq!(server.post("/api/models/m/load", json!({})).0, 200);
+    for (round, (sig, name)) in [(Signal::SIGKILL, "SIGKILL"), (Signal::SIGSEGV, "SIGSEGV")]
+        .into_iter()
+        .enumerate()
+    {
+        let pid = server.ps()[0]["pid"].as_u64().unwrap() as u32;
+        let (status, body, elapsed) = std::thread::scope(|scope| {
+            let request = scope.spawn(|| {
+                let started = Instant::now();
+                let (status, body) = server.post("/api/models/m/infer", json!({ "round": round }));
+                (status, body, started.elapsed())
+            });
+            assert!(wait_for(
+                Duration::from_secs(5),
+                || server.ps()[0]["in_flight"] == 1
+            ));
+            signal(pid, sig);
+            request.join().unwrap()
+        });
+        assert_eq!(status, 502, "{body}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(name),
+            "names {name}: {body}"
+        );
+        assert!(
+            elapsed < Duration::from_millis(1900),
+            "failed at once, not after the request's 2 s: {elapsed:?}"
+        );
+        // Serving again after the backoff, in a new worker.
+        assert!(
+            wait_for(Duration::from_secs(10), || {
+                let ps = server.ps();
+                ps.len() == 1
+                    && ps[0]["state"] == "ready"
+                    && ps[0]["pid"].as_u64() != Some(pid as u64)
+            }),
+            "restarted: {:?}",
+            server.ps()
+        );
+        let ps = server.ps();
+        assert_eq!(ps[0]["restarts"], round as u64 + 1, "{ps:?}");
+        assert!(
+            ps[0]["last_exit"]["description"]
+                .as_str()
+                .unwrap()
+                .contains(name),
+            "{ps:?}"
+        );
+        assert!(!ps[0]["last_exit"]["exit"].is_null());
+    }
+    let metrics = ureq::get(format!("{}/metrics", server.url))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "berth_restarts_total{model=\"m\"} 2"),
+        "{metrics}"
+    );
+    let (status, _) = server.post("/api/models/m/infer", json!({}));
+    assert_eq!(status, 200, "serving after both restarts");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_crashing_on_every_load_fails_and_comes_back_by_hand() {
+    let sup = supervisor();
+    let marker = std::env::temp_dir().join(format!("berth-broken-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let mut spec =
+        ModelSpec::new("flaky", "fault").option("crash_on_load_if_exists", marker.display());
+    spec.max_restarts = Some(2);
+    sup.load(spec).await.unwrap();
+    let pid = ready_pid(&sup, "flaky").unwrap();
+
+    std::fs::write(&marker, b"broken").unwrap();
+    signal(pid, Signal::SIGKILL);
+    assert!(
+        eventually(Duration::from_secs(10), || sup
+            .stats()
+            .first()
+            .is_some_and(|s| s.state == ModelState::Failed))
+        .await,
+        "failed after max_restarts: {:?}",
+        sup.stats()
+    );
+    let status = sup.stats().remove(0);
+    assert_eq!(status.pid, None);
+    let last = status.last_exit.expect("the cause is kept");
+    assert!(
+        last.description.contains("SIGSEGV") || last.description.contains("restart failed"),
+        "{last:?}"
+    );
+    let err = sup.request("flaky", Body::json("{}")).await.unwrap_err();
+    assert_eq!(err.kind(), "model_failed", "{err}");
+    assert!(
+        err.to_string().contains("more than 2 crashes") && err.to_string().contains("by hand"),
+        "{err}"
+    );
+
+    // Fixed: a load by hand brings it back.
+    std::fs::remove_file(&marker).unwrap();
+    sup.load_registered("flaky").await.unwrap();
+    assert_eq!(
+        sup.request("flaky", Body::json("{\"ok\":1}"))
+            .await
+            .unwrap()
+            .json,
+        "{\"ok\":1}"
+    );
+    sup.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_kills_two_workers_is_quarantined() {
+    let sup = supervisor();
+    sup.load(ModelSpec::new("p", "fault").option("crash_on", "poison"))
+        .await
+        .unwrap();
+    let poison = || Body::json(r#"{"input":"poison"}"#);
+    for death in 1..=2 {
+        let err = sup.request("p", poison()).await.unwrap_err();
+        assert_eq!(err.kind(), "worker_died", "death {death}: {err}");
+        assert!(
+            eventually(Duration::from_secs(5), || ready_pid(&sup, "p").is_some()).await,
+            "restarted"
+        );
+        // Other requests are served between the deaths.
+        assert_eq!(
+            sup.request("p", Body::json("{\"fine\":1}"))
+                .await
+                .unwrap()
+                .json,
+            "{\"fine\":1}"
+        );
+    }
+    let pid = ready_pid(&sup, "p").unwrap();
+    let err = sup.request("p", poison()).await.unwrap_err();
+    assert_eq!(err.kind(), "quarantined", "{err}");
+    assert!(err.to_string().contains("twice"), "{err}");
+    assert_eq!(ready_pid(&sup, "p"), Some(pid), "the worker was spared");
+    assert_eq!(
+        sup.request("p", Body::json("{\"fine\":2}"))
+            .await
+            .unwrap()
+            .json,
+        "{\"fine\":2}"
+    );
+    sup.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_request_is_killed_but_a_slow_one_is_not() {
+    let sup = supervisor();
+    let mut hung = ModelSpec::new("hung", "fault").option("mode", "hang-on-request");
+    hung.stall_timeout = Some(Duration::from_secs(2));
+    sup.load(hung).await.unwrap();
+    let started = Instant::now();
+    let err = sup.request("hung", Body::json("{}")).await.unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.kind(), "stalled", "{err}");
+    assert!(err.to_string().contains("no progress"), "{err}");
+    // stall_timeout + one heartbeat (1 s), plus scheduling slack.
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_millis(3500),
+        "killed after {took:?}"
+    );
+
+    let mut slow = ModelSpec::new("slow", "hog").option("work_ms", 3000);
+    slow.stall_timeout = Some(Duration::from_secs(1));
+    sup.load(slow).await.unwrap();
+    let reply = sup.request("slow", Body::json("{}")).await;
+    assert!(
+        reply.is_ok(),
+        "a slow request that progresses is left alone: {reply:?}"
+    );
+    sup.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_fails_the_request_and_cancels_it_in_the_worker() {
+    let sup = supervisor();
+    sup.load(ModelSpec::new("slow", "hog").option("work_ms", 3000))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let options = berth::RequestOptions {
+        deadline: Some(Duration::from_millis(300)),
+        ..Default::default()
+    };
+    let err = sup
+        .request_with("slow", Body::json("{}"), options)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "deadline_exceeded", "{err}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    // Cancelled in the worker: the next request does not wait behind 3 s of dead work.
+    let started = Instant::now();
+    let options = berth::RequestOptions {
+        deadline: Some(Duration::from_secs(5)),
+        ..Default::default()
+    };
+    sup.request_with("slow", Body::json("{}"), options)
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_millis(4500),
+        "took {:?}",
+        started.elapsed()
+    );
+    sup.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_over_its_memory_limit_fails_and_spares_the_rest() {
+    let _guard = memory_lock().await;
+    let sup = supervisor();
+    sup.load(ModelSpec::new("bystander", "echo")).await.unwrap();
+    let mut spec = ModelSpec::new("greedy", "hog").option("alloc_mib", 300);
+    spec.memory_limit = Some(128 << 20);
+    let err = sup.load(spec).await.unwrap_err();
+    assert_eq!(err.kind(), "memory_limit_exceeded", "{err}");
+    let berth::Error::MemoryLimitExceeded { limit, peak, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(*limit, 128 << 20);
+    assert!(
+        *peak >= 100 << 20 && *peak <= 130 << 20,
+        "peak near the limit: {peak}"
+    );
+    assert!(
+        err.to_string().contains("128.0 MiB") && err.to_string().contains("during load"),
+        "{err}"
+    );
+    assert_eq!(
+        sup.request("bystander", Body::json("{\"ok\":1}"))
+            .await
+            .unwrap()
+            .json,
+        "{\"ok\":1}"
+    );
+    // Within the limit it loads, and the report says how the cap is enforced.
+    let mut spec = ModelSpec::new("modest", "hog").option("alloc_mib", 32);
+    spec.memory_limit = Some(128 << 20);
+    let load = sup.load(spec).await.unwrap();
+    assert_eq!(load.memory_limit_bytes, Some(128 << 20));
+    assert!(load.memory_cap.is_some());
+    sup.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaking_model_is_recycled_and_serves_20000_requests() {
+    let _guard = memory_lock().await;
+    let sup = supervisor();
+    const STEP: u64 = 256 << 10;
+    const MAX_RSS: u64 = 48 << 20;
+    let mut spec = ModelSpec::new("leaky", "hog")
+        .option("alloc_mib", 8)
+        .option("leak_kib_per_request", 256);
+    spec.max_rss = Some(MAX_RSS);
+    sup.load(spec).await.unwrap();
+    let mut failed = 0;
+    for i in 0..20_000u32 {
+        if sup
+            .request("leaky", Body::json(format!("{{\"i\":{i}}}")))
+            .await
+            .is_err()
+        {
+            failed += 1;
+        }
+    }
+    assert_eq!(failed, 0);
+    let stats = sup.stats().remove(0);
+    assert!(
+        stats.rss_growth_per_request_bytes > 0.0,
+        "the leak shows in ps: {stats:?}"
+    );
+    let counters = sup
+        .counters()
+        .into_iter()
+        .find(|(n, _)| n == "leaky")
+        .unwrap()
+        .1;
+    let recycles = counters.recycles.load(Ordering::Relaxed);
+    assert!(recycles >= 5, "recycled several times: {recycles}");
+    sup.shutdown().await;
+    let peak = counters.worker_peak_rss_bytes.load(Ordering::Relaxed);
+    // One step of leak plus the page it straddles.
+    assert!(
+        peak <= MAX_RSS + STEP + (8 << 10),
+        "peak {peak} vs max_rss {MAX_RSS} + one step"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grandchild_ignoring_sigterm_does_not_outlive_the_unload() {
+    let sup = supervisor();
+    let load = sup
+        .load(ModelSpec::new("forky", "fault").option("spawn_grandchild", true))
+        .await
+        .unwrap();
+    let grandchild = load.details["grandchild_pid"]
+        .as_u64()
+        .expect("grandchild pid") as u32;
+    assert!(alive(grandchild));
+    let unload = sup.unload("forky").await.unwrap();
+    assert_eq!(unload.stop, StopKind::Graceful);
+    assert_eq!(unload.leftover_processes, 0);
+    assert!(!alive(load.pid) && !alive(grandchild), "neither is left");
+}
+
+#[test]
+fn a_new_server_stops_what_a_killed_one_left_behind() {
+    let state = std::env::temp_dir().join(format!("berth-state-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&state);
+    let config = format!(
+        "state_file = \"{}\"\n[[model]]\nname = \"forky\"\nbackend = \"fault\"\noptions = {{ spawn_grandchild = true }}\n",
+        state.display()
+    );
+    let mut first = Server::start(&config);
+    let (status, load) = first.post("/api/models/forky/load", json!({}));
+    assert_eq!(status, 200, "{load}");
+    let grandchild = load["details"]["grandchild_pid"].as_u64().unwrap() as u32;
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    // The worker died with its supervisor; what it forked did not.
+    assert!(
+        alive(grandchild),
+        "the grandchild outlived the killed supervisor"
+    );
+
+    let _second = Server::start(&config);
+    assert!(
+        wait_for(Duration::from_secs(5), || !alive(grandchild)),
+        "the next supervisor stopped it"
+    );
+    let _ = std::fs::remove_file(&state);
+}
