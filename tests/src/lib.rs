@@ -1,6 +1,8 @@
 //! Helpers for the end-to-end tests: find the real binaries, build a
 //! supervisor that uses them, poll instead of sleeping.
 
+pub mod chaos;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
