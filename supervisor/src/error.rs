@@ -63,7 +63,7 @@ pub enum Error {
         phase: &'static str,
     },
 
-    #[error("model `{model}`: {source}")]
+    #[error("{}", with_model(.model, &.source.message))]
     LoadFailed { model: String, source: WireError },
 
     #[error(
@@ -96,7 +96,7 @@ pub enum Error {
         during: &'static str,
     },
 
-    #[error("model `{model}`: {source}")]
+    #[error("{}", with_model(.model, &.source.message))]
     Request { model: String, source: WireError },
 
     #[error("model `{model}` is not loaded; load it first")]
@@ -166,6 +166,15 @@ fn known_suffix(known: &[String]) -> String {
         "; register it first".into()
     } else {
         format!(" (registered: {})", known.join(", "))
+    }
+}
+
+/// Backends name the model in their messages already; name it once.
+fn with_model(model: &str, message: &str) -> String {
+    if message.starts_with(&format!("model `{model}`")) {
+        message.to_string()
+    } else {
+        format!("model `{model}`: {message}")
     }
 }
 

@@ -27,17 +27,30 @@ pub struct ChaosReport {
 impl std::fmt::Display for ChaosReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let failed: u64 = self.failed.values().sum();
-        writeln!(f, "requests {}: answered {}, failed with a clear error {} {:?}, hung {}", self.requests, self.answered, failed, self.failed, self.hung)?;
-        write!(f, "workers killed {}, restarts {}, processes left {}", self.kills, self.restarts, self.leftover)
+        writeln!(
+            f,
+            "requests {}: answered {}, failed with a clear error {} {:?}, hung {}",
+            self.requests, self.answered, failed, self.failed, self.hung
+        )?;
+        write!(
+            f,
+            "workers killed {}, restarts {}, processes left {}",
+            self.kills, self.restarts, self.leftover
+        )
     }
 }
 
 /// Runs the chaos for `duration` with `clients` concurrent clients.
 pub async fn run(duration: Duration, clients: usize) -> ChaosReport {
-    let sup = Supervisor::new(SupervisorConfig { restart_backoff: Duration::from_millis(100), ..crate::test_config() });
+    let sup = Supervisor::new(SupervisorConfig {
+        restart_backoff: Duration::from_millis(100),
+        ..crate::test_config()
+    });
     let models = [
         ModelSpec::new("echo", "echo"),
-        ModelSpec::new("hog", "hog").option("alloc_mib", 16).option("work_ms", 20),
+        ModelSpec::new("hog", "hog")
+            .option("alloc_mib", 16)
+            .option("work_ms", 20),
         ModelSpec::new("fault", "fault"),
     ];
     for mut spec in models {
@@ -58,12 +71,25 @@ pub async fn run(duration: Duration, clients: usize) -> ChaosReport {
                 let model = ["echo", "hog", "fault"][(client + i) % 3];
                 i += 1;
                 requests.fetch_add(1, Ordering::Relaxed);
-                let options = RequestOptions { deadline: Some(Duration::from_secs(10)), ..Default::default() };
-                match sup.request_with(model, Body::json(format!("{{\"c\":{client},\"i\":{i}}}")), options).await {
+                let options = RequestOptions {
+                    deadline: Some(Duration::from_secs(10)),
+                    ..Default::default()
+                };
+                match sup
+                    .request_with(
+                        model,
+                        Body::json(format!("{{\"c\":{client},\"i\":{i}}}")),
+                        options,
+                    )
+                    .await
+                {
                     Ok(_) => answered += 1,
                     Err(e) if e.kind() == "deadline_exceeded" => hung += 1,
                     Err(e) => {
-                        assert!(e.to_string().contains(model), "a clear error names the model: {e}");
+                        assert!(
+                            e.to_string().contains(model),
+                            "a clear error names the model: {e}"
+                        );
                         *failed.entry(e.kind().to_string()).or_default() += 1;
                     }
                 }
@@ -80,14 +106,24 @@ pub async fn run(duration: Duration, clients: usize) -> ChaosReport {
         if pids.is_empty() {
             continue;
         }
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let victim = pids[(seed >> 33) as usize % pids.len()];
-        if nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim as i32), nix::sys::signal::Signal::SIGKILL).is_ok() {
+        if nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(victim as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .is_ok()
+        {
             kills += 1;
         }
     }
     stop.store(true, Ordering::Relaxed);
-    let mut report = ChaosReport { kills, ..ChaosReport::default() };
+    let mut report = ChaosReport {
+        kills,
+        ..ChaosReport::default()
+    };
     while let Some(joined) = tasks.join_next().await {
         let (answered, failed, hung) = joined.expect("client task");
         report.answered += answered;
@@ -97,7 +133,11 @@ pub async fn run(duration: Duration, clients: usize) -> ChaosReport {
         }
     }
     report.requests = requests.load(Ordering::Relaxed);
-    report.restarts = sup.counters().iter().map(|(_, c)| c.restarts.load(Ordering::Relaxed)).sum();
+    report.restarts = sup
+        .counters()
+        .iter()
+        .map(|(_, c)| c.restarts.load(Ordering::Relaxed))
+        .sum();
     sup.shutdown().await;
     let me = std::process::id();
     crate::eventually(Duration::from_secs(5), || crate::children_of(me).is_empty()).await;

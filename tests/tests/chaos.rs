@@ -10,7 +10,13 @@ async fn random_kills_leave_no_hung_request_and_no_process() {
     assert_eq!(report.leftover, 0, "{report}");
     assert!(report.kills >= 6, "{report}");
     assert!(report.answered > 100, "{report}");
-    assert!(report.restarts >= report.kills / 2, "killed models came back: {report}");
+    assert!(
+        report.restarts >= report.kills / 2,
+        "killed models came back: {report}"
+    );
     let clear = ["worker_died", "busy"];
-    assert!(report.failed.keys().all(|k| clear.contains(&k.as_str())), "only clear failures: {report}");
+    assert!(
+        report.failed.keys().all(|k| clear.contains(&k.as_str())),
+        "only clear failures: {report}"
+    );
 }

@@ -193,6 +193,8 @@ struct ChatRequest {
     #[serde(default)]
     stream_options: Option<Value>,
     #[serde(default)]
+    n: Option<u64>,
+    #[serde(default)]
     keep_alive: Option<KeepAliveField>,
     /// berth's extension: fail (and cancel) past this (`30s`, or seconds).
     #[serde(default)]
@@ -206,6 +208,9 @@ pub async fn chat_completions(
     let req: ChatRequest = parse(&body)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("`messages` is empty"));
+    }
+    if req.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_request("only `n: 1` is supported"));
     }
     let mut backend_request = json!({ "messages": req.messages });
     let fields = [
@@ -229,7 +234,7 @@ pub async fn chat_completions(
     let id = format!("chatcmpl-{:x}", rand_id());
     let created = now_unix();
     let body = Body::json(backend_request.to_string());
-    let stream = app
+    let mut stream = app
         .supervisor
         .request_stream_with(&req.model, body, options)
         .await?;
@@ -238,7 +243,13 @@ pub async fn chat_completions(
             .stream_options
             .as_ref()
             .is_some_and(|o| o["include_usage"] == Value::Bool(true));
-        let events = sse_events(stream, id, created, req.model, include_usage);
+        // A request the backend refuses fails before its first piece: answer
+        // it with a status, not with an error inside a 200 stream.
+        let first = stream.next().await;
+        if let Some(Err(e)) = first {
+            return Err(e.into());
+        }
+        let events = sse_events(stream, first, id, created, req.model, include_usage);
         return Ok(Sse::new(events)
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response());
@@ -305,6 +316,7 @@ async fn final_body(mut stream: RequestStream, model: &str) -> Result<Value, Api
 
 fn sse_events(
     stream: RequestStream,
+    first_piece: Option<crate::Result<Piece>>,
     id: String,
     created: u64,
     model: String,
@@ -318,24 +330,29 @@ fn sse_events(
     };
     let first = chunk(json!({ "role": "assistant", "content": "" }), Value::Null);
     enum Phase {
-        Start(RequestStream, Value),
-        Streaming(RequestStream),
+        Start(RequestStream, Value, Option<crate::Result<Piece>>),
+        Streaming(RequestStream, Option<Option<crate::Result<Piece>>>),
         Tail(Vec<Value>),
         Done,
     }
     let chunk = std::sync::Arc::new(chunk);
-    stream::unfold(Phase::Start(stream, first), move |phase| {
+    stream::unfold(Phase::Start(stream, first, first_piece), move |phase| {
         let chunk = std::sync::Arc::clone(&chunk);
         async move {
             match phase {
-                Phase::Start(stream, first) => Some((Ok(data(&first)), Phase::Streaming(stream))),
-                Phase::Streaming(mut stream) => match stream.next().await {
+                Phase::Start(stream, first, piece) => {
+                    Some((Ok(data(&first)), Phase::Streaming(stream, Some(piece))))
+                }
+                Phase::Streaming(mut stream, pending) => match match pending {
+                    Some(piece) => piece,
+                    None => stream.next().await,
+                } {
                     Some(Ok(Piece::Chunk(body))) => {
                         let delta: Value = serde_json::from_str(&body.json).unwrap_or(Value::Null);
                         let text = delta["delta"].as_str().unwrap_or_default().to_string();
                         Some((
                             Ok(data(&chunk(json!({ "content": text }), Value::Null))),
-                            Phase::Streaming(stream),
+                            Phase::Streaming(stream, None),
                         ))
                     }
                     Some(Ok(Piece::Done(body))) => {
@@ -353,7 +370,12 @@ fn sse_events(
                     }
                     Some(Err(e)) => {
                         let e = ApiError::from(e);
-                        let err = json!({ "error": { "message": e.message, "type": "server_error", "code": e.code } });
+                        let kind = if e.status.is_client_error() {
+                            "invalid_request_error"
+                        } else {
+                            "server_error"
+                        };
+                        let err = json!({ "error": { "message": e.message, "type": kind, "code": e.code } });
                         Some((Ok(data(&err)), Phase::Tail(Vec::new())))
                     }
                     None => Some((Ok(Event::default().data("[DONE]")), Phase::Done)),

@@ -15,7 +15,8 @@
 //!   has one, and for SmolLM2-135M on 2 cores it decodes about 2x and reads
 //!   prompts about 4x faster, for a file half as large again;
 //! - defaults for requests: `max_tokens` (256), `temperature` (0 = greedy),
-//!   `top_p` (none), `seed` (299792458).
+//!   `top_p` (none), `seed` (none: a fresh seed per request, so sampled
+//!   answers vary unless a seed is given; greedy ignores it).
 //!
 //! Request (JSON): `{"messages": [{"role": "system"|"user"|"assistant",
 //! "content": "..."}, ...]}`, or `{"input": "..."}` / `{"prompt": "..."}`,
@@ -63,7 +64,6 @@ const OPTIONS: &[&str] = &[
     "seed",
 ];
 const DEFAULT_MAX_TOKENS: usize = 256;
-const DEFAULT_SEED: u64 = 299_792_458;
 const IM_START: &str = "<|im_start|>";
 const IM_END: &str = "<|im_end|>";
 /// GGUF `token_type` values.
@@ -82,7 +82,21 @@ struct Settings {
     max_tokens: usize,
     temperature: f64,
     top_p: Option<f64>,
-    seed: u64,
+    /// `None`: a fresh seed per request, so sampled answers vary.
+    seed: Option<u64>,
+}
+
+/// A seed for a request that named none.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
 }
 
 impl Settings {
@@ -152,7 +166,41 @@ struct RawRequest {
 #[derive(Deserialize)]
 struct RawMessage {
     role: String,
-    content: String,
+    content: RawContent,
+}
+
+/// A message's content: a string, or OpenAI's array of content parts.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawContent {
+    Text(String),
+    Parts(Vec<RawPart>),
+}
+
+#[derive(Deserialize)]
+struct RawPart {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+impl RawContent {
+    fn into_text(self, message: usize) -> Result<String, String> {
+        match self {
+            RawContent::Text(text) => Ok(text),
+            RawContent::Parts(parts) => parts
+                .into_iter()
+                .map(|p| match (p.kind.as_str(), p.text) {
+                    ("text", Some(text)) => Ok(text),
+                    (kind, _) => Err(format!(
+                        "message {message} has a `{kind}` content part; this model takes text only"
+                    )),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(|texts| texts.concat()),
+        }
+    }
 }
 
 /// Parses a request body; the error is the message for a `BadRequest`.
@@ -192,7 +240,7 @@ fn parse_request(json: &str, defaults: &Settings) -> Result<Request, String> {
                 };
                 messages.push(Message {
                     role,
-                    content: m.content,
+                    content: m.content.into_text(i)?,
                 });
             }
             if messages.iter().all(|m| m.content.trim().is_empty()) {
@@ -211,7 +259,7 @@ fn parse_request(json: &str, defaults: &Settings) -> Result<Request, String> {
         max_tokens: raw.max_tokens.unwrap_or(defaults.max_tokens),
         temperature: raw.temperature.unwrap_or(defaults.temperature),
         top_p: raw.top_p.or(defaults.top_p),
-        seed: raw.seed.unwrap_or(defaults.seed),
+        seed: raw.seed.or(defaults.seed),
     };
     settings.check()?;
     let stop = match raw.stop {
@@ -728,7 +776,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         max_tokens: opts.get_or("max_tokens", DEFAULT_MAX_TOKENS)?,
         temperature: opts.get_or("temperature", 0.0)?,
         top_p: opts.get("top_p")?,
-        seed: opts.get_or("seed", DEFAULT_SEED)?,
+        seed: opts.get("seed")?,
     };
     defaults.check().map_err(fail)?;
     // Before any tensor operation: candle sizes its pools once.
@@ -864,7 +912,7 @@ impl Generate {
             .max_tokens
             .min(self.context_length - prompt_tokens);
         let mut sampler = LogitsProcessor::new(
-            req.settings.seed,
+            req.settings.seed.unwrap_or_else(fresh_seed),
             Some(req.settings.temperature),
             req.settings.top_p,
         );
@@ -990,7 +1038,7 @@ mod tests {
             max_tokens: DEFAULT_MAX_TOKENS,
             temperature: 0.0,
             top_p: None,
-            seed: DEFAULT_SEED,
+            seed: None,
         }
     }
 
@@ -1145,7 +1193,7 @@ mod tests {
                 max_tokens: 5,
                 temperature: 0.7,
                 top_p: Some(0.9),
-                seed: 1
+                seed: Some(1)
             }
         );
         assert_eq!(r.stop, ["a", "b"]);
