@@ -60,6 +60,10 @@ pub struct ModelSpec {
     /// Default 60 s.
     #[serde(default, with = "crate::units::duration_opt")]
     pub restart_window: Option<Duration>,
+    /// GPUs for the worker: `[0, 1]` or `"auto"` (the device with the most
+    /// free memory that fits); it gets `CUDA_VISIBLE_DEVICES` accordingly.
+    #[serde(default)]
+    pub gpus: Option<crate::gpu::GpuRequest>,
     /// Requests sent to the worker at once (default 8).
     #[serde(default)]
     pub max_concurrency: Option<usize>,
@@ -82,6 +86,7 @@ impl ModelSpec {
             keep_alive: None,
             memory_limit: None,
             stall_timeout: None,
+            gpus: None,
             max_rss: None,
             max_requests: None,
             max_restarts: None,
@@ -178,6 +183,9 @@ pub struct SupervisorConfig {
     /// First delay before restarting a crashed worker; it doubles per
     /// consecutive crash, up to 60 s (default 500 ms).
     pub restart_backoff: Duration,
+    /// VRAM berth's workers may hold on one GPU together (placement refuses
+    /// a model that would pass it).
+    pub gpu_memory_budget: Option<u64>,
     /// Models registered through the HTTP API must lie under this folder.
     pub models_root: Option<PathBuf>,
 }
@@ -196,6 +204,7 @@ impl Default for SupervisorConfig {
             max_loaded: None,
             models_root: None,
             restart_backoff: Duration::from_millis(500),
+            gpu_memory_budget: None,
         }
     }
 }

@@ -156,6 +156,15 @@ pub enum Error {
     #[error("model `{model}`: no answer within the request's deadline ({:.1} s); it was cancelled", .after.as_secs_f64())]
     DeadlineExceeded { model: String, after: Duration },
 
+    #[error(
+        "model `{model}` is restarting after a crash ({last_exit}); the next attempt is in {in_s:.1} s, retry then"
+    )]
+    Restarting {
+        model: String,
+        in_s: f64,
+        last_exit: String,
+    },
+
     /// A load another caller started failed; every caller waiting on it gets this.
     #[error("{message}")]
     SharedLoad { kind: &'static str, message: String },
@@ -224,6 +233,7 @@ impl Error {
             Error::BudgetExceeded { .. } => "memory_budget_exceeded",
             Error::Busy { .. } => "busy",
             Error::ModelFailed { .. } => "model_failed",
+            Error::Restarting { .. } => "restarting",
             Error::Quarantined { .. } => "quarantined",
             Error::DeadlineExceeded { .. } => "deadline_exceeded",
             Error::SharedLoad { kind, .. } => kind,

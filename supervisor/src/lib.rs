@@ -20,6 +20,7 @@
 mod config;
 mod error;
 pub mod fetch;
+pub mod gpu;
 pub mod metrics;
 mod report;
 pub mod server;

@@ -92,6 +92,10 @@ pub struct LoadReport {
     /// The worker's memory cap, if it has one, and how it is enforced.
     pub memory_limit_bytes: Option<u64>,
     pub memory_cap: Option<crate::worker::limits::CapMechanism>,
+    /// The GPUs the worker was given (`CUDA_VISIBLE_DEVICES`).
+    pub gpus: Option<Vec<u32>>,
+    /// Device memory the worker holds after load, as NVML counts it per process.
+    pub vram_bytes: Option<u64>,
     pub system_available_bytes: u64,
     /// What the backend says about the loaded model.
     pub details: serde_json::Value,
@@ -123,6 +127,12 @@ pub struct UnloadReport {
     pub reclaimed_bytes: u64,
     /// Processes of the worker's process group alive after the stop (0).
     pub leftover_processes: u32,
+    /// Device memory the worker held when the stop began (NVML, per process).
+    pub vram_at_stop_bytes: Option<u64>,
+    /// The drop in its GPUs' used memory once the worker was gone from
+    /// NVML's process list, and how long the device took to give it back.
+    pub gpu_reclaimed_bytes: Option<u64>,
+    pub gpu_reclaim_ms: Option<f64>,
 }
 
 pub(crate) fn mib(bytes: u64) -> String {

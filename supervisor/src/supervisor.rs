@@ -150,6 +150,7 @@ impl Slot {
             expires_at: None,
             swapping: false,
             hold: false,
+            restart_at: None,
             failure: None,
         }
     }
@@ -170,6 +171,8 @@ struct Slot {
     /// Set when the worker crossed `max_rss` before its replacement was
     /// ready: new requests wait for the replacement.
     hold: bool,
+    /// While a crashed model waits out its backoff: when it restarts.
+    restart_at: Option<Instant>,
     /// Why the model failed (state `Failed`, no worker).
     failure: Option<String>,
 }
@@ -493,6 +496,27 @@ impl Supervisor {
                         }
                         // A worker that just died: the crash policy decides next.
                         (ModelState::Failed, Some(_), _) => Next::WaitChange,
+                        // In a crash backoff of more than a moment: say so now
+                        // rather than hold the request for up to a minute.
+                        (ModelState::Loading, None, _)
+                            if slot
+                                .restart_at
+                                .is_some_and(|t| t > Instant::now() + Duration::from_secs(1)) =>
+                        {
+                            let left = slot
+                                .restart_at
+                                .map(|t| t.saturating_duration_since(Instant::now()));
+                            return Err(Error::Restarting {
+                                model: model.into(),
+                                in_s: left.unwrap_or_default().as_secs_f64(),
+                                last_exit: state
+                                    .catalogue
+                                    .get(model)
+                                    .and_then(|e| e.health.last_exit.as_ref())
+                                    .map(|e| e.description.clone())
+                                    .unwrap_or_default(),
+                            });
+                        }
                         (_, _, Some(signal)) => Next::Wait(signal.clone()),
                         _ => Next::WaitChange,
                     },
@@ -899,6 +923,9 @@ impl Supervisor {
                 Arc::clone(&entry.counters),
             )
         };
+        // The deadline covers the whole request: queueing, loading, answering.
+        let started = Instant::now();
+        let deadline = options.deadline.map(|d| tokio::time::Instant::now() + d);
         let permit = match Arc::clone(&permits).try_acquire_owned() {
             Ok(permit) => permit,
             Err(_) => {
@@ -915,20 +942,22 @@ impl Supervisor {
                         queued: max_queue,
                     });
                 }
-                let permit = permits.acquire_owned().await;
+                let permit = within(deadline, model, started, permits.acquire_owned()).await;
                 queued.fetch_sub(1, Ordering::SeqCst);
-                permit.map_err(|_| Error::ShuttingDown {
+                permit?.map_err(|_| Error::ShuttingDown {
                     model: model.into(),
                 })?
             }
         };
-        let started = Instant::now();
         let give_up = started + self.inner.config.load_timeout * 2;
         let mut body = Some(body);
         while Instant::now() < give_up {
-            self.ensure_loaded(model).await.inspect_err(|_| {
-                counters.errors.fetch_add(1, Ordering::Relaxed);
-            })?;
+            within(deadline, model, started, self.ensure_loaded(model))
+                .await
+                .and_then(|loaded| loaded)
+                .inspect_err(|_| {
+                    counters.errors.fetch_add(1, Ordering::Relaxed);
+                })?;
             let changed = self.inner.changed.notified();
             // Pick the current worker and register the call under one lock,
             // so a swap or unload that starts now sees this request in flight.
@@ -955,7 +984,7 @@ impl Supervisor {
                 counters,
                 started,
                 keep_alive: options.keep_alive,
-                deadline: options.deadline.map(|d| tokio::time::Instant::now() + d),
+                deadline,
                 failed: false,
                 _permit: permit,
             });
@@ -1067,6 +1096,24 @@ impl Supervisor {
             slot.last_used = Instant::now();
             slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
         }
+    }
+}
+
+/// Runs `fut` until the request's deadline, if it has one.
+async fn within<T>(
+    deadline: Option<tokio::time::Instant>,
+    model: &str,
+    started: Instant,
+    fut: impl std::future::Future<Output = T>,
+) -> Result<T> {
+    match deadline {
+        None => Ok(fut.await),
+        Some(at) => tokio::time::timeout_at(at, fut)
+            .await
+            .map_err(|_| Error::DeadlineExceeded {
+                model: model.into(),
+                after: started.elapsed(),
+            }),
     }
 }
 

@@ -366,3 +366,74 @@ fn a_new_server_stops_what_a_killed_one_left_behind() {
     );
     let _ = std::fs::remove_file(&state);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_covers_time_spent_queued() {
+    let sup = supervisor();
+    let mut spec = ModelSpec::new("single", "hog").option("work_ms", 2000);
+    spec.max_concurrency = Some(1);
+    sup.load(spec).await.unwrap();
+    let busy = {
+        let sup = sup.clone();
+        tokio::spawn(async move { sup.request("single", Body::json("{}")).await })
+    };
+    assert!(eventually(Duration::from_secs(5), || sup.stats()[0].in_flight == 1).await);
+    let started = Instant::now();
+    let options = berth::RequestOptions {
+        deadline: Some(Duration::from_millis(300)),
+        ..Default::default()
+    };
+    let err = sup
+        .request_with("single", Body::json("{}"), options)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "deadline_exceeded", "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "not after the 2 s request ahead of it"
+    );
+    busy.await.unwrap().unwrap();
+    sup.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_a_long_backoff_requests_get_a_clear_answer_at_once() {
+    let sup = supervisor(); // restart backoff 100 ms, doubling
+    let mut spec = ModelSpec::new("crashy", "echo");
+    spec.max_restarts = Some(20);
+    sup.load(spec).await.unwrap();
+    // Five crashes in a row: the next backoff is 1.6 s.
+    for _ in 0..5 {
+        let pid = loop {
+            if let Some(pid) = ready_pid(&sup, "crashy") {
+                break pid;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        signal(pid, Signal::SIGKILL);
+        assert!(
+            eventually(Duration::from_secs(5), || ready_pid(&sup, "crashy")
+                != Some(pid))
+            .await
+        );
+    }
+    let started = Instant::now();
+    let err = sup.request("crashy", Body::json("{}")).await.unwrap_err();
+    assert_eq!(err.kind(), "restarting", "{err}");
+    assert!(
+        err.to_string().contains("SIGKILL") && err.to_string().contains("next attempt"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_millis(200), "at once");
+    // And it does come back.
+    assert!(
+        eventually(Duration::from_secs(5), || ready_pid(&sup, "crashy")
+            .is_some())
+        .await
+    );
+    assert_eq!(
+        sup.request("crashy", Body::json("{}")).await.unwrap().json,
+        "{}"
+    );
+    sup.shutdown().await;
+}

@@ -194,6 +194,7 @@ impl Supervisor {
                     let (done, signal) = watch::channel(None);
                     slot.state = ModelState::Loading;
                     slot.loading = Some(signal);
+                    slot.restart_at = Some(Instant::now() + delay);
                     slot.reserved_bytes = entry.last_peak_bytes.unwrap_or(0);
                     Some((delay, done, entry.spec.clone()))
                 }
@@ -211,11 +212,13 @@ impl Supervisor {
         loop {
             tracing::info!(model, "restarting in {}", humantime::format_duration(delay));
             tokio::time::sleep(delay).await;
-            let wanted = self
-                .lock()
-                .slots
-                .get(&model)
-                .is_some_and(|s| s.state == ModelState::Loading);
+            let wanted = match self.lock().slots.get_mut(&model) {
+                Some(slot) if slot.state == ModelState::Loading => {
+                    slot.restart_at = None; // starting now: callers wait for it
+                    true
+                }
+                _ => false,
+            };
             if !wanted || self.is_shutting_down() {
                 let _ = done.send(Some(Err(Arc::new(
                     Error::ShuttingDown {
@@ -289,7 +292,10 @@ impl Supervisor {
                             &entry.spec,
                             self.inner.config.restart_backoff,
                         ) {
-                            Some(d) => Some(d),
+                            Some(d) => {
+                                slot.restart_at = Some(Instant::now() + d);
+                                Some(d)
+                            }
                             None => {
                                 let failure = entry.health.failure(&entry.spec);
                                 tracing::error!(model, "model failed: {failure}");
@@ -337,8 +343,13 @@ impl Supervisor {
             if slot.swapping {
                 return;
             }
-            // Start early enough that the replacement is ready before the limit.
-            let headroom = worker.rss_growth_per_request() * (f64::from(worker.in_flight()) + 2.0);
+            // Start early enough that the replacement is ready before the
+            // limit: the requests expected while a worker loads, at the rate
+            // this one has been serving, each growing it by the trend.
+            let rate = worker.requests() as f64 / worker.uptime().as_secs_f64().max(1e-3);
+            let during_load = rate * worker.load_time().as_secs_f64() * 1.5;
+            let headroom = worker.rss_growth_per_request()
+                * (f64::from(worker.in_flight()) + 2.0 + during_load);
             let soon = max_rss.is_some_and(|m| rss as f64 + headroom >= m as f64);
             let worn = max_requests.is_some_and(|m| worker.requests() >= m);
             if !(over || soon || worn) {

@@ -155,6 +155,7 @@ pub struct WorkerHandle {
     load_info: Mutex<Option<LoadInfo>>,
     /// Resident memory right after load: the base of the per-request trend.
     baseline_rss: AtomicU64,
+    load_micros: AtomicU64,
     died_tx: watch::Sender<Option<Arc<Death>>>,
 }
 
@@ -236,6 +237,7 @@ impl WorkerHandle {
             memory: Mutex::default(),
             load_info: Mutex::default(),
             baseline_rss: AtomicU64::new(0),
+            load_micros: AtomicU64::new(0),
             died_tx: watch::channel(None).0,
         });
         // The death watch: once the process is reaped and its last events and
@@ -328,10 +330,18 @@ impl WorkerHandle {
         Some(m.last)
     }
 
-    /// Records the current RSS as the base of the growth trend (after load).
-    pub(crate) fn set_baseline(&self) {
+    /// Records, after load, the current RSS as the base of the growth trend
+    /// and how long the load took (what a replacement will cost).
+    pub(crate) fn set_baseline(&self, load_time: Duration) {
         let rss = self.memory().last.rss_bytes;
         self.baseline_rss.store(rss, Ordering::Relaxed);
+        self.load_micros
+            .store(load_time.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Spawn to ready for this worker.
+    pub fn load_time(&self) -> Duration {
+        Duration::from_micros(self.load_micros.load(Ordering::Relaxed))
     }
 
     /// Resident memory growth per request since load; a leak shows here.

@@ -9,6 +9,7 @@ use nix::sys::signal::Signal;
 
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
+use crate::gpu::{self, GpuRequest, Inventory};
 use crate::report::LoadReport;
 use crate::worker::handle::{LoadOutcome, WorkerHandle};
 use crate::worker::handshake::{self, HandshakeOutcome};
@@ -44,6 +45,15 @@ pub(crate) async fn launch(
         Some(path) => path.clone(),
         None => find_worker_binary(WORKER_BINARY)?,
     };
+    let gpus = match &spec.gpus {
+        None => None,
+        Some(request) => Some(choose_gpus(spec, request, config)?),
+    };
+    let mut env = spec.env.clone();
+    if let Some(gpus) = &gpus {
+        let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        env.push(("CUDA_VISIBLE_DEVICES".into(), list.join(",")));
+    }
     let (server, server_name) = handshake::open(model)?;
     let cap = spec
         .memory_limit
@@ -52,7 +62,7 @@ pub(crate) async fn launch(
         model,
         binary: &binary,
         server_name: &server_name,
-        extra_env: &spec.env,
+        extra_env: &env,
         cgroup_procs: cap.as_ref().and_then(MemoryCap::procs_file),
     })
     .await?;
@@ -119,7 +129,7 @@ pub(crate) async fn launch(
         }
     };
     let memory = handle.sample_memory().unwrap_or_default();
-    handle.set_baseline();
+    handle.set_baseline(started.elapsed());
     health::spawn(
         Arc::downgrade(&handle),
         health::HealthPolicy {
@@ -143,10 +153,38 @@ pub(crate) async fn launch(
             .max(process.cap().and_then(MemoryCap::peak).unwrap_or(0)),
         memory_limit_bytes: process.cap().map(|c| c.limit),
         memory_cap: process.cap().map(|c| c.mechanism),
+        gpus,
+        vram_bytes: match gpu::inventory() {
+            Inventory::Devices(devices) => gpu::process_vram(&devices, pid),
+            Inventory::NoGpu(_) => None,
+        },
         system_available_bytes: system_memory().available_bytes,
         details: serde_json::from_str(&info.details).unwrap_or(serde_json::Value::Null),
     };
     Ok((handle, report))
+}
+
+/// Places a model on GPUs, or says clearly why it cannot be.
+fn choose_gpus(
+    spec: &ModelSpec,
+    request: &GpuRequest,
+    config: &SupervisorConfig,
+) -> Result<Vec<u32>> {
+    let invalid = |reason: String| Error::InvalidSpec {
+        model: spec.name.clone(),
+        reason,
+    };
+    match gpu::inventory() {
+        Inventory::NoGpu(reason) => Err(invalid(format!("it asks for GPUs but {reason}"))),
+        Inventory::Devices(devices) => gpu::place(
+            request,
+            &devices,
+            0,
+            config.gpu_memory_budget,
+            &crate::worker::orphans::live_pids(),
+        )
+        .map_err(invalid),
+    }
 }
 
 async fn kill_and_reap(process: &ProcessWatch) {

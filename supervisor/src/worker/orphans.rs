@@ -74,6 +74,11 @@ pub(crate) fn unregister(pid: u32) {
     persist();
 }
 
+/// Pids of this process's live workers.
+pub fn live_pids() -> Vec<u32> {
+    live().keys().copied().collect()
+}
+
 /// True for a pid this process spawned as a worker and has not reaped.
 fn is_worker(pid: u32) -> bool {
     live().contains_key(&pid)

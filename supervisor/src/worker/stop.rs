@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use serde::{Deserialize, Serialize};
 
+use crate::gpu::{self, Inventory};
 use crate::report::{StopKind, UnloadReport};
 use crate::worker::handle::WorkerHandle;
 use crate::worker::memory::{group_members, system_memory};
@@ -39,6 +40,7 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         .peak_rss_bytes
         .max(worker.memory().last.peak_rss_bytes);
     let before = system_memory();
+    let gpu_before = gpu_reading(pid);
     let process = worker.process();
 
     let stop = if already_dead {
@@ -66,6 +68,10 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     };
     let exit = process.exited().await;
     let leftover_processes = sweep_group(pid).await;
+    let gpu_after = match &gpu_before {
+        Some(before) => Some(gpu_given_back(pid, before, started).await),
+        None => None,
+    };
     let after = system_memory();
 
     let anon_drop = before.anon_bytes.saturating_sub(after.anon_bytes);
@@ -89,6 +95,56 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         system_anon_after_bytes: after.anon_bytes,
         reclaimed_bytes,
         leftover_processes,
+        vram_at_stop_bytes: gpu_before.as_ref().map(|g| g.held),
+        gpu_reclaimed_bytes: gpu_after.map(|(bytes, _)| bytes),
+        gpu_reclaim_ms: gpu_after.map(|(_, ms)| ms),
+    }
+}
+
+/// What a worker held on its GPUs, and their used memory, before its stop.
+struct GpuBefore {
+    held: u64,
+    /// `(device, used bytes)` of each device the worker had memory on.
+    used: Vec<(u32, u64)>,
+}
+
+fn gpu_reading(pid: u32) -> Option<GpuBefore> {
+    let Inventory::Devices(devices) = gpu::inventory() else {
+        return None;
+    };
+    let held = gpu::process_vram(&devices, pid)?;
+    let used = devices
+        .iter()
+        .filter(|d| d.processes.iter().any(|(p, _)| *p == pid))
+        .map(|d| (d.index, d.used_bytes))
+        .collect();
+    Some(GpuBefore { held, used })
+}
+
+/// Waits (up to 5 s) until the worker is gone from NVML's process list and
+/// its devices' used memory is back within 64 MiB of what it would be
+/// without it; returns the drop and how long it took.
+async fn gpu_given_back(pid: u32, before: &GpuBefore, started: Instant) -> (u64, f64) {
+    const TOLERANCE: u64 = 64 << 20;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Inventory::Devices(devices) = gpu::inventory() {
+            let gone = gpu::process_vram(&devices, pid).is_none();
+            let before_used: u64 = before.used.iter().map(|(_, u)| u).sum();
+            let now_used: u64 = before
+                .used
+                .iter()
+                .filter_map(|(i, _)| devices.iter().find(|d| d.index == *i).map(|d| d.used_bytes))
+                .sum();
+            let back = now_used <= before_used.saturating_sub(before.held) + TOLERANCE;
+            if (gone && back) || Instant::now() >= deadline {
+                return (
+                    before_used.saturating_sub(now_used),
+                    started.elapsed().as_secs_f64() * 1e3,
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
