@@ -221,6 +221,10 @@ impl Error {
                 cause: Some(KillCause::HeartbeatLost { .. }),
                 ..
             } => "heartbeat_lost",
+            Error::WorkerDied {
+                cause: Some(KillCause::GpuOutOfMemory { .. }),
+                ..
+            } => "gpu_out_of_memory",
             Error::WorkerDied { .. } => "worker_died",
             Error::MemoryLimitExceeded { .. } => "memory_limit_exceeded",
             Error::NotLoaded { .. } => "not_loaded",

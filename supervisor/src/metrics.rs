@@ -153,6 +153,21 @@ pub fn render(supervisor: &Supervisor) -> String {
     }
     family(
         &mut out,
+        "berth_worker_vram_bytes",
+        "gauge",
+        "Device memory the model's worker holds (NVML).",
+    );
+    for s in stats.iter().filter(|s| s.vram_bytes.is_some()) {
+        let _ = writeln!(
+            out,
+            "berth_worker_vram_bytes{{model=\"{}\",pid=\"{}\"}} {}",
+            escape(&s.name),
+            s.pid.unwrap_or(0),
+            s.vram_bytes.unwrap_or(0)
+        );
+    }
+    family(
+        &mut out,
         "berth_worker_peak_rss_bytes",
         "gauge",
         "Highest peak RSS of any stopped worker of the model.",

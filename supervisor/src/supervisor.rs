@@ -91,6 +91,8 @@ pub struct ModelStatus {
     /// Resident memory growth per request since load: a leak shows here
     /// before it matters.
     pub rss_growth_per_request_bytes: f64,
+    /// Device memory the worker holds (NVML, per process); `None` without a GPU.
+    pub vram_bytes: Option<u64>,
 }
 
 /// A registered model, as the catalogue shows it.
@@ -999,6 +1001,10 @@ impl Supervisor {
 
     /// Every loaded (or loading) model, with fresh memory readings.
     pub fn stats(&self) -> Vec<ModelStatus> {
+        let devices = match crate::gpu::inventory() {
+            crate::gpu::Inventory::Devices(devices) => devices,
+            crate::gpu::Inventory::NoGpu(_) => Vec::new(),
+        };
         let state = self.lock();
         let now = Instant::now();
         let mut out: Vec<ModelStatus> = state
@@ -1033,6 +1039,7 @@ impl Supervisor {
                     rss_growth_per_request_bytes: worker
                         .map(|w| w.rss_growth_per_request())
                         .unwrap_or(0.0),
+                    vram_bytes: worker.and_then(|w| crate::gpu::process_vram(&devices, w.pid())),
                 }
             })
             .collect();

@@ -63,6 +63,7 @@ impl Registry {
         r.register("fault", crate::backends::fault::load);
         r.register("generate", crate::backends::generate::load);
         r.register("embed", crate::backends::embed::load);
+        r.register("gpu-hog", crate::backends::gpu_hog::load);
         r
     }
 

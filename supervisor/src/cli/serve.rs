@@ -60,6 +60,7 @@ async fn start(args: ServeArgs) -> Result<(), String> {
         default_keep_alive: Some(config.keep_alive.unwrap_or(DEFAULT_KEEP_ALIVE)),
         memory_budget: config.memory_budget,
         max_loaded: config.max_loaded,
+        gpu_memory_budget: config.gpu_memory_budget,
         models_root: Some(models_root.clone()),
         restart_backoff: config.restart_backoff.unwrap_or(defaults.restart_backoff),
         ..defaults

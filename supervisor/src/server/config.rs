@@ -39,6 +39,9 @@ pub struct ServeConfig {
     pub memory_budget: Option<u64>,
     #[serde(default)]
     pub max_loaded: Option<usize>,
+    /// VRAM berth's workers may hold on one GPU together.
+    #[serde(default, with = "crate::units::bytes_opt")]
+    pub gpu_memory_budget: Option<u64>,
     #[serde(default, with = "crate::units::duration_opt")]
     pub keep_alive: Option<Duration>,
     #[serde(default)]

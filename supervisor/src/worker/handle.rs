@@ -251,10 +251,13 @@ impl WorkerHandle {
             let _ = tokio::time::timeout(Duration::from_millis(500), reader_done.wait_for(|d| *d))
                 .await;
             let stderr_tail = process.stderr_tail().await;
+            let cause = process
+                .kill_cause()
+                .or_else(|| KillCause::from_stderr(&stderr_tail));
             let death = routes.close(Death {
                 exit,
                 stderr_tail,
-                cause: process.kill_cause(),
+                cause,
                 in_flight: Vec::new(),
             });
             let _ = died_tx.send(Some(death));
@@ -389,7 +392,10 @@ impl WorkerHandle {
     async fn death_error(&self, during: &'static str) -> Error {
         let exit = self.process.exited().await;
         let stderr_tail = self.process.stderr_tail().await;
-        let cause = self.process.kill_cause();
+        let cause = self
+            .process
+            .kill_cause()
+            .or_else(|| KillCause::from_stderr(&stderr_tail));
         self.died(
             &Death {
                 exit,

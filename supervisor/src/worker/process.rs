@@ -31,6 +31,21 @@ pub enum KillCause {
     Stalled { no_progress_for_s: f64 },
     /// The worker stopped answering heartbeats.
     HeartbeatLost { silent_for_s: f64 },
+    /// It died of a GPU out-of-memory error (read from its stderr).
+    GpuOutOfMemory { line: String },
+}
+
+impl KillCause {
+    /// Recognises a GPU out-of-memory death in the last stderr lines.
+    pub(crate) fn from_stderr(tail: &[String]) -> Option<KillCause> {
+        tail.iter()
+            .rev()
+            .find(|l| {
+                let l = l.to_ascii_lowercase();
+                l.contains("out of memory") && (l.contains("cuda") || l.contains("gpu"))
+            })
+            .map(|line| KillCause::GpuOutOfMemory { line: line.clone() })
+    }
 }
 
 impl std::fmt::Display for KillCause {
@@ -51,6 +66,9 @@ impl std::fmt::Display for KillCause {
                     f,
                     "killed after its request made no progress for {no_progress_for_s:.1} s (stall_timeout)"
                 )
+            }
+            KillCause::GpuOutOfMemory { line } => {
+                write!(f, "killed by a GPU out-of-memory error ({line})")
             }
             KillCause::HeartbeatLost { silent_for_s } => {
                 write!(f, "killed after {silent_for_s:.1} s without a heartbeat")

@@ -2,13 +2,14 @@
 //!
 //! `echo`, `hog` and `fault` need no weights: they are the IPC baseline, the
 //! memory-holding stand-in for a caching allocator, and the way every
-//! failure path is tested.
+//! failure path is tested. `gpu-hog` is `hog` on the device.
 
 mod common;
 pub mod echo;
 pub mod embed;
 pub mod fault;
 pub mod generate;
+pub mod gpu_hog;
 pub mod hog;
 
 pub use common::{LoadMode, configure_threads, parse_request};

@@ -1,0 +1,114 @@
+//! `gpu-hog`: holds device memory the way a caching allocator does (a
+//! PyTorch process keeps VRAM after a model is "unloaded"), and optionally
+//! grows by `leak_mib_per_request`. Unloading it shows the device memory
+//! coming back with the process, measured by the supervisor through NVML.
+//!
+//! The CUDA driver is loaded at run time (cudarc's dynamic loading), so the
+//! worker builds and runs without the toolkit; the driver is probed before a
+//! context is created, because creating one without it panics.
+//!
+//! Options: `alloc_mib` (default 0), `leak_mib_per_request` (default 0),
+//! `device` (an index among the worker's visible devices, default 0).
+
+use std::sync::Arc;
+
+use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+
+use crate::{Backend, LoadContext, RequestContext};
+
+struct GpuHog {
+    stream: Arc<CudaStream>,
+    held: Vec<CudaSlice<u8>>,
+    leak_bytes: usize,
+    device: usize,
+}
+
+/// True when the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library; no CUDA call is made.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+fn describe_error(e: &DriverError, bytes: usize, device: usize) -> String {
+    if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        format!(
+            "CUDA out of memory allocating {} MiB on device {device}",
+            bytes >> 20
+        )
+    } else {
+        format!("CUDA error on device {device}: {e}")
+    }
+}
+
+pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
+    let opts = ctx.options(spec);
+    opts.only(&["alloc_mib", "leak_mib_per_request", "device"])?;
+    let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
+    let leak_mib: usize = opts.get_or("leak_mib_per_request", 0)?;
+    let device: usize = opts.get_or("device", 0)?;
+    let fail = |message: String| {
+        WireError::new(
+            ErrorKind::LoadFailed,
+            format!("model `{}`: {message}", spec.name),
+        )
+    };
+    if !driver_present() {
+        return Err(fail(
+            "no NVIDIA driver found (libcuda could not be loaded); gpu-hog needs an NVIDIA GPU"
+                .into(),
+        ));
+    }
+    let context = CudaContext::new(device).map_err(|e| {
+        fail(format!(
+            "cannot create a CUDA context on device {device}: {e}"
+        ))
+    })?;
+    ctx.progress().advance();
+    let stream = context.default_stream();
+    let block = stream
+        .alloc_zeros::<u8>(alloc_mib << 20)
+        .map_err(|e| fail(describe_error(&e, alloc_mib << 20, device)))?;
+    stream
+        .synchronize()
+        .map_err(|e| fail(describe_error(&e, alloc_mib << 20, device)))?;
+    ctx.progress().advance();
+    Ok(Box::new(GpuHog {
+        stream,
+        held: vec![block],
+        leak_bytes: leak_mib << 20,
+        device,
+    }))
+}
+
+impl GpuHog {
+    fn held_bytes(&self) -> usize {
+        self.held.iter().map(CudaSlice::len).sum()
+    }
+}
+
+impl Backend for GpuHog {
+    fn handle(&mut self, _request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        if self.leak_bytes > 0 {
+            let leaked = self
+                .stream
+                .alloc_zeros::<u8>(self.leak_bytes)
+                .map_err(|e| {
+                    WireError::new(
+                        ErrorKind::Backend,
+                        describe_error(&e, self.leak_bytes, self.device),
+                    )
+                })?;
+            self.held.push(leaked);
+        }
+        ctx.progress().advance();
+        Ok(Body::json(
+            serde_json::json!({ "held_bytes": self.held_bytes(), "device": self.device })
+                .to_string(),
+        ))
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({ "held_bytes": self.held_bytes(), "device": self.device })
+    }
+}
