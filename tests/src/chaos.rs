@@ -91,6 +91,8 @@ pub async fn run(duration: Duration, clients: usize) -> ChaosReport {
                             "a clear error names the model: {e}"
                         );
                         *failed.entry(e.kind().to_string()).or_default() += 1;
+                        // As a client honouring Retry-After would, rather than spin.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 }
             }

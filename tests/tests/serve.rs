@@ -227,9 +227,23 @@ fn a_full_queue_answers_429_at_once() {
             || server.ps()[0]["queued"] == 1
         ));
         let started = Instant::now();
-        let (status, body) = server.post("/api/models/slow/infer", json!({}));
-        assert_eq!(status, 429, "{body}");
+        let response = ureq::post(format!("{}/api/models/slow/infer", server.url))
+            .config()
+            .http_status_as_error(false)
+            .build()
+            .send_json(json!({}))
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 429);
         assert!(started.elapsed() < Duration::from_millis(500), "at once");
+        let retry = response
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().to_string());
+        assert_eq!(
+            retry.as_deref(),
+            Some("1"),
+            "tells the client when to retry"
+        );
         assert_eq!(running.join().unwrap().0, 200);
         assert_eq!(queued.join().unwrap().0, 200);
     });

@@ -12,6 +12,8 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: String,
     pub message: String,
+    /// Seconds a client should wait before retrying (`Retry-After`).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -20,6 +22,7 @@ impl ApiError {
             status,
             code: code.into(),
             message: message.into(),
+            retry_after: None,
         }
     }
 
@@ -54,10 +57,16 @@ fn status_for(kind: &str) -> StatusCode {
 impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         let kind = e.kind();
+        let retry_after = match &e {
+            Error::Restarting { in_s, .. } => Some(in_s.ceil().max(1.0) as u64),
+            Error::QueueFull { .. } => Some(1),
+            _ => None,
+        };
         ApiError {
             status: status_for(kind),
             code: kind.to_string(),
             message: e.to_string(),
+            retry_after,
         }
     }
 }
@@ -72,7 +81,13 @@ impl IntoResponse for ApiError {
         let body = serde_json::json!({
             "error": { "message": self.message, "type": kind, "code": self.code }
         });
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
