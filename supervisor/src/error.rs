@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use berth_protocol::{ErrorKind, WireError};
+use berth_protocol::WireError;
 
 use crate::report::ExitStatus;
 use crate::worker::process::KillCause;
@@ -241,22 +241,6 @@ impl Error {
             Error::Quarantined { .. } => "quarantined",
             Error::DeadlineExceeded { .. } => "deadline_exceeded",
             Error::SharedLoad { kind, .. } => kind,
-        }
-    }
-
-    /// True when the caller's input was at fault (so a retry with the same
-    /// input will fail the same way).
-    pub fn is_caller_error(&self) -> bool {
-        match self {
-            Error::Request { source, .. } | Error::LoadFailed { source, .. } => matches!(
-                source.kind,
-                ErrorKind::BadRequest | ErrorKind::InputTooLarge | ErrorKind::UnknownBackend
-            ),
-            Error::InvalidSpec { .. }
-            | Error::NotLoaded { .. }
-            | Error::AlreadyLoaded { .. }
-            | Error::UnknownModel { .. } => true,
-            _ => false,
         }
     }
 }

@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -220,8 +220,6 @@ struct Inner {
     /// the same free memory.
     load_gate: tokio::sync::Mutex<()>,
     shutting_down: AtomicBool,
-    started: Instant,
-    unloads: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -263,8 +261,6 @@ impl Supervisor {
             changed: Notify::new(),
             load_gate: tokio::sync::Mutex::new(()),
             shutting_down: AtomicBool::new(false),
-            started: Instant::now(),
-            unloads: AtomicU64::new(0),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(keep_alive_reaper(Arc::downgrade(&inner)));
@@ -716,7 +712,6 @@ impl Supervisor {
                 entry.counters.record_unload(&report);
             }
         }
-        self.inner.unloads.fetch_add(1, Ordering::Relaxed);
         self.inner.changed.notify_waiters();
         tracing::info!(model, "{report}");
         Ok(report)
@@ -1054,10 +1049,6 @@ impl Supervisor {
             .iter()
             .map(|(n, e)| (n.clone(), Arc::clone(&e.counters)))
             .collect()
-    }
-
-    pub fn uptime(&self) -> Duration {
-        self.inner.started.elapsed()
     }
 
     pub fn is_shutting_down(&self) -> bool {
