@@ -255,7 +255,9 @@ async fn a_load_over_its_memory_limit_fails_and_spares_the_rest() {
     };
     assert_eq!(*limit, 128 << 20);
     assert!(
-        *peak >= 100 << 20 && *peak <= 130 << 20,
+        // A cgroup stops it at the limit; RSS polling (the fallback) may
+        // overshoot by what one 50 ms poll lets through.
+        *peak >= 100 << 20 && *peak <= (128 + 64) << 20,
         "peak near the limit: {peak}"
     );
     assert!(
