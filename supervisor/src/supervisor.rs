@@ -667,6 +667,15 @@ impl Supervisor {
                     self.unknown_locked(model, &state)
                 });
             };
+            if slot.worker.is_none() && slot.restart_at.is_some() {
+                // Waiting out a crash backoff: unloading cancels the restart
+                // (the restart task finds its slot gone and stops).
+                state.slots.remove(model);
+                self.inner.changed.notify_waiters();
+                return Err(Error::NotLoaded {
+                    model: model.into(),
+                });
+            }
             if slot.state == ModelState::Failed && slot.worker.is_none() {
                 // Nothing runs; clearing the failure is all there is to do.
                 state.slots.remove(model);

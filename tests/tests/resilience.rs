@@ -439,3 +439,45 @@ async fn during_a_long_backoff_requests_get_a_clear_answer_at_once() {
     );
     sup.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unloading_a_model_in_crash_backoff_cancels_its_restart() {
+    let sup = supervisor();
+    let mut spec = ModelSpec::new("looping", "echo");
+    spec.max_restarts = Some(20);
+    sup.load(spec).await.unwrap();
+    for _ in 0..5 {
+        let pid = loop {
+            if let Some(pid) = ready_pid(&sup, "looping") {
+                break pid;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        signal(pid, Signal::SIGKILL);
+        assert!(
+            eventually(Duration::from_secs(5), || ready_pid(&sup, "looping")
+                != Some(pid))
+            .await
+        );
+    }
+    // Now in a 1.6 s backoff: unload cancels the restart, and it stays unloaded.
+    let err = sup.unload("looping").await.unwrap_err();
+    assert_eq!(err.kind(), "not_loaded", "{err}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        sup.stats().is_empty(),
+        "no restart after the unload: {:?}",
+        sup.stats()
+    );
+    // A load by hand works, and no stray restart doubles it.
+    let load = sup.load_registered("looping").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stats = sup.stats();
+    assert_eq!(stats.len(), 1);
+    assert_eq!(
+        stats[0].pid,
+        Some(load.pid),
+        "the worker loaded by hand is the one serving"
+    );
+    sup.shutdown().await;
+}

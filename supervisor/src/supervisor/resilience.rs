@@ -142,6 +142,14 @@ impl CrashHistory {
 
 type Done = watch::Sender<Option<std::result::Result<(), Arc<Error>>>>;
 
+/// True when `slot` is still the one this restart was started for (not
+/// one a load by hand put there after an unload cancelled the restart).
+fn ours(slot: &super::Slot, done: &Done) -> bool {
+    slot.loading
+        .as_ref()
+        .is_some_and(|signal| signal.same_channel(&done.subscribe()))
+}
+
 impl Supervisor {
     /// Watches a worker that just started serving: an unplanned death goes
     /// to the crash policy.
@@ -213,7 +221,7 @@ impl Supervisor {
             tracing::info!(model, "restarting in {}", humantime::format_duration(delay));
             tokio::time::sleep(delay).await;
             let wanted = match self.lock().slots.get_mut(&model) {
-                Some(slot) if slot.state == ModelState::Loading => {
+                Some(slot) if slot.state == ModelState::Loading && ours(slot, &done) => {
                     slot.restart_at = None; // starting now: callers wait for it
                     true
                 }
@@ -237,7 +245,9 @@ impl Supervisor {
                         let mut state = self.lock();
                         let State { catalogue, slots } = &mut *state;
                         match (slots.get_mut(&model), catalogue.get_mut(&model)) {
-                            (Some(slot), Some(entry)) if slot.state == ModelState::Loading => {
+                            (Some(slot), Some(entry))
+                                if slot.state == ModelState::Loading && ours(slot, &done) =>
+                            {
                                 slot.state = ModelState::Ready;
                                 slot.worker = Some(Arc::clone(&worker));
                                 slot.loading = None;
@@ -276,6 +286,9 @@ impl Supervisor {
                         else {
                             return;
                         };
+                        if !ours(slot, &done) {
+                            return; // cancelled by an unload
+                        }
                         entry.health.last_exit = Some(LastExit {
                             pid: 0,
                             exit: ExitStatus::Code(-1),
