@@ -230,11 +230,14 @@ pub async fn serve(
     };
     served.map_err(|e| format!("server error: {e}"))?;
     eprintln!("berth: shutting down; unloading every model");
-    for report in supervisor.shutdown().await {
-        match report {
-            Ok(report) => eprintln!("{report}"),
-            Err(e) => eprintln!("berth: {e}"),
-        }
+    // Each report is logged by the supervisor as the unload ends.
+    for failed in supervisor
+        .shutdown()
+        .await
+        .into_iter()
+        .filter_map(Result::err)
+    {
+        eprintln!("berth: {failed}");
     }
     Ok(())
 }
