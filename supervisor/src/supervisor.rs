@@ -371,7 +371,18 @@ impl Supervisor {
     }
 
     /// Makes room, reserves the slot, launches the worker.
+    ///
+    /// Runs as a task of its own: a caller that gives up (a deadline, a
+    /// client gone) must not leave a half-made slot behind.
     async fn start_load(&self, model: &str) -> Result<LoadReport> {
+        let (this, model) = (self.clone(), model.to_string());
+        detached(&model.clone(), async move {
+            this.start_load_inner(&model).await
+        })
+        .await
+    }
+
+    async fn start_load_inner(&self, model: &str) -> Result<LoadReport> {
         let gate = self.inner.load_gate.lock().await;
         let (spec, footprint) = {
             let mut state = self.lock();
@@ -655,6 +666,17 @@ impl Supervisor {
     /// Drains and stops the model's worker, and proves what came back. The
     /// model stays in the catalogue.
     pub async fn unload(&self, model: &str) -> Result<UnloadReport> {
+        // A task of its own, so a caller that goes away cannot strand the
+        // slot half-drained.
+        let (this, model) = (self.clone(), model.to_string());
+        detached(
+            &model.clone(),
+            async move { this.unload_inner(&model).await },
+        )
+        .await
+    }
+
+    async fn unload_inner(&self, model: &str) -> Result<UnloadReport> {
         let worker = {
             let mut state = self.lock();
             let known = state.catalogue.contains_key(model);
@@ -767,7 +789,10 @@ impl Supervisor {
             }
             slot.swapping = true;
         }
-        self.replace_worker(spec).await
+        // A task of its own: a caller that goes away must not leave the slot
+        // marked `swapping` forever.
+        let this = self.clone();
+        detached(&model, async move { this.replace_worker(spec).await }).await
     }
 
     /// The body of a swap (and of a recycle): the slot is already marked
@@ -793,6 +818,13 @@ impl Supervisor {
             Ok(launched) => launched,
             Err(e) => {
                 clear(self);
+                // An old worker that died during the swap goes to the crash
+                // policy now that the swap no longer covers it.
+                let current = self.lock().slots.get(&model).and_then(|s| s.worker.clone());
+                if let Some(old) = current.filter(|w| !w.is_alive()) {
+                    let death = old.death().await;
+                    self.on_death(&model, &old, &death);
+                }
                 return Err(e);
             }
         };
@@ -948,8 +980,9 @@ impl Supervisor {
                         queued: max_queue,
                     });
                 }
+                // Leaves the queue however the wait ends, a dropped caller included.
+                let _in_queue = LeaveQueue(Arc::clone(&queued));
                 let permit = within(deadline, model, started, permits.acquire_owned()).await;
-                queued.fetch_sub(1, Ordering::SeqCst);
                 permit?.map_err(|_| Error::ShuttingDown {
                     model: model.into(),
                 })?
@@ -1104,6 +1137,29 @@ impl Supervisor {
             slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
         }
     }
+}
+
+/// Counts a request out of its model's queue when dropped.
+struct LeaveQueue(Arc<AtomicUsize>);
+
+impl Drop for LeaveQueue {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Runs `fut` as a task of its own and waits for it: dropping the caller
+/// does not cancel it.
+async fn detached<T: Send + 'static>(
+    model: &str,
+    fut: impl std::future::Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    tokio::spawn(fut).await.unwrap_or_else(|e| {
+        Err(Error::Busy {
+            model: model.into(),
+            reason: format!("its operation failed: {e}"),
+        })
+    })
 }
 
 /// Runs `fut` until the request's deadline, if it has one.

@@ -165,7 +165,7 @@ impl Supervisor {
         });
     }
 
-    fn on_death(&self, model: &str, worker: &Arc<WorkerHandle>, death: &Death) {
+    pub(super) fn on_death(&self, model: &str, worker: &Arc<WorkerHandle>, death: &Death) {
         let base = self.inner.config.restart_backoff;
         let restart = {
             let mut state = self.lock();
@@ -174,6 +174,14 @@ impl Supervisor {
                 return;
             };
             let current = slot.worker.as_ref().is_some_and(|w| Arc::ptr_eq(w, worker));
+            if current && slot.swapping {
+                // A swap or recycle is already replacing it: record the death
+                // and let the swap install the new worker (or, if the swap
+                // fails, hand this death back to the crash policy).
+                entry.health.note_death(model, worker.pid(), death);
+                slot.hold = true;
+                return;
+            }
             if !current || slot.state != ModelState::Ready || self.is_shutting_down() {
                 return; // a planned stop, or a worker already replaced
             }
