@@ -481,3 +481,36 @@ async fn unloading_a_model_in_crash_backoff_cancels_its_restart() {
     );
     sup.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_dropped_while_queued_leaves_the_queue() {
+    let sup = supervisor();
+    let mut spec = ModelSpec::new("one", "hog").option("work_ms", 1500);
+    spec.max_concurrency = Some(1);
+    spec.keep_alive = Some(Duration::from_millis(200));
+    sup.load(spec).await.unwrap();
+    let running = {
+        let sup = sup.clone();
+        tokio::spawn(async move { sup.request("one", Body::json("{}")).await })
+    };
+    assert!(eventually(Duration::from_secs(5), || sup.stats()[0].in_flight == 1).await);
+    let queued = {
+        let sup = sup.clone();
+        tokio::spawn(async move { sup.request("one", Body::json("{}")).await })
+    };
+    assert!(eventually(Duration::from_secs(5), || sup.stats()[0].queued == 1).await);
+    queued.abort(); // the client went away
+    assert!(
+        eventually(Duration::from_secs(2), || sup.stats()[0].queued == 0).await,
+        "{:?}",
+        sup.stats()
+    );
+    running.await.unwrap().unwrap();
+    // Nothing pins it: keep-alive unloads it.
+    assert!(
+        eventually(Duration::from_secs(3), || sup.stats().is_empty()).await,
+        "{:?}",
+        sup.stats()
+    );
+    sup.shutdown().await;
+}
