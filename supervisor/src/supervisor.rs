@@ -1123,11 +1123,12 @@ impl Supervisor {
     }
 
     /// Called when a request ends: the model was just used.
-    fn request_finished(inner: &Inner, model: &str, keep_alive: Option<Duration>) {
+    /// Returns whether the model has a recycling policy to check.
+    fn request_finished(inner: &Inner, model: &str, keep_alive: Option<Duration>) -> bool {
         let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
         let State { catalogue, slots } = &mut *state;
         let Some(entry) = catalogue.get_mut(model) else {
-            return;
+            return false;
         };
         if let Some(k) = keep_alive {
             entry.keep_alive = Some(k);
@@ -1136,6 +1137,7 @@ impl Supervisor {
             slot.last_used = Instant::now();
             slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
         }
+        entry.spec.max_rss.is_some() || entry.spec.max_requests.is_some()
     }
 }
 
@@ -1301,8 +1303,10 @@ impl Drop for RequestStream {
         }
         self.counters.observe_latency(self.started.elapsed());
         if let Some(inner) = self.supervisor.upgrade() {
-            Supervisor::request_finished(&inner, &self.model, self.keep_alive);
-            Supervisor::maybe_recycle(&inner, &self.model);
+            // One lock per request; a second only for models that recycle.
+            if Supervisor::request_finished(&inner, &self.model, self.keep_alive) {
+                Supervisor::maybe_recycle(&inner, &self.model);
+            }
         }
     }
 }

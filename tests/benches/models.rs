@@ -6,9 +6,8 @@
 use std::time::{Duration, Instant};
 
 use berth::{Body, ModelSpec, Supervisor};
-use berth_protocol::LoadSpec;
-use berth_tests::{default_model, test_config};
-use berth_worker::{Backend, LoadContext, Registry, RequestContext};
+use berth_tests::{default_model, local_backend, test_config};
+use berth_worker::{Backend, RequestContext};
 use serde_json::json;
 
 fn sentences(n: usize) -> Vec<String> {
@@ -33,18 +32,7 @@ fn mib(bytes: u64) -> String {
 }
 
 fn local_embed(options: &[(&str, &str)]) -> Box<dyn Backend> {
-    let spec = LoadSpec {
-        name: "minilm".into(),
-        backend: "embed".into(),
-        model: Some(default_model("minilm").display().to_string()),
-        options: options
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-    };
-    Registry::builtin()
-        .load(&spec, &LoadContext::standalone())
-        .unwrap()
+    local_backend("embed", Some(&default_model("minilm")), options)
 }
 
 /// The status quo: load in-process, work, drop everything; what is left?

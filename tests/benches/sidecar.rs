@@ -7,9 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use berth::{Body, ModelSpec, Supervisor};
-use berth_protocol::LoadSpec;
-use berth_tests::{Server, default_model, test_config};
-use berth_worker::{LoadContext, Registry, RequestContext};
+use berth_tests::{Server, default_model, local_backend, test_config};
+use berth_worker::RequestContext;
 use serde_json::json;
 
 fn pct(samples: &mut [Duration], p: f64) -> f64 {
@@ -62,15 +61,7 @@ fn sidecar(server: &Server) {
             Some(wall),
         );
     }
-    let spec = LoadSpec {
-        name: "minilm".into(),
-        backend: "embed".into(),
-        model: Some(default_model("minilm").display().to_string()),
-        options: Default::default(),
-    };
-    let mut local = Registry::builtin()
-        .load(&spec, &LoadContext::standalone())
-        .unwrap();
+    let mut local = local_backend("embed", Some(&default_model("minilm")), &[]);
     let ctx = RequestContext::standalone();
     let mut samples = Vec::new();
     let started = Instant::now();

@@ -157,6 +157,27 @@ pub fn default_model(name: &str) -> PathBuf {
     path
 }
 
+/// A backend loaded in this process, for comparing with the same backend
+/// behind a worker.
+pub fn local_backend(
+    backend: &str,
+    model: Option<&std::path::Path>,
+    options: &[(&str, &str)],
+) -> Box<dyn berth_worker::Backend> {
+    let spec = berth_protocol::LoadSpec {
+        name: format!("local-{backend}"),
+        backend: backend.into(),
+        model: model.map(|p| p.display().to_string()),
+        options: options
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    berth_worker::Registry::builtin()
+        .load(&spec, &berth_worker::LoadContext::standalone())
+        .unwrap_or_else(|e| panic!("loading {backend} in-process: {e}"))
+}
+
 /// Cosine similarity of two vectors.
 pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
     let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();

@@ -3,9 +3,8 @@
 use std::path::Path;
 
 use berth::{Body, ModelSpec, Supervisor};
-use berth_protocol::LoadSpec;
 use berth_tests::*;
-use berth_worker::{LoadContext, Registry, RequestContext};
+use berth_worker::RequestContext;
 use serde_json::{Value, json};
 
 const FOX: &str = "The quick brown fox jumps over the lazy dog.";
@@ -87,15 +86,7 @@ async fn a_batch_equals_single_requests_and_the_in_process_backend() {
     sup.shutdown().await;
 
     // The same backend code, in this process, gives the same vectors.
-    let spec = LoadSpec {
-        name: "local".into(),
-        backend: "embed".into(),
-        model: Some(default_model("minilm").display().to_string()),
-        options: Default::default(),
-    };
-    let mut local = Registry::builtin()
-        .load(&spec, &LoadContext::standalone())
-        .unwrap();
+    let mut local = local_backend("embed", Some(&default_model("minilm")), &[]);
     let body = Body::json(json!({ "input": refs }).to_string());
     let here = vectors(&local.handle(body, &RequestContext::standalone()).unwrap());
     assert_eq!(here, batch, "through a worker == in-process");

@@ -14,6 +14,25 @@ fn signal(pid: u32, sig: Signal) {
     kill(Pid::from_raw(pid as i32), sig).unwrap();
 }
 
+/// Kills the model's ready worker `n` times, each time waiting for the
+/// crash policy to move on from it.
+async fn crash_in_a_row(sup: &Supervisor, model: &str, n: usize) {
+    for _ in 0..n {
+        let pid = loop {
+            if let Some(pid) = ready_pid(sup, model) {
+                break pid;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        signal(pid, Signal::SIGKILL);
+        assert!(
+            eventually(Duration::from_secs(5), || ready_pid(sup, model)
+                != Some(pid))
+            .await
+        );
+    }
+}
+
 fn ready_pid(sup: &Supervisor, model: &str) -> Option<u32> {
     sup.stats()
         .into_iter()
@@ -405,20 +424,7 @@ async fn during_a_long_backoff_requests_get_a_clear_answer_at_once() {
     spec.max_restarts = Some(20);
     sup.load(spec).await.unwrap();
     // Five crashes in a row: the next backoff is 1.6 s.
-    for _ in 0..5 {
-        let pid = loop {
-            if let Some(pid) = ready_pid(&sup, "crashy") {
-                break pid;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
-        signal(pid, Signal::SIGKILL);
-        assert!(
-            eventually(Duration::from_secs(5), || ready_pid(&sup, "crashy")
-                != Some(pid))
-            .await
-        );
-    }
+    crash_in_a_row(&sup, "crashy", 5).await;
     let started = Instant::now();
     let err = sup.request("crashy", Body::json("{}")).await.unwrap_err();
     assert_eq!(err.kind(), "restarting", "{err}");
@@ -446,20 +452,7 @@ async fn unloading_a_model_in_crash_backoff_cancels_its_restart() {
     let mut spec = ModelSpec::new("looping", "echo");
     spec.max_restarts = Some(20);
     sup.load(spec).await.unwrap();
-    for _ in 0..5 {
-        let pid = loop {
-            if let Some(pid) = ready_pid(&sup, "looping") {
-                break pid;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
-        signal(pid, Signal::SIGKILL);
-        assert!(
-            eventually(Duration::from_secs(5), || ready_pid(&sup, "looping")
-                != Some(pid))
-            .await
-        );
-    }
+    crash_in_a_row(&sup, "looping", 5).await;
     // Now in a 1.6 s backoff: unload cancels the restart, and it stays unloaded.
     let err = sup.unload("looping").await.unwrap_err();
     assert_eq!(err.kind(), "not_loaded", "{err}");
