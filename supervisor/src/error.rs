@@ -138,6 +138,13 @@ pub enum Error {
         reason: String,
     },
 
+    #[error("model `{model}` needs about {} of GPU memory, {reason}", crate::report::mib(*.needed))]
+    GpuBudgetExceeded {
+        model: String,
+        needed: u64,
+        reason: String,
+    },
+
     #[error("model `{model}` is busy: {reason}")]
     Busy { model: String, reason: String },
 
@@ -235,6 +242,7 @@ impl Error {
             Error::UnknownModel { .. } => "model_not_found",
             Error::QueueFull { .. } => "queue_full",
             Error::BudgetExceeded { .. } => "memory_budget_exceeded",
+            Error::GpuBudgetExceeded { .. } => "gpu_memory_budget_exceeded",
             Error::Busy { .. } => "busy",
             Error::ModelFailed { .. } => "model_failed",
             Error::Restarting { .. } => "restarting",

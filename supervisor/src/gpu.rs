@@ -112,75 +112,210 @@ fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
-/// Chooses the GPUs for a model needing `footprint` bytes of VRAM (its
-/// measured peak, or 0 when unknown). `auto` takes the device with the most
-/// free memory that fits; explicit devices must exist and fit. With a
+/// One of berth's workers as placement sees it: where it runs, and whether
+/// eviction may stop it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub model: String,
+    /// The worker's pid; `None` for a load whose process NVML cannot yet
+    /// be tied to (its reservation stands in for it).
+    pub pid: Option<u32>,
+    /// The devices it was placed on.
+    pub gpus: Vec<u32>,
+    /// VRAM counted on each of `gpus` for a load still in progress.
+    pub reserved_bytes: u64,
+    /// Ready, idle and not being replaced: eviction may stop it.
+    pub evictable: bool,
+    /// Larger is more recent; eviction takes the smallest first.
+    pub last_used: u64,
+}
+
+/// What to do to place a model on GPUs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// It fits on these devices now.
+    Place(Vec<u32>),
+    /// It would fit once this idle model is unloaded: unload it and plan
+    /// again (the least recently used idle model on a device that helps).
+    Evict(String),
+    /// It cannot fit, even with every idle model evicted; the reason says
+    /// what each device has.
+    Refuse(String),
+    /// The request itself is wrong (a device that does not exist).
+    Invalid(String),
+}
+
+/// What `holder` has on `device`: NVML's reading for its pid, or its
+/// reservation if that is more (a load still allocating).
+fn held_on(device: &DeviceReading, holder: &Holder) -> u64 {
+    let seen: u64 = holder
+        .pid
+        .map(|pid| {
+            device
+                .processes
+                .iter()
+                .filter(|(p, _)| *p == pid)
+                .map(|(_, b)| b)
+                .sum()
+        })
+        .unwrap_or(0);
+    if holder.gpus.contains(&device.index) {
+        seen.max(holder.reserved_bytes)
+    } else {
+        seen
+    }
+}
+
+/// One device with berth's share of it worked out.
+struct Room<'a> {
+    device: &'a DeviceReading,
+    /// Free memory less what loads in progress will still take.
+    free: u64,
+    /// What berth's workers hold or have reserved here.
+    berth: u64,
+    /// What evicting every idle berth model here would give back.
+    idle: u64,
+}
+
+impl Room<'_> {
+    fn new<'a>(device: &'a DeviceReading, holders: &[Holder]) -> Room<'a> {
+        let mut berth = 0;
+        let mut pending = 0;
+        let mut idle = 0;
+        for holder in holders {
+            let held = held_on(device, holder);
+            berth += held;
+            if holder.gpus.contains(&device.index) {
+                let seen = held_on(
+                    device,
+                    &Holder {
+                        reserved_bytes: 0,
+                        ..holder.clone()
+                    },
+                );
+                pending += holder.reserved_bytes.saturating_sub(seen);
+            }
+            if holder.evictable {
+                idle += held;
+            }
+        }
+        Room {
+            device,
+            free: device.free_bytes.saturating_sub(pending),
+            berth,
+            idle,
+        }
+    }
+
+    /// Whether `footprint` fits here once `freed` bytes of berth's are gone.
+    fn fits(&self, footprint: u64, freed: u64, budget: Option<u64>) -> bool {
+        self.free + freed >= footprint
+            && budget.is_none_or(|b| self.berth.saturating_sub(freed) + footprint <= b)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "GPU {} ({}) has {} free, berth holds {} ({} of it idle)",
+            self.device.index,
+            self.device.name,
+            gib(self.free),
+            gib(self.berth),
+            gib(self.idle)
+        )
+    }
+}
+
+/// Decides where a model needing `footprint` bytes of VRAM goes (its
+/// measured footprint, or 0 when unknown). `auto` takes the device with the
+/// most free memory that fits; explicit devices must exist and fit. With a
 /// per-GPU budget, what berth's own workers hold there counts against it.
-pub fn place(
+/// When nothing fits, the same rule as for RAM applies: the least recently
+/// used idle model on a device where eviction would make room goes first.
+pub fn plan(
     request: &GpuRequest,
     devices: &[DeviceReading],
     footprint: u64,
     budget_per_gpu: Option<u64>,
-    berth_pids: &[u32],
-) -> Result<Vec<u32>, String> {
-    let held_by_berth = |d: &DeviceReading| -> u64 {
-        d.processes
-            .iter()
-            .filter(|(p, _)| berth_pids.contains(p))
-            .map(|(_, b)| b)
-            .sum()
-    };
-    let fits = |d: &DeviceReading| {
-        d.free_bytes >= footprint
-            && budget_per_gpu.is_none_or(|b| held_by_berth(d) + footprint <= b)
-    };
-    let describe = |d: &DeviceReading| {
-        format!(
-            "GPU {} ({}) has {} free, berth holds {}",
-            d.index,
-            d.name,
-            gib(d.free_bytes),
-            gib(held_by_berth(d))
-        )
-    };
-    match request {
-        GpuRequest::Auto(_) => devices
-            .iter()
-            .filter(|d| fits(d))
-            .max_by_key(|d| d.free_bytes)
-            .map(|d| vec![d.index])
-            .ok_or_else(|| {
-                format!(
-                    "no GPU has {} free{}: {}",
+    holders: &[Holder],
+) -> Plan {
+    let rooms: Vec<Room> = devices.iter().map(|d| Room::new(d, holders)).collect();
+    let room = |index: u32| rooms.iter().find(|r| r.device.index == index);
+    let within = budget_per_gpu
+        .map(|b| format!(" within the per-GPU budget of {}", gib(b)))
+        .unwrap_or_default();
+    // The devices eviction may help on, or the reason none can.
+    let short: Vec<&Room> = match request {
+        GpuRequest::Auto(_) => {
+            if let Some(best) = rooms
+                .iter()
+                .filter(|r| r.fits(footprint, 0, budget_per_gpu))
+                .max_by_key(|r| r.free)
+            {
+                return Plan::Place(vec![best.device.index]);
+            }
+            let helped: Vec<&Room> = rooms
+                .iter()
+                .filter(|r| r.fits(footprint, r.idle, budget_per_gpu))
+                .collect();
+            if helped.is_empty() {
+                return Plan::Refuse(format!(
+                    "no GPU has {} free{within}, even with every idle model evicted: {}",
                     gib(footprint),
-                    budget_per_gpu
-                        .map(|b| format!(" within the per-GPU budget of {}", gib(b)))
-                        .unwrap_or_default(),
-                    devices.iter().map(describe).collect::<Vec<_>>().join("; ")
-                )
-            }),
+                    rooms
+                        .iter()
+                        .map(Room::describe)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ));
+            }
+            helped
+        }
         GpuRequest::Devices(wanted) => {
             if wanted.is_empty() {
-                return Err("`gpus` is an empty list".into());
+                return Plan::Invalid("`gpus` is an empty list".into());
             }
+            let mut short = Vec::new();
             for index in wanted {
-                let device = devices.iter().find(|d| d.index == *index).ok_or_else(|| {
-                    format!(
+                let Some(r) = room(*index) else {
+                    return Plan::Invalid(format!(
                         "there is no GPU {index} (this machine has {})",
                         devices.len()
-                    )
-                })?;
-                if !fits(device) {
-                    return Err(format!(
-                        "GPU {index} cannot take {}: {}",
+                    ));
+                };
+                if r.fits(footprint, 0, budget_per_gpu) {
+                    continue;
+                }
+                if !r.fits(footprint, r.idle, budget_per_gpu) {
+                    return Plan::Refuse(format!(
+                        "GPU {index} cannot take {}{within}, even with every idle model evicted: {}",
                         gib(footprint),
-                        describe(device)
+                        r.describe()
                     ));
                 }
+                short.push(r);
             }
-            Ok(wanted.clone())
+            if short.is_empty() {
+                return Plan::Place(wanted.clone());
+            }
+            short
         }
-    }
+    };
+    holders
+        .iter()
+        .filter(|h| h.evictable && short.iter().any(|r| held_on(r.device, h) > 0))
+        .min_by_key(|h| h.last_used)
+        .map(|h| Plan::Evict(h.model.clone()))
+        .unwrap_or_else(|| {
+            Plan::Refuse(format!(
+                "no GPU has {} free{within}: {}",
+                gib(footprint),
+                rooms
+                    .iter()
+                    .map(Room::describe)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ))
+        })
 }
 
 #[cfg(test)]
@@ -211,27 +346,29 @@ mod tests {
         ]
     }
 
+    const AUTO: GpuRequest = GpuRequest::Auto(AutoWord::Auto);
+
+    fn worker(model: &str, pid: u32, gpu: u32, evictable: bool, last_used: u64) -> Holder {
+        Holder {
+            model: model.into(),
+            pid: Some(pid),
+            gpus: vec![gpu],
+            reserved_bytes: 0,
+            evictable,
+            last_used,
+        }
+    }
+
     #[test]
     fn auto_takes_the_device_with_the_most_free_memory_that_fits() {
         let devices = recorded();
         assert_eq!(
-            place(
-                &GpuRequest::Auto(AutoWord::Auto),
-                &devices,
-                4 * GIB,
-                None,
-                &[]
-            ),
-            Ok(vec![1])
+            plan(&AUTO, &devices, 4 * GIB, None, &[]),
+            Plan::Place(vec![1])
         );
-        let err = place(
-            &GpuRequest::Auto(AutoWord::Auto),
-            &devices,
-            75 * GIB,
-            None,
-            &[],
-        )
-        .unwrap_err();
+        let Plan::Refuse(err) = plan(&AUTO, &devices, 75 * GIB, None, &[]) else {
+            panic!("75 GiB fits nowhere");
+        };
         assert!(
             err.contains("GPU 0") && err.contains("GPU 1") && err.contains("75.0 GiB"),
             "{err}"
@@ -241,32 +378,159 @@ mod tests {
     #[test]
     fn the_per_gpu_budget_counts_what_berth_holds() {
         let devices = recorded();
-        // berth holds 10 GiB on GPU 1 (pid 4188) and 30 GiB on GPU 0 (pid 4121).
-        let berth = [4121, 4188];
-        let request = GpuRequest::Auto(AutoWord::Auto);
+        // berth holds 30 GiB on GPU 0 (pid 4121) and 10 GiB on GPU 1 (pid
+        // 4188), both busy.
+        let berth = [
+            worker("a", 4121, 0, false, 1),
+            worker("b", 4188, 1, false, 2),
+        ];
         assert_eq!(
-            place(&request, &devices, 4 * GIB, Some(16 * GIB), &berth),
-            Ok(vec![1])
+            plan(&AUTO, &devices, 4 * GIB, Some(16 * GIB), &berth),
+            Plan::Place(vec![1])
         );
-        let err = place(&request, &devices, 8 * GIB, Some(16 * GIB), &berth).unwrap_err();
+        let Plan::Refuse(err) = plan(&AUTO, &devices, 8 * GIB, Some(16 * GIB), &berth) else {
+            panic!("nothing idle to evict");
+        };
         assert!(err.contains("per-GPU budget"), "{err}");
+        assert!(
+            err.contains("berth holds 10.0 GiB (0.0 GiB of it idle)"),
+            "{err}"
+        );
     }
 
     #[test]
     fn explicit_devices_must_exist_and_fit() {
         let devices = recorded();
         assert_eq!(
-            place(&GpuRequest::Devices(vec![0]), &devices, 4 * GIB, None, &[]),
-            Ok(vec![0])
+            plan(&GpuRequest::Devices(vec![0]), &devices, 4 * GIB, None, &[]),
+            Plan::Place(vec![0])
         );
-        let err = place(&GpuRequest::Devices(vec![2]), &devices, 0, None, &[]).unwrap_err();
+        let Plan::Invalid(err) = plan(&GpuRequest::Devices(vec![2]), &devices, 0, None, &[]) else {
+            panic!("there is no GPU 2");
+        };
         assert!(err.contains("no GPU 2") && err.contains("has 2"), "{err}");
-        let err = place(&GpuRequest::Devices(vec![0]), &devices, 30 * GIB, None, &[]).unwrap_err();
+        let Plan::Refuse(err) = plan(&GpuRequest::Devices(vec![0]), &devices, 30 * GIB, None, &[])
+        else {
+            panic!("GPU 0 has 20 GiB free");
+        };
         assert!(
             err.contains("GPU 0 cannot take 30.0 GiB") && err.contains("20.0 GiB free"),
             "{err}"
         );
-        assert!(place(&GpuRequest::Devices(vec![]), &devices, 0, None, &[]).is_err());
+        assert!(matches!(
+            plan(&GpuRequest::Devices(vec![]), &devices, 0, None, &[]),
+            Plan::Invalid(_)
+        ));
+    }
+
+    #[test]
+    fn a_full_budget_evicts_the_least_recently_used_idle_model_on_that_gpu() {
+        let mut devices = recorded();
+        // GPU 1 now holds three berth workers of 10 GiB; 777 on GPU 0 is not
+        // berth's.
+        devices[1].processes = vec![(10, 10 * GIB), (11, 10 * GIB), (12, 10 * GIB)];
+        devices[1].used_bytes = 30 * GIB;
+        devices[1].free_bytes = 50 * GIB;
+        let berth = [
+            worker("busy", 10, 1, false, 1),
+            worker("old", 11, 1, true, 2),
+            worker("recent", 12, 1, true, 3),
+            worker("elsewhere", 4121, 0, true, 0),
+        ];
+        let request = GpuRequest::Devices(vec![1]);
+        // 30 GiB held + 8 > 32: the oldest idle model on GPU 1 goes, not the
+        // older one on GPU 0 (evicting it would not help) nor the busy one.
+        assert_eq!(
+            plan(&request, &devices, 8 * GIB, Some(32 * GIB), &berth),
+            Plan::Evict("old".into())
+        );
+        // With it gone, NVML no longer lists pid 11 and the model fits.
+        devices[1].processes.retain(|(p, _)| *p != 11);
+        devices[1].free_bytes += 10 * GIB;
+        assert_eq!(
+            plan(&request, &devices, 8 * GIB, Some(32 * GIB), &berth[..1]),
+            Plan::Place(vec![1])
+        );
+        // More than evicting every idle model can give: refused up front,
+        // nothing is evicted for nothing.
+        let Plan::Refuse(err) = plan(&request, &devices, 30 * GIB, Some(32 * GIB), &berth) else {
+            panic!("the busy 10 GiB stays");
+        };
+        assert!(err.contains("even with every idle model evicted"), "{err}");
+    }
+
+    #[test]
+    fn auto_evicts_only_where_eviction_makes_room() {
+        let devices = recorded();
+        // Free memory: 20 GiB on GPU 0, 70 GiB on GPU 1. berth's idle model
+        // on GPU 0 holds 30 GiB; its busy one on GPU 1 holds 10 GiB.
+        let berth = [
+            worker("idle0", 4121, 0, true, 5),
+            worker("busy1", 4188, 1, false, 1),
+        ];
+        // 75 GiB: GPU 1 cannot get there (busy), GPU 0 neither (20 + 30).
+        assert!(matches!(
+            plan(&AUTO, &devices, 75 * GIB, None, &berth),
+            Plan::Refuse(_)
+        ));
+        // 45 GiB under a 40 GiB budget: GPU 1 has the memory but 10 + 45 is
+        // over budget with nothing idle there; GPU 0 would have 50 GiB free
+        // once idle0 goes, but 45 is over budget on its own.
+        assert!(matches!(
+            plan(&AUTO, &devices, 45 * GIB, Some(40 * GIB), &berth),
+            Plan::Refuse(_)
+        ));
+        // 40 GiB under a 45 GiB budget: GPU 1 would hold 10 + 40 > 45; GPU 0
+        // fits once idle0 goes (50 GiB free, 40 ≤ 45).
+        assert_eq!(
+            plan(&AUTO, &devices, 40 * GIB, Some(45 * GIB), &berth),
+            Plan::Evict("idle0".into())
+        );
+    }
+
+    #[test]
+    fn a_load_in_progress_counts_its_reservation_until_nvml_shows_it() {
+        let devices = recorded();
+        // A 60 GiB load on GPU 1 that has not allocated yet: 70 GiB free
+        // is really 10.
+        let loading = Holder {
+            model: "loading".into(),
+            pid: None,
+            gpus: vec![1],
+            reserved_bytes: 60 * GIB,
+            evictable: false,
+            last_used: 9,
+        };
+        assert_eq!(
+            plan(
+                &AUTO,
+                &devices,
+                15 * GIB,
+                None,
+                std::slice::from_ref(&loading)
+            ),
+            Plan::Place(vec![0])
+        );
+        // Once NVML sees the worker (pid 4188 holding 10 GiB of its 60),
+        // only the other 50 are still to come: 20 GiB fit, 25 do not.
+        let seen = [Holder {
+            pid: Some(4188),
+            ..loading
+        }];
+        let gpu1 = GpuRequest::Devices(vec![1]);
+        assert_eq!(
+            plan(&gpu1, &devices, 20 * GIB, None, &seen),
+            Plan::Place(vec![1])
+        );
+        assert_eq!(
+            plan(&gpu1, &devices, 25 * GIB, None, &seen),
+            Plan::Refuse(
+                "GPU 1 cannot take 25.0 GiB, even with every idle model evicted: \
+                 GPU 1 (NVIDIA H100 80GB HBM3) has 20.0 GiB free, berth holds 60.0 GiB \
+                 (0.0 GiB of it idle)"
+                    .into()
+            )
+        );
     }
 
     #[test]

@@ -23,6 +23,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
+use crate::gpu;
 use crate::metrics::ModelCounters;
 use crate::report::{LoadReport, UnloadReport, mib};
 use crate::worker::handle::{Piece, ResponseStream, WorkerHandle};
@@ -142,12 +143,14 @@ pub struct RequestOptions {
 type LoadSignal = watch::Receiver<Option<std::result::Result<(), Arc<Error>>>>;
 
 impl Slot {
-    fn loading(signal: LoadSignal, reserved_bytes: u64) -> Slot {
+    fn loading(signal: LoadSignal, reserved_bytes: u64, gpus: Option<Vec<u32>>, vram: u64) -> Slot {
         Slot {
             state: ModelState::Loading,
             worker: None,
             loading: Some(signal),
             reserved_bytes,
+            gpus: Vec::new(),
+            incoming_gpu: gpus.map(|g| (g, vram)),
             last_used: Instant::now(),
             expires_at: None,
             swapping: false,
@@ -163,8 +166,13 @@ struct Slot {
     worker: Option<Arc<WorkerHandle>>,
     /// Set while loading: callers wait on it instead of loading again.
     loading: Option<LoadSignal>,
-    /// Memory counted for a load still in progress.
+    /// Memory counted for a worker still loading (a load, a restart, or
+    /// the new side of a swap), on top of what the current worker holds.
     reserved_bytes: u64,
+    /// The GPUs the current worker was placed on.
+    gpus: Vec<u32>,
+    /// The GPUs, and VRAM on each, counted for a worker still loading.
+    incoming_gpu: Option<(Vec<u32>, u64)>,
     last_used: Instant,
     /// When an idle model is unloaded; `None`: never.
     expires_at: Option<Instant>,
@@ -182,6 +190,8 @@ struct Slot {
 struct Entry {
     spec: ModelSpec,
     last_peak_bytes: Option<u64>,
+    /// VRAM its last worker held once loaded, as NVML saw it.
+    last_vram_bytes: Option<u64>,
     permits: Arc<Semaphore>,
     queued: Arc<AtomicUsize>,
     keep_alive: Option<Duration>,
@@ -197,6 +207,7 @@ impl Entry {
             keep_alive: spec.keep_alive.or(default_keep_alive),
             spec,
             last_peak_bytes: None,
+            last_vram_bytes: None,
             permits: Arc::new(Semaphore::new(concurrency)),
             queued: Arc::default(),
             counters: Arc::default(),
@@ -384,7 +395,7 @@ impl Supervisor {
 
     async fn start_load_inner(&self, model: &str) -> Result<LoadReport> {
         let gate = self.inner.load_gate.lock().await;
-        let (spec, footprint) = {
+        let (spec, need) = {
             let mut state = self.lock();
             if state
                 .slots
@@ -410,24 +421,29 @@ impl Supervisor {
                 .catalogue
                 .get(model)
                 .ok_or_else(|| self.unknown_locked(model, &state))?;
-            let footprint = entry
-                .last_peak_bytes
-                .unwrap_or_else(|| footprint_on_disk(&entry.spec));
-            (entry.spec.clone(), footprint)
+            (
+                entry.spec.clone(),
+                Need::new(&entry.spec, Some(entry), false),
+            )
         };
-        self.make_room(model, footprint).await?;
+        let gpus = self.make_room(model, &need).await?;
         let (done, signal) = watch::channel(None);
         {
             let mut state = self.lock();
             self.check_running(model)?;
-            state
-                .slots
-                .insert(model.to_string(), Slot::loading(signal, footprint));
+            if !state.catalogue.contains_key(model) {
+                // Deregistered while room was being made.
+                return Err(self.unknown_locked(model, &state));
+            }
+            state.slots.insert(
+                model.to_string(),
+                Slot::loading(signal, need.ram, gpus.clone(), need.vram()),
+            );
         }
         drop(gate);
         self.inner.changed.notify_waiters();
 
-        let launched = launch::launch(&spec, &self.inner.config).await;
+        let launched = launch::launch(&spec, &self.inner.config, gpus).await;
         let outcome = {
             let mut state = self.lock();
             let State { catalogue, slots } = &mut *state;
@@ -437,9 +453,12 @@ impl Supervisor {
                     slot.worker = Some(Arc::clone(&worker));
                     slot.loading = None;
                     slot.reserved_bytes = 0;
+                    slot.gpus = report.gpus.clone().unwrap_or_default();
+                    slot.incoming_gpu = None;
                     slot.last_used = Instant::now();
                     if let Some(entry) = catalogue.get_mut(model) {
                         entry.last_peak_bytes = Some(report.peak_rss_bytes);
+                        entry.last_vram_bytes = report.vram_bytes.or(entry.last_vram_bytes);
                         entry.counters.loads.fetch_add(1, Ordering::Relaxed);
                         slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
                     }
@@ -552,22 +571,42 @@ impl Supervisor {
         }
     }
 
-    /// Evicts idle models, least recently used first, until `needed` more
-    /// bytes fit the budget and one more model fits `max_loaded`.
-    async fn make_room(&self, model: &str, needed: u64) -> Result<()> {
+    /// Evicts idle models, least recently used first, until the new worker
+    /// fits the memory budget, `max_loaded` and (for a model on GPUs) the
+    /// per-GPU VRAM budget; returns the GPUs it goes on. While a model that
+    /// is being unloaded will free what is missing, waits for it rather
+    /// than refuse. Called with the load gate held.
+    async fn make_room(&self, model: &str, need: &Need) -> Result<Option<Vec<u32>>> {
         let budget = self.inner.config.memory_budget;
         let max_loaded = self.inner.config.max_loaded;
         if let Some(budget) = budget
-            && needed > budget
+            && need.ram > budget
         {
             return Err(Error::BudgetExceeded {
                 model: model.into(),
-                needed,
+                needed: need.ram,
                 reason: format!("more than the whole memory budget of {}", mib(budget)),
             });
         }
+        // Long enough for a drain and a stop to finish.
+        let room_wait = self.inner.config.drain_timeout + Duration::from_secs(10);
+        let waiting_since = Instant::now();
         loop {
-            let (fits, victim, holders) = {
+            // NVML is read outside the lock: it can take milliseconds.
+            let devices = match &need.gpu {
+                None => None,
+                Some(_) => match gpu::inventory() {
+                    gpu::Inventory::Devices(devices) => Some(devices),
+                    gpu::Inventory::NoGpu(reason) => {
+                        return Err(Error::InvalidSpec {
+                            model: model.into(),
+                            reason: format!("it asks for GPUs but {reason}"),
+                        });
+                    }
+                },
+            };
+            let changed = self.inner.changed.notified();
+            let (fits, victim, freeing, holders, gpu_plan) = {
                 let state = self.lock();
                 let used: u64 = state
                     .slots
@@ -578,34 +617,33 @@ impl Supervisor {
                             .as_ref()
                             .map(|w| w.memory().last.rss_bytes)
                             .unwrap_or(0);
-                        rss.max(s.reserved_bytes)
+                        rss + s.reserved_bytes
                     })
                     .sum();
-                let fits = budget.is_none_or(|b| used + needed <= b)
+                // A failed model holds nothing; a replaced one is counted once.
+                let loaded = state
+                    .slots
+                    .values()
+                    .filter(|s| s.worker.is_some() || s.loading.is_some())
+                    .count();
+                let fits = budget.is_none_or(|b| used + need.ram <= b)
                     && max_loaded.is_none_or(|m| {
-                        // A failed model holds nothing.
-                        state
-                            .slots
-                            .values()
-                            .filter(|s| s.worker.is_some() || s.loading.is_some())
-                            .count()
-                            < m
+                        if need.replacing {
+                            loaded <= m
+                        } else {
+                            loaded < m
+                        }
                     });
                 let victim = state
                     .slots
                     .iter()
-                    .filter(|(name, slot)| {
-                        name.as_str() != model
-                            && slot.state == ModelState::Ready
-                            && !slot.swapping
-                            && slot.worker.as_ref().is_some_and(|w| w.in_flight() == 0)
-                            && state
-                                .catalogue
-                                .get(*name)
-                                .is_none_or(|e| e.queued.load(Ordering::SeqCst) == 0)
-                    })
+                    .filter(|(name, slot)| name.as_str() != model && evictable(&state, name, slot))
                     .min_by_key(|(_, slot)| slot.last_used)
                     .map(|(name, _)| name.clone());
+                let freeing = state
+                    .slots
+                    .values()
+                    .any(|s| matches!(s.state, ModelState::Draining | ModelState::Stopping));
                 let holders: Vec<String> = state
                     .slots
                     .iter()
@@ -614,7 +652,8 @@ impl Supervisor {
                             .worker
                             .as_ref()
                             .map(|w| w.memory().last.rss_bytes)
-                            .unwrap_or(s.reserved_bytes);
+                            .unwrap_or(0)
+                            + s.reserved_bytes;
                         let busy = s.worker.as_ref().map(|w| w.in_flight()).unwrap_or(0);
                         format!(
                             "`{name}` {} ({} in flight, {})",
@@ -624,11 +663,44 @@ impl Supervisor {
                         )
                     })
                     .collect();
-                (fits, victim, holders)
+                let gpu_plan = match (&need.gpu, &devices) {
+                    (Some((request, vram)), Some(devices)) => Some(gpu::plan(
+                        request,
+                        devices,
+                        *vram,
+                        self.inner.config.gpu_memory_budget,
+                        &gpu_holders(&state, model),
+                    )),
+                    _ => None,
+                };
+                (fits, victim, freeing, holders, gpu_plan)
             };
-            if fits {
-                return Ok(());
-            }
+            let victim = if fits {
+                match gpu_plan {
+                    None => return Ok(None),
+                    Some(gpu::Plan::Place(gpus)) => return Ok(Some(gpus)),
+                    Some(gpu::Plan::Invalid(reason)) => {
+                        return Err(Error::InvalidSpec {
+                            model: model.into(),
+                            reason,
+                        });
+                    }
+                    Some(gpu::Plan::Evict(victim)) => Some(victim),
+                    Some(gpu::Plan::Refuse(reason)) => {
+                        if freeing && waiting_since.elapsed() < room_wait {
+                            let _ = tokio::time::timeout(Duration::from_millis(200), changed).await;
+                            continue;
+                        }
+                        return Err(Error::GpuBudgetExceeded {
+                            model: model.into(),
+                            needed: need.vram(),
+                            reason,
+                        });
+                    }
+                }
+            } else {
+                victim
+            };
             match victim {
                 Some(victim) => {
                     tracing::info!(
@@ -641,6 +713,10 @@ impl Supervisor {
                         Err(e) => tracing::warn!(victim, "eviction failed: {e}"),
                     }
                 }
+                None if freeing && waiting_since.elapsed() < room_wait => {
+                    // A model being unloaded will give its memory back.
+                    let _ = tokio::time::timeout(Duration::from_millis(200), changed).await;
+                }
                 None => {
                     let limits = match (budget, max_loaded) {
                         (Some(b), Some(m)) => {
@@ -652,7 +728,7 @@ impl Supervisor {
                     };
                     return Err(Error::BudgetExceeded {
                         model: model.into(),
-                        needed,
+                        needed: need.ram,
                         reason: format!(
                             "which does not fit {limits}, and no idle model can be evicted; held by: {}",
                             holders.join(", ")
@@ -804,17 +880,43 @@ impl Supervisor {
             if let Some(slot) = this.lock().slots.get_mut(&model) {
                 slot.swapping = false;
                 slot.hold = false;
+                slot.reserved_bytes = 0;
+                slot.incoming_gpu = None;
             }
             this.inner.changed.notify_waiters();
         };
-        let footprint = footprint_on_disk(&spec);
+        let need = {
+            let state = self.lock();
+            Need::new(&spec, state.catalogue.get(&model), true)
+        };
         let gate = self.inner.load_gate.lock().await;
-        if let Err(e) = self.make_room(&model, footprint).await {
-            clear(self);
-            return Err(e);
+        let gpus = match self.make_room(&model, &need).await {
+            Ok(gpus) => gpus,
+            Err(e) => {
+                clear(self);
+                return Err(e);
+            }
+        };
+        if let Some(slot) = self.lock().slots.get_mut(&model) {
+            // Counted until the new worker is in: a concurrent load cannot
+            // take the memory it is about to use.
+            slot.reserved_bytes = need.ram;
+            slot.incoming_gpu = gpus.clone().map(|g| (g, need.vram()));
         }
         drop(gate);
-        let (new_worker, load) = match launch::launch(&spec, &self.inner.config).await {
+        let launched = launch::launch(&spec, &self.inner.config, gpus).await;
+        let launched = match launched {
+            Ok((worker, _)) if self.is_shutting_down() => {
+                // Shutdown began while it loaded: the old worker is stopped by
+                // shutdown; the new one must not outlive it.
+                stop::stop(&worker, self.inner.config.stop_graces).await;
+                Err(Error::ShuttingDown {
+                    model: model.clone(),
+                })
+            }
+            other => other,
+        };
+        let (new_worker, load) = match launched {
             Ok(launched) => launched,
             Err(e) => {
                 clear(self);
@@ -841,6 +943,9 @@ impl Supervisor {
             slot.swapping = false;
             slot.hold = false;
             slot.state = ModelState::Ready;
+            slot.reserved_bytes = 0;
+            slot.incoming_gpu = None;
+            slot.gpus = load.gpus.clone().unwrap_or_default();
             if let Some(entry) = catalogue.get_mut(&model) {
                 let counters = Arc::clone(&entry.counters);
                 let mut replacement =
@@ -849,6 +954,7 @@ impl Supervisor {
                 replacement.permits = Arc::clone(&entry.permits);
                 replacement.queued = Arc::clone(&entry.queued);
                 replacement.last_peak_bytes = Some(load.peak_rss_bytes);
+                replacement.last_vram_bytes = load.vram_bytes;
                 *entry = replacement;
                 entry.counters.loads.fetch_add(1, Ordering::Relaxed);
             }
@@ -1098,27 +1204,45 @@ impl Supervisor {
     }
 
     /// Refuses new work, unloads every model (concurrently) and returns the
-    /// reports.
+    /// reports. Returns only once no worker is left: a swap or recycle in
+    /// progress is waited for (it installs nothing once shutdown began), and
+    /// an unload someone else started is waited out.
     pub async fn shutdown(&self) -> Vec<Result<UnloadReport>> {
         self.inner.shutting_down.store(true, Ordering::SeqCst);
-        let names: Vec<String> = {
-            let mut state = self.lock();
-            // Loads still in progress find their slot gone and stop their worker.
-            state.slots.retain(|_, slot| slot.worker.is_some());
-            state.slots.keys().cloned().collect()
-        };
-        self.inner.changed.notify_waiters();
-        let mut tasks = tokio::task::JoinSet::new();
-        for name in names {
-            let this = self.clone();
-            tasks.spawn(async move { this.unload(&name).await });
-        }
         let mut reports = Vec::new();
-        while let Some(joined) = tasks.join_next().await {
-            if let Ok(report) = joined {
-                reports.push(report);
+        loop {
+            let changed = self.inner.changed.notified();
+            let names: Vec<String> = {
+                let mut state = self.lock();
+                // Loads and restarts still in progress find their slot gone
+                // and stop their worker.
+                state.slots.retain(|_, slot| slot.worker.is_some());
+                state.slots.keys().cloned().collect()
+            };
+            if names.is_empty() {
+                break;
+            }
+            self.inner.changed.notify_waiters();
+            let mut tasks = tokio::task::JoinSet::new();
+            for name in names {
+                let this = self.clone();
+                tasks.spawn(async move { this.unload(&name).await });
+            }
+            let mut busy = false;
+            while let Some(joined) = tasks.join_next().await {
+                match joined {
+                    // Swapping, or being unloaded by someone else: again
+                    // once that is over.
+                    Ok(Err(Error::Busy { .. })) => busy = true,
+                    Ok(report) => reports.push(report),
+                    Err(_) => {}
+                }
+            }
+            if busy {
+                let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
             }
         }
+        self.inner.changed.notify_waiters();
         reports
     }
 
@@ -1190,6 +1314,88 @@ fn slot_state(slot: &Slot) -> ModelState {
 }
 
 /// What a model needs before its first load is measured: the size of its files.
+/// What a new worker needs room for.
+#[derive(Debug, Clone)]
+struct Need {
+    /// RAM to count for it while it loads.
+    ram: u64,
+    /// It replaces the model's current worker (swap, recycle, restart),
+    /// which already counts toward `max_loaded`.
+    replacing: bool,
+    /// Its GPU request and the VRAM it is expected to take on each device.
+    gpu: Option<(gpu::GpuRequest, u64)>,
+}
+
+impl Need {
+    /// Sized from what the model's last worker measured when it ran the
+    /// same thing, else from the weights on disk.
+    fn new(spec: &ModelSpec, entry: Option<&Entry>, replacing: bool) -> Need {
+        let same = entry.filter(|e| {
+            e.spec.backend == spec.backend
+                && e.spec.model == spec.model
+                && e.spec.options == spec.options
+        });
+        let disk = footprint_on_disk(spec);
+        Need {
+            ram: same.and_then(|e| e.last_peak_bytes).unwrap_or(disk),
+            replacing,
+            gpu: spec.gpus.clone().map(|request| {
+                (
+                    request,
+                    same.and_then(|e| e.last_vram_bytes).unwrap_or(disk),
+                )
+            }),
+        }
+    }
+
+    fn vram(&self) -> u64 {
+        self.gpu.as_ref().map(|(_, vram)| *vram).unwrap_or(0)
+    }
+}
+
+/// Whether eviction may stop this model: ready, idle, nothing queued, not
+/// being replaced.
+fn evictable(state: &State, name: &str, slot: &Slot) -> bool {
+    slot.state == ModelState::Ready
+        && !slot.swapping
+        && slot.worker.as_ref().is_some_and(|w| w.in_flight() == 0)
+        && state
+            .catalogue
+            .get(name)
+            .is_none_or(|e| e.queued.load(Ordering::SeqCst) == 0)
+}
+
+/// berth's workers and loads in progress as GPU placement sees them;
+/// `model` itself (being replaced) is never a candidate for eviction.
+fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
+    let mut holders = Vec::new();
+    for (name, slot) in &state.slots {
+        // Larger is more recent.
+        let last_used = u64::MAX - slot.last_used.elapsed().as_micros() as u64;
+        if let Some(worker) = &slot.worker {
+            holders.push(gpu::Holder {
+                model: name.clone(),
+                pid: Some(worker.pid()),
+                gpus: slot.gpus.clone(),
+                reserved_bytes: 0,
+                evictable: name != model && evictable(state, name, slot),
+                last_used,
+            });
+        }
+        if let Some((gpus, vram)) = &slot.incoming_gpu {
+            holders.push(gpu::Holder {
+                model: name.clone(),
+                pid: None,
+                gpus: gpus.clone(),
+                reserved_bytes: *vram,
+                evictable: false,
+                last_used,
+            });
+        }
+    }
+    holders
+}
+
 fn footprint_on_disk(spec: &ModelSpec) -> u64 {
     fn size(path: &std::path::Path) -> u64 {
         match std::fs::metadata(path) {

@@ -112,6 +112,27 @@ pub fn children_of(parent: u32) -> Vec<(u32, char)> {
         .unwrap_or_default()
 }
 
+/// Live worker processes started for `model` (by the variable the
+/// supervisor sets on each worker), whichever supervisor started them.
+pub fn workers_of_model(model: &str) -> Vec<u32> {
+    let wanted = format!("{}={model}", berth_protocol::ENV_MODEL_NAME);
+    procfs::process::all_processes()
+        .map(|all| {
+            all.filter_map(Result::ok)
+                .filter(|p| {
+                    p.environ().is_ok_and(|env| {
+                        env.iter().any(|(k, v)| {
+                            format!("{}={}", k.to_string_lossy(), v.to_string_lossy()) == wanted
+                        })
+                    })
+                })
+                .map(|p| p.pid as u32)
+                .filter(|pid| alive(*pid))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Open file descriptors of this process.
 pub fn fd_count() -> usize {
     procfs::process::Process::myself()

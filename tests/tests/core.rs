@@ -341,49 +341,6 @@ async fn a_binary_that_is_no_worker_is_refused_promptly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_load_unload_cycles_leak_nothing() {
-    let sup = supervisor();
-    let me = std::process::id();
-    let cycle = |i: usize| {
-        let sup = sup.clone();
-        async move {
-            let load = sup.load(ModelSpec::new("cycle", "echo")).await.unwrap();
-            let reply = sup
-                .request("cycle", Body::json(i.to_string()))
-                .await
-                .unwrap();
-            assert_eq!(reply.json, i.to_string());
-            let unload = sup.unload("cycle").await.unwrap();
-            assert_eq!(
-                (unload.stop, unload.leftover_processes),
-                (StopKind::Graceful, 0)
-            );
-            load.pid
-        }
-    };
-    for i in 0..5 {
-        cycle(i).await;
-    }
-    let fds_before = fd_count();
-    let mut pids = Vec::new();
-    for i in 0..200 {
-        pids.push(cycle(i).await);
-    }
-    assert!(
-        wait_for(Duration::from_secs(5), || fd_count() <= fds_before),
-        "fds: {} before, {} after",
-        fds_before,
-        fd_count()
-    );
-    assert!(pids.iter().all(|pid| !alive(*pid)), "no worker left");
-    let ours: Vec<_> = children_of(me)
-        .into_iter()
-        .filter(|(pid, _)| pids.contains(pid))
-        .collect();
-    assert!(ours.is_empty(), "no zombie or leftover child: {ours:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_each_get_their_own_answer() {
     let sup = supervisor();
     sup.load(ModelSpec::new("echo-c", "echo")).await.unwrap();
@@ -474,4 +431,88 @@ async fn a_missing_worker_binary_says_how_to_build_it() {
         err.to_string().contains("/nonexistent/berth-worker"),
         "{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_at_max_loaded_replaces_the_model_in_place() {
+    let sup = Supervisor::new(SupervisorConfig {
+        max_loaded: Some(1),
+        ..test_config()
+    });
+    let first = sup.load(ModelSpec::new("only", "echo")).await.unwrap();
+    // The model being replaced does not count against the limit twice.
+    let swap = sup.swap(ModelSpec::new("only", "hog")).await.unwrap();
+    assert_eq!(swap.old_pid, first.pid);
+    assert!(!alive(first.pid));
+    assert_eq!(sup.stats().len(), 1);
+    assert_eq!(sup.stats()[0].backend, "hog");
+    sup.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_during_a_swap_leaves_no_worker() {
+    let model = format!("swapped-at-shutdown-{}", std::process::id());
+    let sup = supervisor();
+    let first = sup.load(ModelSpec::new(&model, "echo")).await.unwrap();
+    let swap = {
+        let (sup, spec) = (
+            sup.clone(),
+            ModelSpec::new(&model, "fault").option("load_delay_ms", 1500),
+        );
+        tokio::spawn(async move { sup.swap(spec).await })
+    };
+    // Shut down while the new worker is still loading.
+    assert!(
+        eventually(Duration::from_secs(5), || workers_of_model(&model).len()
+            == 2)
+        .await,
+        "the new worker started"
+    );
+    let reports = sup.shutdown().await;
+    assert!(
+        workers_of_model(&model).is_empty(),
+        "shutdown returned with a worker alive: {:?}",
+        workers_of_model(&model)
+    );
+    assert!(!alive(first.pid));
+    let err = swap.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), "shutting_down", "{err}");
+    assert!(
+        reports
+            .iter()
+            .any(|r| r.as_ref().is_ok_and(|r| r.pid == first.pid)),
+        "the old worker's unload is reported: {reports:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_waits_for_a_model_being_unloaded_instead_of_refusing() {
+    let sup = Supervisor::new(SupervisorConfig {
+        max_loaded: Some(1),
+        ..test_config()
+    });
+    sup.load(ModelSpec::new("leaving", "hog").option("work_ms", 1000))
+        .await
+        .unwrap();
+    let request = {
+        let sup = sup.clone();
+        tokio::spawn(async move { sup.request("leaving", Body::json("{}")).await })
+    };
+    assert!(eventually(Duration::from_secs(5), || sup.stats()[0].in_flight == 1).await);
+    let unload = {
+        let sup = sup.clone();
+        tokio::spawn(async move { sup.unload("leaving").await })
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || sup.stats()[0].state
+            == ModelState::Draining)
+        .await
+    );
+    // The only slot is draining: the load waits for it rather than fail.
+    sup.load(ModelSpec::new("arriving", "echo")).await.unwrap();
+    request.await.unwrap().unwrap();
+    unload.await.unwrap().unwrap();
+    let names: Vec<String> = sup.stats().into_iter().map(|s| s.name).collect();
+    assert_eq!(names, ["arriving"]);
+    sup.shutdown().await;
 }

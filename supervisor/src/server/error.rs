@@ -39,9 +39,11 @@ fn status_for(kind: &str) -> StatusCode {
         }
         "not_loaded" | "already_loaded" | "busy" => StatusCode::CONFLICT,
         "queue_full" => StatusCode::TOO_MANY_REQUESTS,
-        "memory_budget_exceeded" | "shutting_down" | "model_failed" | "restarting" => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
+        "memory_budget_exceeded"
+        | "gpu_memory_budget_exceeded"
+        | "shutting_down"
+        | "model_failed"
+        | "restarting" => StatusCode::SERVICE_UNAVAILABLE,
         "load_timeout" => StatusCode::GATEWAY_TIMEOUT,
         "worker_died" | "handshake_failed" | "protocol_mismatch" | "unexpected_message" => {
             StatusCode::BAD_GATEWAY

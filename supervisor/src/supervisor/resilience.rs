@@ -20,9 +20,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::{Inner, ModelState, State, Supervisor};
+use super::{Inner, ModelState, Need, State, Supervisor};
 use crate::config::ModelSpec;
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::report::ExitStatus;
 use crate::worker::handle::{Death, WorkerHandle};
 use crate::worker::launch;
@@ -247,7 +247,11 @@ impl Supervisor {
             if let Some(entry) = self.lock().catalogue.get(&model) {
                 entry.counters.restarts.fetch_add(1, Ordering::Relaxed);
             }
-            match launch::launch(&spec, &self.inner.config).await {
+            let launched = match self.place_restart(&model, &spec, &done).await {
+                Ok(gpus) => launch::launch(&spec, &self.inner.config, gpus).await,
+                Err(e) => Err(e),
+            };
+            match launched {
                 Ok((worker, report)) => {
                     let installed = {
                         let mut state = self.lock();
@@ -260,8 +264,11 @@ impl Supervisor {
                                 slot.worker = Some(Arc::clone(&worker));
                                 slot.loading = None;
                                 slot.reserved_bytes = 0;
+                                slot.gpus = report.gpus.clone().unwrap_or_default();
+                                slot.incoming_gpu = None;
                                 slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
                                 entry.last_peak_bytes = Some(report.peak_rss_bytes);
+                                entry.last_vram_bytes = report.vram_bytes.or(entry.last_vram_bytes);
                                 entry.counters.loads.fetch_add(1, Ordering::Relaxed);
                                 true
                             }
@@ -340,6 +347,35 @@ impl Supervisor {
         }
     }
 
+    /// Places a restarting model on GPUs (its old worker's VRAM is back by
+    /// now), evicting idle models as a load would; its RAM is already
+    /// counted in its slot.
+    async fn place_restart(
+        &self,
+        model: &str,
+        spec: &ModelSpec,
+        done: &Done,
+    ) -> Result<Option<Vec<u32>>> {
+        if spec.gpus.is_none() {
+            return Ok(None);
+        }
+        let _gate = self.inner.load_gate.lock().await;
+        let need = {
+            let state = self.lock();
+            Need {
+                ram: 0,
+                ..Need::new(spec, state.catalogue.get(model), true)
+            }
+        };
+        let gpus = self.make_room(model, &need).await?;
+        if let Some(slot) = self.lock().slots.get_mut(model)
+            && ours(slot, done)
+        {
+            slot.incoming_gpu = gpus.clone().map(|g| (g, need.vram()));
+        }
+        Ok(gpus)
+    }
+
     /// After each request: replace a worker past `max_rss` or `max_requests`.
     pub(super) fn maybe_recycle(inner: &Arc<Inner>, model: &str) {
         let spec = {
@@ -349,7 +385,10 @@ impl Supervisor {
                 return;
             };
             let (max_rss, max_requests) = (entry.spec.max_rss, entry.spec.max_requests);
-            if (max_rss.is_none() && max_requests.is_none()) || slot.state != ModelState::Ready {
+            if (max_rss.is_none() && max_requests.is_none())
+                || slot.state != ModelState::Ready
+                || inner.shutting_down.load(Ordering::SeqCst)
+            {
                 return;
             }
             let Some(worker) = slot.worker.clone() else {

@@ -9,7 +9,7 @@ use nix::sys::signal::Signal;
 
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
-use crate::gpu::{self, GpuRequest, Inventory};
+use crate::gpu::{self, Inventory};
 use crate::report::LoadReport;
 use crate::worker::handle::{LoadOutcome, WorkerHandle};
 use crate::worker::handshake::{self, HandshakeOutcome};
@@ -26,10 +26,12 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Starts a worker for `spec` and loads the model in it.
+/// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
+/// by the supervisor's placement) when the model asks for GPUs.
 pub(crate) async fn launch(
     spec: &ModelSpec,
     config: &SupervisorConfig,
+    gpus: Option<Vec<u32>>,
 ) -> Result<(Arc<WorkerHandle>, LoadReport)> {
     let started = Instant::now();
     let timeout = spec.load_timeout.unwrap_or(config.load_timeout);
@@ -44,10 +46,6 @@ pub(crate) async fn launch(
     {
         Some(path) => path.clone(),
         None => find_worker_binary(WORKER_BINARY)?,
-    };
-    let gpus = match &spec.gpus {
-        None => None,
-        Some(request) => Some(choose_gpus(spec, request, config)?),
     };
     let mut env = spec.env.clone();
     if let Some(gpus) = &gpus {
@@ -162,29 +160,6 @@ pub(crate) async fn launch(
         details: serde_json::from_str(&info.details).unwrap_or(serde_json::Value::Null),
     };
     Ok((handle, report))
-}
-
-/// Places a model on GPUs, or says clearly why it cannot be.
-fn choose_gpus(
-    spec: &ModelSpec,
-    request: &GpuRequest,
-    config: &SupervisorConfig,
-) -> Result<Vec<u32>> {
-    let invalid = |reason: String| Error::InvalidSpec {
-        model: spec.name.clone(),
-        reason,
-    };
-    match gpu::inventory() {
-        Inventory::NoGpu(reason) => Err(invalid(format!("it asks for GPUs but {reason}"))),
-        Inventory::Devices(devices) => gpu::place(
-            request,
-            &devices,
-            0,
-            config.gpu_memory_budget,
-            &crate::worker::orphans::live_pids(),
-        )
-        .map_err(invalid),
-    }
 }
 
 async fn kill_and_reap(process: &ProcessWatch) {
