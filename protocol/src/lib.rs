@@ -42,6 +42,10 @@ pub const ENV_BOOTSTRAP: &str = "BERTH_BOOTSTRAP";
 pub const ENV_PARENT_PID: &str = "BERTH_PARENT_PID";
 /// Environment variable naming the model the worker serves (for its logs).
 pub const ENV_MODEL_NAME: &str = "BERTH_MODEL";
+/// Environment variable listing the GPUs (physical indices, comma-separated)
+/// the supervisor placed the worker on; absent when it has none. The worker
+/// also gets `CUDA_VISIBLE_DEVICES`, so CUDA numbers them from 0.
+pub const ENV_GPUS: &str = "BERTH_GPUS";
 
 /// Request identifier, unique per worker for the worker's lifetime.
 pub type RequestId = u64;

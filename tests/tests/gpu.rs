@@ -105,3 +105,58 @@ async fn load_unload_cycles_leave_the_device_where_it_started() {
     .await;
     assert!(settled, "the device's used memory is back where it started");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_backends_choose_their_device_and_say_how_to_get_cuda() {
+    let sup = supervisor();
+    let minilm = default_model("minilm");
+    // On the CPU by default, and the load report says where it runs.
+    let load = sup
+        .load(ModelSpec::new("on-cpu", "embed").model(&minilm))
+        .await
+        .unwrap();
+    assert_eq!(load.details["device"], "cpu", "{:?}", load.details);
+    sup.unload("on-cpu").await.unwrap();
+
+    let err = sup
+        .load(
+            ModelSpec::new("odd", "embed")
+                .model(&minilm)
+                .option("device", "tpu"),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "load_failed", "{err}");
+    assert!(
+        err.to_string().contains("model `odd`")
+            && err.to_string().contains("`cpu`, `cuda` or `cuda:N`"),
+        "{err}"
+    );
+
+    for (backend, model) in [("embed", minilm), ("generate", default_model("smollm2"))] {
+        let spec = ModelSpec::new("on-cuda", backend)
+            .model(&model)
+            .option("device", "cuda");
+        match sup.load(spec).await {
+            // A worker built with `--features cuda` on a GPU machine.
+            Ok(load) => {
+                assert_eq!(load.details["device"], "cuda:0", "{:?}", load.details);
+                sup.unload("on-cuda").await.unwrap();
+            }
+            Err(err) => {
+                let text = err.to_string();
+                assert_eq!(err.kind(), "load_failed", "{err}");
+                assert!(text.contains("model `on-cuda`"), "{err}");
+                assert!(
+                    (text.contains("built without CUDA") && text.contains("--features cuda"))
+                        || (matches!(inventory(), Inventory::NoGpu(_))
+                            && text.contains("cannot open CUDA device 0")),
+                    "{backend}: {err}"
+                );
+            }
+        }
+    }
+    // None of it hurt the supervisor.
+    sup.load(ModelSpec::new("e", "echo")).await.unwrap();
+    sup.shutdown().await;
+}

@@ -142,6 +142,18 @@ impl LoadContext {
     pub fn options<'a>(&self, spec: &'a LoadSpec) -> Options<'a> {
         Options::new(spec)
     }
+
+    /// The GPUs the supervisor placed this worker on (physical indices;
+    /// CUDA sees them as devices 0..n). Empty when it placed it on none.
+    pub fn gpus(&self) -> Vec<u32> {
+        std::env::var(berth_protocol::ENV_GPUS)
+            .map(|list| {
+                list.split(',')
+                    .filter_map(|i| i.trim().parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
 }
 
 /// Where a streamed chunk goes.

@@ -51,6 +51,7 @@ pub(crate) async fn launch(
     if let Some(gpus) = &gpus {
         let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
         env.push(("CUDA_VISIBLE_DEVICES".into(), list.join(",")));
+        env.push((berth_protocol::ENV_GPUS.into(), list.join(",")));
     }
     let (server, server_name) = handshake::open(model)?;
     let cap = spec

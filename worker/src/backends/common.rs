@@ -1,9 +1,57 @@
 //! What the model backends share: load modes, thread count, request parsing.
 
 use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
+use candle_core::Device;
 use serde::de::DeserializeOwned;
 
-use crate::Options;
+use crate::{LoadContext, Options};
+
+/// How to build a worker that runs models on NVIDIA GPUs.
+pub const CUDA_BUILD_HINT: &str = "build it with `cargo build --release -p berth-worker --features cuda` \
+     (needs the CUDA toolkit's nvcc)";
+
+/// Where a model's tensors live. The `device` option names it (`cpu`,
+/// `cuda` or `cuda:N`); without it, a worker the supervisor placed on GPUs
+/// (`gpus = [..]` or `"auto"`) runs on the first of them, and any other on
+/// the CPU.
+pub fn choose_device(
+    spec: &LoadSpec,
+    opts: &Options<'_>,
+    ctx: &LoadContext,
+) -> Result<Device, WireError> {
+    let fail = |message: String| {
+        WireError::new(
+            ErrorKind::LoadFailed,
+            format!("model `{}`: {message}", spec.name),
+        )
+    };
+    let ordinal = match opts.str("device").map(str::trim) {
+        Some("cpu") => return Ok(Device::Cpu),
+        Some("cuda") => 0,
+        Some(other) => other
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(|| fail(format!("device `{other}` is not `cpu`, `cuda` or `cuda:N`")))?,
+        None if ctx.gpus().is_empty() => return Ok(Device::Cpu),
+        None => 0,
+    };
+    if !candle_core::utils::cuda_is_available() {
+        return Err(fail(format!(
+            "it is to run on CUDA device {ordinal}, but this berth-worker was built without CUDA; \
+             {CUDA_BUILD_HINT}, or set the option `device=cpu`"
+        )));
+    }
+    Device::new_cuda(ordinal).map_err(|e| fail(format!("cannot open CUDA device {ordinal}: {e}")))
+}
+
+/// How a device is named in load details: `cpu`, `cuda:0`.
+pub fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
 
 /// How weights get into the worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

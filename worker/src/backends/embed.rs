@@ -1,5 +1,5 @@
 //! `embed`: sentence embeddings from a sentence-transformers BERT directory
-//! (all-MiniLM-L6-v2 and its kind) with candle on the CPU.
+//! (all-MiniLM-L6-v2 and its kind) with candle, on the CPU or a GPU.
 //!
 //! The directory holds `config.json`, `model.safetensors`, `tokenizer.json`
 //! and optionally `1_Pooling/config.json` (only mean pooling is supported,
@@ -8,7 +8,10 @@
 //! mask and L2-normalised.
 //!
 //! Options: `load_mode` = `mmap` (default) | `read`; `threads`;
-//! `max_length` (tokens per text, default 256, the model's training length).
+//! `max_length` (tokens per text, default 256, the model's training length);
+//! `device` = `cpu` | `cuda` | `cuda:N` (default: the GPU the supervisor
+//! placed the worker on, else the CPU; CUDA needs a worker built with the
+//! `cuda` feature).
 //! Request: `{"input": "text"}` or `{"input": ["text", ...]}`.
 //! Response: `{"embeddings": [[...], ...], "dim": 384, "tokens": N}`.
 
@@ -20,7 +23,7 @@ use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
-use crate::backends::{LoadMode, configure_threads, parse_request};
+use crate::backends::{LoadMode, choose_device, configure_threads, device_name, parse_request};
 use crate::{Backend, LoadContext, RequestContext};
 
 struct Embed {
@@ -31,6 +34,7 @@ struct Embed {
     load_mode: LoadMode,
     max_length: usize,
     threads: usize,
+    device: Device,
 }
 
 fn load_error(spec: &LoadSpec, message: String) -> WireError {
@@ -47,8 +51,9 @@ fn read_text(spec: &LoadSpec, path: &Path) -> Result<String, WireError> {
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["load_mode", "threads", "max_length"])?;
+    opts.only(&["load_mode", "threads", "max_length", "device"])?;
     let load_mode = LoadMode::from_options(spec, &opts)?;
+    let device = choose_device(spec, &opts, ctx)?;
     let threads = configure_threads(opts.get("threads")?);
     let max_length: usize = opts.get_or("max_length", 256)?;
     let dir = PathBuf::from(spec.model.as_deref().ok_or_else(|| {
@@ -132,14 +137,14 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         // SAFETY: the file is mapped read-only; berth's fetch step writes
         // weights by rename, so a mapped file is never modified in place.
         LoadMode::Mmap => unsafe {
-            VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, &Device::Cpu)
+            VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, &device)
                 .map_err(bad_weights)?
         },
         LoadMode::Read => {
             let bytes = std::fs::read(&weights).map_err(|e| {
                 load_error(spec, format!("cannot read `{}`: {e}", weights.display()))
             })?;
-            VarBuilder::from_buffered_safetensors(bytes, DType::F32, &Device::Cpu)
+            VarBuilder::from_buffered_safetensors(bytes, DType::F32, &device)
                 .map_err(bad_weights)?
         }
     };
@@ -153,6 +158,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         load_mode,
         max_length,
         threads,
+        device,
     }))
 }
 
@@ -188,9 +194,9 @@ impl Embed {
         }
         let tokens = mask.iter().filter(|m| **m != 0).count();
         let run = || -> candle_core::Result<Vec<Vec<f32>>> {
-            let ids = Tensor::from_vec(ids, (n, len), &Device::Cpu)?;
-            let types = Tensor::from_vec(types, (n, len), &Device::Cpu)?;
-            let mask = Tensor::from_vec(mask, (n, len), &Device::Cpu)?;
+            let ids = Tensor::from_vec(ids, (n, len), &self.device)?;
+            let types = Tensor::from_vec(types, (n, len), &self.device)?;
+            let mask = Tensor::from_vec(mask, (n, len), &self.device)?;
             let hidden = self.model.forward(&ids, &types, Some(&mask))?;
             let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
             let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
@@ -234,6 +240,7 @@ impl Backend for Embed {
             "load_mode": self.load_mode.as_str(),
             "max_length": self.max_length,
             "threads": self.threads,
+            "device": device_name(&self.device),
         })
     }
 }

@@ -1,5 +1,5 @@
 //! `generate`: chat text generation with a quantized Llama-architecture GGUF
-//! model (SmolLM2 and its kin) on the CPU, through candle.
+//! model (SmolLM2 and its kin) through candle, on the CPU or a GPU.
 //!
 //! Model: `--model FILE.gguf`; the tokenizer and the chat template come from
 //! the file's metadata.
@@ -8,6 +8,9 @@
 //! - `load_mode` = `mmap` (default: map the file, copy the tensors out, unmap)
 //!   or `read` (read the whole file into the worker's memory first);
 //! - `threads`: compute threads (default: the cores this process may use);
+//! - `device` = `cpu` | `cuda` | `cuda:N` (default: the GPU the supervisor
+//!   placed the worker on, else the CPU; CUDA needs a worker built with the
+//!   `cuda` feature);
 //! - `quant` = `native` (default; `q4_1` is accepted for a Q4_1 file: the
 //!   weights as the file has them) or `q8_0`: convert the weights once to
 //!   Q8_0, cached next to the file as `<stem>.Q8_0.gguf` and reused while it
@@ -51,12 +54,13 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
-use crate::backends::{LoadMode, configure_threads};
+use crate::backends::{LoadMode, choose_device, configure_threads, device_name};
 use crate::{Backend, LoadContext, Progress, RequestContext};
 
 const OPTIONS: &[&str] = &[
     "load_mode",
     "threads",
+    "device",
     "quant",
     "max_tokens",
     "temperature",
@@ -753,6 +757,7 @@ struct Generate {
     context_length: usize,
     defaults: Settings,
     details: serde_json::Value,
+    device: Device,
 }
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
@@ -779,6 +784,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         seed: opts.get("seed")?,
     };
     defaults.check().map_err(fail)?;
+    let device = choose_device(spec, &opts, ctx)?;
     // Before any tensor operation: candle sizes its pools once.
     let threads = configure_threads(opts.get("threads")?);
     let progress = ctx.progress();
@@ -851,6 +857,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         "file": file,
         "source_file": src.display().to_string(),
         "threads": threads,
+        "device": device_name(&device),
         "load_mode": load_mode.as_str(),
         "chat_template": "chatml",
         "default_system_prompt": chat.default_system,
@@ -866,7 +873,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         inner: Cursor::new(&*data),
         progress,
     };
-    let model = ModelWeights::from_gguf(content, &mut reader, &Device::Cpu)
+    let model = ModelWeights::from_gguf(content, &mut reader, &device)
         .map_err(|e| fail(format!("cannot build the model from `{file}`: {e}")))?;
     drop(data);
     progress.advance();
@@ -880,6 +887,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         context_length,
         defaults,
         details,
+        device,
     }))
 }
 
@@ -928,7 +936,7 @@ impl Generate {
             if ctx.is_cancelled() {
                 return Err(cancelled());
             }
-            let input = Tensor::new(chunk, &Device::Cpu)
+            let input = Tensor::new(chunk, &self.device)
                 .and_then(|t| t.unsqueeze(0))
                 .map_err(backend)?;
             last = Some(model.forward(&input, i * PREFILL_CHUNK).map_err(backend)?);
@@ -977,7 +985,7 @@ impl Generate {
             if ctx.is_cancelled() {
                 return Err(cancelled());
             }
-            let input = Tensor::new(&[next], &Device::Cpu)
+            let input = Tensor::new(&[next], &self.device)
                 .and_then(|t| t.unsqueeze(0))
                 .map_err(backend)?;
             logits = model

@@ -25,9 +25,17 @@ struct GpuHog {
 }
 
 /// True when the CUDA driver library can be loaded on this machine.
+#[cfg(not(feature = "cuda"))]
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the driver library; no CUDA call is made.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// With the `cuda` feature candle links libcuda into the worker, which
+/// could not have started without the driver.
+#[cfg(feature = "cuda")]
+pub fn driver_present() -> bool {
+    true
 }
 
 fn describe_error(e: &DriverError, bytes: usize, device: usize) -> String {

@@ -12,4 +12,6 @@ pub mod generate;
 pub mod gpu_hog;
 pub mod hog;
 
-pub use common::{LoadMode, configure_threads, parse_request};
+pub use common::{
+    CUDA_BUILD_HINT, LoadMode, choose_device, configure_threads, device_name, parse_request,
+};
