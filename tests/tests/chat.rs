@@ -1,6 +1,8 @@
 //! `/v1/chat/completions` against a real `berth serve` running SmolLM2
 //! through the `generate` backend: OpenAI's shapes, plain and streamed.
 
+use std::time::Duration;
+
 use berth_tests::*;
 use serde_json::{Value, json};
 
@@ -142,6 +144,12 @@ fn chat_completions_have_openais_shape_and_stream_the_same_text() {
     assert_eq!(last["usage"], *usage, "the same usage as not streamed");
     let before = &chunks[chunks.len() - 2];
     assert_eq!(before["choices"][0]["finish_reason"], "stop", "{before}");
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c.get("usage") == Some(&Value::Null)),
+        "every other chunk has \"usage\": null: {chunks:?}"
+    );
 }
 
 #[test]
@@ -226,4 +234,79 @@ fn refused_requests_get_a_status_not_a_broken_stream() {
     let with_parts = complete(&server, chat(json!({ "messages": [parts] })));
     let with_text = complete(&server, chat(json!({ "messages": [user] })));
     assert_eq!(content(&with_parts), content(&with_text));
+}
+
+#[test]
+fn the_cli_talks_to_a_daemon_on_a_unix_socket() {
+    use std::process::{Command, Stdio};
+    let dir = std::env::temp_dir().join(format!("berth-unix-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("berth.sock");
+    let config = dir.join("berth.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"unix:{}\"\n[[model]]\nname = \"smollm2\"\nbackend = \"generate\"\nmodel = \"{}\"\n",
+            socket.display(),
+            default_model("smollm2").display()
+        ),
+    )
+    .unwrap();
+    let mut daemon = Command::new(berth_bin())
+        .args(["serve", "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("unix:{}", socket.display());
+    let berth = |args: &[&str]| {
+        let out = Command::new(berth_bin())
+            .args(args)
+            .args(["--url", &url])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    assert!(
+        wait_for(Duration::from_secs(20), || berth(&["ps"]).0),
+        "berth ps over {url}: {:?}",
+        berth(&["ps"])
+    );
+    let (ok, out, err) = berth(&["load", "smollm2"]);
+    assert!(ok, "{out}{err}");
+    let (ok, out, err) = berth(&["ps", "--json"]);
+    assert!(ok, "{err}");
+    let ps: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(ps["models"][0]["state"], "ready", "{ps}");
+    // Streamed (chunked) over the socket, as over TCP.
+    let (ok, out, err) = berth(&["generate", "smollm2", QUESTION, "--max-tokens", "8"]);
+    assert!(ok && !out.trim().is_empty(), "{out}{err}");
+    let (ok, out, err) = berth(&["unload", "smollm2"]);
+    assert!(ok, "{out}{err}");
+
+    // A wrong socket is a clear error, not a panic.
+    let (ok, _, err) = Command::new(berth_bin())
+        .args(["ps", "--url", "unix:/nonexistent/berth.sock"])
+        .output()
+        .map(|o| {
+            (
+                o.status.success(),
+                (),
+                String::from_utf8_lossy(&o.stderr).to_string(),
+            )
+        })
+        .unwrap();
+    assert!(!ok);
+    assert!(
+        err.contains("cannot reach berth at unix:/nonexistent/berth.sock"),
+        "{err}"
+    );
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) };
+    assert!(daemon.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
 }

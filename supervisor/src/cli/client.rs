@@ -1,8 +1,9 @@
 //! The CLI as a client of a running `berth serve`: `ps`, `load`, `unload`,
 //! `swap`, `embed`, `generate`.
 
-use std::io::{BufRead, BufReader, IsTerminal, Write};
-use std::path::PathBuf;
+use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +18,8 @@ use super::parse_key_value;
 /// Where the daemon is.
 #[derive(Debug, Clone, Args)]
 pub struct Remote {
-    /// The daemon's URL.
+    /// The daemon's URL, or `unix:/path` for a daemon listening on a unix
+    /// socket.
     #[arg(
         long,
         env = "BERTH_URL",
@@ -83,6 +85,12 @@ struct Client {
 
 type Failure = (String, String);
 
+/// A response: its status and its body as a stream of bytes.
+struct Reply {
+    status: u16,
+    body: Box<dyn Read>,
+}
+
 impl Client {
     fn new(remote: &Remote) -> Self {
         let agent = ureq::Agent::config_builder()
@@ -107,26 +115,48 @@ impl Client {
         }
     }
 
-    fn finish(
-        &self,
-        result: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
-    ) -> Result<Value, Failure> {
-        let mut response = result.map_err(|e| {
-            (
-                "unreachable".to_string(),
-                format!(
-                    "cannot reach berth at {}: {e}; is `berth serve` running?",
-                    self.remote.url
-                ),
+    fn unreachable(&self, e: impl std::fmt::Display) -> Failure {
+        (
+            "unreachable".to_string(),
+            format!(
+                "cannot reach berth at {}: {e}; is `berth serve` running?",
+                self.remote.url
+            ),
+        )
+    }
+
+    /// Sends a GET (no body) or a POST (a JSON body or none).
+    fn send(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Reply, Failure> {
+        if let Some(socket) = self.remote.url.strip_prefix("unix:") {
+            return unix_request(
+                Path::new(socket),
+                method,
+                path,
+                self.remote.token.as_deref(),
+                body,
             )
-        })?;
-        let status = response.status();
-        let text = response
-            .body_mut()
-            .read_to_string()
-            .map_err(|e| ("io_error".into(), e.to_string()))?;
+            .map_err(|e| self.unreachable(e));
+        }
+        let url = self.url(path);
+        let result = match (method, body) {
+            ("GET", _) => self.auth(self.agent.get(url)).call(),
+            (_, Some(body)) => self.auth(self.agent.post(url)).send_json(body),
+            (_, None) => self.auth(self.agent.post(url)).send_empty(),
+        };
+        let response = result.map_err(|e| self.unreachable(e))?;
+        Ok(Reply {
+            status: response.status().as_u16(),
+            body: Box::new(response.into_body().into_reader()),
+        })
+    }
+
+    fn finish(&self, reply: Reply) -> Result<Value, Failure> {
+        let Reply { status, mut body } = reply;
+        let mut text = String::new();
+        body.read_to_string(&mut text)
+            .map_err(|e| ("io_error".to_string(), e.to_string()))?;
         let value: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-        if status.is_success() {
+        if (200..300).contains(&status) {
             Ok(value)
         } else {
             let code = value["error"]["code"]
@@ -142,15 +172,125 @@ impl Client {
     }
 
     fn get(&self, path: &str) -> Result<Value, Failure> {
-        self.finish(self.auth(self.agent.get(self.url(path))).call())
+        self.finish(self.send("GET", path, None)?)
     }
 
     fn post(&self, path: &str, body: Option<Value>) -> Result<Value, Failure> {
-        let request = self.auth(self.agent.post(self.url(path)));
-        self.finish(match body {
-            Some(body) => request.send_json(body),
-            None => request.send_empty(),
-        })
+        self.finish(self.send("POST", path, body.as_ref())?)
+    }
+}
+
+/// HTTP/1.1 over a unix socket, one request per connection: what `berth
+/// serve --listen unix:/path` speaks. The body comes back as it arrives
+/// (chunked or sized), so streamed answers stream.
+fn unix_request(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> io::Result<Reply> {
+    let mut stream = UnixStream::connect(socket)?;
+    let payload = body.map(Value::to_string);
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
+    if let Some(token) = token {
+        head.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    match &payload {
+        Some(p) => head.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            p.len()
+        )),
+        None if method != "GET" => head.push_str("Content-Length: 0\r\n"),
+        None => {}
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes())?;
+    if let Some(p) = &payload {
+        stream.write_all(p.as_bytes())?;
+    }
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse::<u16>().ok())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("not an HTTP response: {:?}", line.trim_end()),
+            )
+        })?;
+    let (mut chunked, mut length) = (false, None);
+    loop {
+        line.clear();
+        if reader.read_line(&mut line)? == 0 || line.trim_end().is_empty() {
+            break;
+        }
+        if let Some((name, value)) = line.split_once(':') {
+            let (name, value) = (name.trim(), value.trim());
+            if name.eq_ignore_ascii_case("transfer-encoding") {
+                chunked = value.eq_ignore_ascii_case("chunked");
+            } else if name.eq_ignore_ascii_case("content-length") {
+                length = value.parse::<u64>().ok();
+            }
+        }
+    }
+    let body: Box<dyn Read> = match (chunked, length) {
+        (true, _) => Box::new(Chunked {
+            inner: reader,
+            left: 0,
+            done: false,
+        }),
+        (false, Some(n)) => Box::new(reader.take(n)),
+        (false, None) => Box::new(reader),
+    };
+    Ok(Reply { status, body })
+}
+
+/// A chunked HTTP/1.1 body, decoded as it is read.
+struct Chunked<R> {
+    inner: R,
+    /// Bytes left in the current chunk.
+    left: u64,
+    done: bool,
+}
+
+impl<R: BufRead> Read for Chunked<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.done || buf.is_empty() {
+            return Ok(0);
+        }
+        if self.left == 0 {
+            let mut line = String::new();
+            self.inner.read_line(&mut line)?;
+            let size = line.trim().split(';').next().unwrap_or_default().trim();
+            self.left = u64::from_str_radix(size, 16).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("bad chunk size {:?}", line.trim_end()),
+                )
+            })?;
+            if self.left == 0 {
+                self.done = true;
+                return Ok(0);
+            }
+        }
+        let want = buf
+            .len()
+            .min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        self.left -= n as u64;
+        if self.left == 0 {
+            // The CRLF that ends the chunk.
+            let mut crlf = String::new();
+            self.inner.read_line(&mut crlf)?;
+        }
+        Ok(n)
     }
 }
 
@@ -359,22 +499,14 @@ pub fn generate(args: GenerateArgs) -> ExitCode {
         body["temperature"] = json!(t);
     }
     let progress = Progress::start(format!("waiting for {}", args.name));
-    let response = client
-        .auth(client.agent.post(client.url("/v1/chat/completions")))
-        .send_json(body);
     let result = (|| -> Result<ExitCode, Failure> {
-        let response = response.map_err(|e| {
-            (
-                "unreachable".to_string(),
-                format!("cannot reach berth at {}: {e}", args.remote.url),
-            )
-        })?;
-        if !response.status().is_success() {
+        let reply = client.send("POST", "/v1/chat/completions", Some(&body))?;
+        if !(200..300).contains(&reply.status) {
             drop(progress);
-            return client.finish(Ok(response)).map(|_| ExitCode::FAILURE);
+            return client.finish(reply).map(|_| ExitCode::FAILURE);
         }
         let mut progress = Some(progress);
-        let reader = BufReader::new(response.into_body().into_reader());
+        let reader = BufReader::new(reply.body);
         let mut stdout = std::io::stdout();
         for line in reader.lines() {
             let line = line.map_err(|e| ("io_error".to_string(), e.to_string()))?;

@@ -323,10 +323,15 @@ fn sse_events(
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let chunk = move |delta: Value, finish: Value| {
-        json!({
+        let mut chunk = json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
-        })
+        });
+        if include_usage {
+            // As OpenAI does: every chunk has the field, null but the last.
+            chunk["usage"] = Value::Null;
+        }
+        chunk
     };
     let first = chunk(json!({ "role": "assistant", "content": "" }), Value::Null);
     enum Phase {
