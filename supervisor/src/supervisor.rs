@@ -143,14 +143,14 @@ pub struct RequestOptions {
 type LoadSignal = watch::Receiver<Option<std::result::Result<(), Arc<Error>>>>;
 
 impl Slot {
-    fn loading(signal: LoadSignal, reserved_bytes: u64, gpus: Option<Vec<u32>>, vram: u64) -> Slot {
+    fn loading(signal: LoadSignal, reserved_bytes: u64, incoming_gpu: Option<Incoming>) -> Slot {
         Slot {
             state: ModelState::Loading,
             worker: None,
             loading: Some(signal),
             reserved_bytes,
             gpus: Vec::new(),
-            incoming_gpu: gpus.map(|g| (g, vram)),
+            incoming_gpu,
             last_used: Instant::now(),
             expires_at: None,
             swapping: false,
@@ -171,8 +171,8 @@ struct Slot {
     reserved_bytes: u64,
     /// The GPUs the current worker was placed on.
     gpus: Vec<u32>,
-    /// The GPUs, and VRAM on each, counted for a worker still loading.
-    incoming_gpu: Option<(Vec<u32>, u64)>,
+    /// What a worker still loading has been counted for on the GPUs.
+    incoming_gpu: Option<Incoming>,
     last_used: Instant,
     /// When an idle model is unloaded; `None`: never.
     expires_at: Option<Instant>,
@@ -187,10 +187,31 @@ struct Slot {
     failure: Option<String>,
 }
 
+/// GPU placement of a worker still loading, counted until it is in.
+#[derive(Debug, Clone)]
+struct Incoming {
+    gpus: Vec<u32>,
+    /// VRAM expected on each of `gpus`.
+    vram: u64,
+    /// Its pid once spawned, so NVML's reading for it is not counted twice.
+    pid: Option<u32>,
+}
+
+impl Incoming {
+    fn new(gpus: Option<Vec<u32>>, need: &Need) -> Option<Incoming> {
+        gpus.map(|gpus| Incoming {
+            gpus,
+            vram: need.vram(),
+            pid: None,
+        })
+    }
+}
+
 struct Entry {
     spec: ModelSpec,
     last_peak_bytes: Option<u64>,
-    /// VRAM its last worker held once loaded, as NVML saw it.
+    /// VRAM its last worker held on each of its GPUs once loaded, as NVML
+    /// saw it.
     last_vram_bytes: Option<u64>,
     permits: Arc<Semaphore>,
     queued: Arc<AtomicUsize>,
@@ -220,6 +241,15 @@ impl Entry {
 struct State {
     catalogue: BTreeMap<String, Entry>,
     slots: HashMap<String, Slot>,
+    /// Workers a swap or recycle replaced, by pid, until they have stopped:
+    /// their memory still counts, and shutdown waits for them.
+    retiring: HashMap<u32, Retiring>,
+}
+
+struct Retiring {
+    model: String,
+    worker: Arc<WorkerHandle>,
+    gpus: Vec<u32>,
 }
 
 struct Inner {
@@ -437,16 +467,21 @@ impl Supervisor {
             }
             state.slots.insert(
                 model.to_string(),
-                Slot::loading(signal, need.ram, gpus.clone(), need.vram()),
+                Slot::loading(signal, need.ram, Incoming::new(gpus.clone(), &need)),
             );
         }
         drop(gate);
         self.inner.changed.notify_waiters();
 
-        let launched = launch::launch(&spec, &self.inner.config, gpus).await;
+        let launched = launch::launch(&spec, &self.inner.config, gpus, &|pid| {
+            self.note_incoming_pid(model, pid)
+        })
+        .await;
         let outcome = {
             let mut state = self.lock();
-            let State { catalogue, slots } = &mut *state;
+            let State {
+                catalogue, slots, ..
+            } = &mut *state;
             match (launched, slots.get_mut(model)) {
                 (Ok((worker, report)), Some(slot)) => {
                     slot.state = ModelState::Ready;
@@ -458,7 +493,7 @@ impl Supervisor {
                     slot.last_used = Instant::now();
                     if let Some(entry) = catalogue.get_mut(model) {
                         entry.last_peak_bytes = Some(report.peak_rss_bytes);
-                        entry.last_vram_bytes = report.vram_bytes.or(entry.last_vram_bytes);
+                        entry.last_vram_bytes = vram_per_gpu(&report).or(entry.last_vram_bytes);
                         entry.counters.loads.fetch_add(1, Ordering::Relaxed);
                         slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
                     }
@@ -592,6 +627,7 @@ impl Supervisor {
         let room_wait = self.inner.config.drain_timeout + Duration::from_secs(10);
         let waiting_since = Instant::now();
         loop {
+            self.check_running(model)?;
             // NVML is read outside the lock: it can take milliseconds.
             let devices = match &need.gpu {
                 None => None,
@@ -619,6 +655,12 @@ impl Supervisor {
                             .unwrap_or(0);
                         rss + s.reserved_bytes
                     })
+                    .chain(
+                        state
+                            .retiring
+                            .values()
+                            .map(|r| r.worker.memory().last.rss_bytes),
+                    )
                     .sum();
                 // A failed model holds nothing; a replaced one is counted once.
                 let loaded = state
@@ -640,10 +682,11 @@ impl Supervisor {
                     .filter(|(name, slot)| name.as_str() != model && evictable(&state, name, slot))
                     .min_by_key(|(_, slot)| slot.last_used)
                     .map(|(name, _)| name.clone());
-                let freeing = state
-                    .slots
-                    .values()
-                    .any(|s| matches!(s.state, ModelState::Draining | ModelState::Stopping));
+                let freeing = !state.retiring.is_empty()
+                    || state
+                        .slots
+                        .values()
+                        .any(|s| matches!(s.state, ModelState::Draining | ModelState::Stopping));
                 let holders: Vec<String> = state
                     .slots
                     .iter()
@@ -675,32 +718,36 @@ impl Supervisor {
                 };
                 (fits, victim, freeing, holders, gpu_plan)
             };
-            let victim = if fits {
-                match gpu_plan {
-                    None => return Ok(None),
-                    Some(gpu::Plan::Place(gpus)) => return Ok(Some(gpus)),
-                    Some(gpu::Plan::Invalid(reason)) => {
-                        return Err(Error::InvalidSpec {
-                            model: model.into(),
-                            reason,
-                        });
-                    }
-                    Some(gpu::Plan::Evict(victim)) => Some(victim),
-                    Some(gpu::Plan::Refuse(reason)) => {
-                        if freeing && waiting_since.elapsed() < room_wait {
-                            let _ = tokio::time::timeout(Duration::from_millis(200), changed).await;
-                            continue;
-                        }
-                        return Err(Error::GpuBudgetExceeded {
-                            model: model.into(),
-                            needed: need.vram(),
-                            reason,
-                        });
-                    }
+            // A GPU that cannot take the model even with every idle model
+            // evicted is said before anything is evicted for RAM.
+            let gpu_victim = match gpu_plan {
+                None => None,
+                Some(gpu::Plan::Invalid(reason)) => {
+                    return Err(Error::InvalidSpec {
+                        model: model.into(),
+                        reason,
+                    });
                 }
-            } else {
-                victim
+                Some(gpu::Plan::Refuse(reason)) => {
+                    if freeing && waiting_since.elapsed() < room_wait {
+                        let _ = tokio::time::timeout(Duration::from_millis(200), changed).await;
+                        continue;
+                    }
+                    return Err(Error::GpuBudgetExceeded {
+                        model: model.into(),
+                        needed: need.vram(),
+                        reason,
+                    });
+                }
+                Some(gpu::Plan::Place(gpus)) if fits => return Ok(Some(gpus)),
+                Some(gpu::Plan::Place(_)) => None,
+                Some(gpu::Plan::Evict(victim)) => Some(victim),
             };
+            if fits && need.gpu.is_none() {
+                return Ok(None);
+            }
+            // RAM first (any idle model helps there); then the GPU's pick.
+            let victim = if fits { gpu_victim } else { victim };
             match victim {
                 Some(victim) => {
                     tracing::info!(
@@ -831,6 +878,20 @@ impl Supervisor {
         }
     }
 
+    /// A worker for `model` was spawned: NVML's reading for its pid now
+    /// stands for part of its GPU reservation.
+    fn note_incoming_pid(&self, model: &str, pid: u32) {
+        if let Some(incoming) = self
+            .lock()
+            .slots
+            .get_mut(model)
+            .and_then(|s| s.incoming_gpu.as_mut())
+            .filter(|i| i.pid.is_none())
+        {
+            incoming.pid = Some(pid);
+        }
+    }
+
     fn set_state(&self, model: &str, new: ModelState) {
         if let Some(slot) = self.lock().slots.get_mut(model) {
             slot.state = new;
@@ -901,10 +962,19 @@ impl Supervisor {
             // Counted until the new worker is in: a concurrent load cannot
             // take the memory it is about to use.
             slot.reserved_bytes = need.ram;
-            slot.incoming_gpu = gpus.clone().map(|g| (g, need.vram()));
+            slot.incoming_gpu = Incoming::new(gpus.clone(), &need);
         }
         drop(gate);
-        let launched = launch::launch(&spec, &self.inner.config, gpus).await;
+        let launched = if self.is_shutting_down() {
+            Err(Error::ShuttingDown {
+                model: model.clone(),
+            })
+        } else {
+            launch::launch(&spec, &self.inner.config, gpus, &|pid| {
+                self.note_incoming_pid(&model, pid)
+            })
+            .await
+        };
         let launched = match launched {
             Ok((worker, _)) if self.is_shutting_down() => {
                 // Shutdown began while it loaded: the old worker is stopped by
@@ -932,7 +1002,11 @@ impl Supervisor {
         };
         let old = {
             let mut state = self.lock();
-            let State { catalogue, slots } = &mut *state;
+            let State {
+                catalogue,
+                slots,
+                retiring,
+            } = &mut *state;
             let slot = slots
                 .get_mut(&model)
                 .expect("a swapping slot is never removed");
@@ -940,6 +1014,14 @@ impl Supervisor {
                 .worker
                 .replace(Arc::clone(&new_worker))
                 .expect("a ready slot has a worker");
+            retiring.insert(
+                old.pid(),
+                Retiring {
+                    model: model.clone(),
+                    worker: Arc::clone(&old),
+                    gpus: std::mem::take(&mut slot.gpus),
+                },
+            );
             slot.swapping = false;
             slot.hold = false;
             slot.state = ModelState::Ready;
@@ -954,7 +1036,7 @@ impl Supervisor {
                 replacement.permits = Arc::clone(&entry.permits);
                 replacement.queued = Arc::clone(&entry.queued);
                 replacement.last_peak_bytes = Some(load.peak_rss_bytes);
-                replacement.last_vram_bytes = load.vram_bytes;
+                replacement.last_vram_bytes = vram_per_gpu(&load);
                 *entry = replacement;
                 entry.counters.loads.fetch_add(1, Ordering::Relaxed);
             }
@@ -971,9 +1053,14 @@ impl Supervisor {
             );
         }
         let unload = stop::stop(&old, self.inner.config.stop_graces).await;
-        if let Some(entry) = self.lock().catalogue.get(&model) {
-            entry.counters.record_unload(&unload);
+        {
+            let mut state = self.lock();
+            state.retiring.remove(&old.pid());
+            if let Some(entry) = state.catalogue.get(&model) {
+                entry.counters.record_unload(&unload);
+            }
         }
+        self.inner.changed.notify_waiters();
         Ok(SwapReport {
             model,
             old_pid: old.pid(),
@@ -1212,15 +1299,21 @@ impl Supervisor {
         let mut reports = Vec::new();
         loop {
             let changed = self.inner.changed.notified();
-            let names: Vec<String> = {
+            let (names, retiring) = {
                 let mut state = self.lock();
                 // Loads and restarts still in progress find their slot gone
                 // and stop their worker.
                 state.slots.retain(|_, slot| slot.worker.is_some());
-                state.slots.keys().cloned().collect()
+                let names: Vec<String> = state.slots.keys().cloned().collect();
+                (names, state.retiring.len())
             };
             if names.is_empty() {
-                break;
+                if retiring == 0 {
+                    break;
+                }
+                // Workers a swap replaced are still stopping.
+                let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
+                continue;
             }
             self.inner.changed.notify_waiters();
             let mut tasks = tokio::task::JoinSet::new();
@@ -1250,7 +1343,9 @@ impl Supervisor {
     /// Returns whether the model has a recycling policy to check.
     fn request_finished(inner: &Inner, model: &str, keep_alive: Option<Duration>) -> bool {
         let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
-        let State { catalogue, slots } = &mut *state;
+        let State {
+            catalogue, slots, ..
+        } = &mut *state;
         let Some(entry) = catalogue.get_mut(model) else {
             return false;
         };
@@ -1365,10 +1460,28 @@ fn evictable(state: &State, name: &str, slot: &Slot) -> bool {
             .is_none_or(|e| e.queued.load(Ordering::SeqCst) == 0)
 }
 
+/// VRAM a load report shows on each of the worker's GPUs.
+fn vram_per_gpu(report: &LoadReport) -> Option<u64> {
+    let gpus = report.gpus.as_ref().map_or(1, |g| g.len().max(1)) as u64;
+    report.vram_bytes.map(|bytes| bytes / gpus)
+}
+
 /// berth's workers and loads in progress as GPU placement sees them;
-/// `model` itself (being replaced) is never a candidate for eviction.
+/// `model` itself (being replaced) is never a candidate for eviction, and
+/// its own reservation (a retried restart's) is not counted against it.
 fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
-    let mut holders = Vec::new();
+    let mut holders: Vec<gpu::Holder> = state
+        .retiring
+        .values()
+        .map(|r| gpu::Holder {
+            model: r.model.clone(),
+            pid: Some(r.worker.pid()),
+            gpus: r.gpus.clone(),
+            reserved_bytes: 0,
+            evictable: false,
+            last_used: 0,
+        })
+        .collect();
     for (name, slot) in &state.slots {
         // Larger is more recent.
         let last_used = u64::MAX - slot.last_used.elapsed().as_micros() as u64;
@@ -1382,12 +1495,12 @@ fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
                 last_used,
             });
         }
-        if let Some((gpus, vram)) = &slot.incoming_gpu {
+        if let Some(incoming) = slot.incoming_gpu.as_ref().filter(|_| name != model) {
             holders.push(gpu::Holder {
                 model: name.clone(),
-                pid: None,
-                gpus: gpus.clone(),
-                reserved_bytes: *vram,
+                pid: incoming.pid,
+                gpus: incoming.gpus.clone(),
+                reserved_bytes: incoming.vram,
                 evictable: false,
                 last_used,
             });

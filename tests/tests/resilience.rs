@@ -507,3 +507,34 @@ async fn a_request_dropped_while_queued_leaves_the_queue() {
     );
     sup.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recycle_with_no_room_for_two_workers_restarts_in_place() {
+    let _memory = memory_lock().await;
+    // Room for one 200 MiB worker, not two: the replacement cannot load
+    // beside the old one.
+    let sup = Supervisor::new(berth::SupervisorConfig {
+        memory_budget: Some(320 << 20),
+        ..test_config()
+    });
+    let mut spec = ModelSpec::new("big", "hog").option("alloc_mib", 200);
+    spec.max_requests = Some(3);
+    let first = sup.load(spec).await.unwrap();
+    for i in 0..12 {
+        // Requests ride through the restart: they wait for the new worker.
+        sup.request("big", Body::json(json!({ "i": i }).to_string()))
+            .await
+            .unwrap_or_else(|e| panic!("request {i}: {e}"));
+    }
+    assert!(!alive(first.pid), "the first worker was recycled");
+    assert!(
+        eventually(Duration::from_secs(10), || sup
+            .stats()
+            .first()
+            .is_some_and(|s| s.recycles >= 1 && s.state == ModelState::Ready))
+        .await,
+        "{:?}",
+        sup.stats()
+    );
+    sup.shutdown().await;
+}

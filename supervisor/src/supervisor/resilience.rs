@@ -169,7 +169,9 @@ impl Supervisor {
         let base = self.inner.config.restart_backoff;
         let restart = {
             let mut state = self.lock();
-            let State { catalogue, slots } = &mut *state;
+            let State {
+                catalogue, slots, ..
+            } = &mut *state;
             let (Some(entry), Some(slot)) = (catalogue.get_mut(model), slots.get_mut(model)) else {
                 return;
             };
@@ -248,14 +250,21 @@ impl Supervisor {
                 entry.counters.restarts.fetch_add(1, Ordering::Relaxed);
             }
             let launched = match self.place_restart(&model, &spec, &done).await {
-                Ok(gpus) => launch::launch(&spec, &self.inner.config, gpus).await,
+                Ok(gpus) => {
+                    launch::launch(&spec, &self.inner.config, gpus, &|pid| {
+                        self.note_incoming_pid(&model, pid)
+                    })
+                    .await
+                }
                 Err(e) => Err(e),
             };
             match launched {
                 Ok((worker, report)) => {
                     let installed = {
                         let mut state = self.lock();
-                        let State { catalogue, slots } = &mut *state;
+                        let State {
+                            catalogue, slots, ..
+                        } = &mut *state;
                         match (slots.get_mut(&model), catalogue.get_mut(&model)) {
                             (Some(slot), Some(entry))
                                 if slot.state == ModelState::Loading && ours(slot, &done) =>
@@ -268,7 +277,8 @@ impl Supervisor {
                                 slot.incoming_gpu = None;
                                 slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
                                 entry.last_peak_bytes = Some(report.peak_rss_bytes);
-                                entry.last_vram_bytes = report.vram_bytes.or(entry.last_vram_bytes);
+                                entry.last_vram_bytes =
+                                    super::vram_per_gpu(&report).or(entry.last_vram_bytes);
                                 entry.counters.loads.fetch_add(1, Ordering::Relaxed);
                                 true
                             }
@@ -295,7 +305,9 @@ impl Supervisor {
                     tracing::warn!(model, "restart failed: {e}");
                     let next = {
                         let mut state = self.lock();
-                        let State { catalogue, slots } = &mut *state;
+                        let State {
+                            catalogue, slots, ..
+                        } = &mut *state;
                         let (Some(entry), Some(slot)) =
                             (catalogue.get_mut(&model), slots.get_mut(&model))
                         else {
@@ -304,6 +316,8 @@ impl Supervisor {
                         if !ours(slot, &done) {
                             return; // cancelled by an unload
                         }
+                        // The next attempt places afresh.
+                        slot.incoming_gpu = None;
                         entry.health.last_exit = Some(LastExit {
                             pid: 0,
                             exit: ExitStatus::Code(-1),
@@ -330,6 +344,8 @@ impl Supervisor {
                                 slot.state = ModelState::Failed;
                                 slot.loading = None;
                                 slot.failure = Some(failure);
+                                // A failed model holds nothing.
+                                slot.reserved_bytes = 0;
                                 None
                             }
                         }
@@ -371,7 +387,7 @@ impl Supervisor {
         if let Some(slot) = self.lock().slots.get_mut(model)
             && ours(slot, done)
         {
-            slot.incoming_gpu = gpus.clone().map(|g| (g, need.vram()));
+            slot.incoming_gpu = super::Incoming::new(gpus.clone(), &need);
         }
         Ok(gpus)
     }
@@ -380,7 +396,9 @@ impl Supervisor {
     pub(super) fn maybe_recycle(inner: &Arc<Inner>, model: &str) {
         let spec = {
             let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
-            let State { catalogue, slots } = &mut *state;
+            let State {
+                catalogue, slots, ..
+            } = &mut *state;
             let (Some(entry), Some(slot)) = (catalogue.get(model), slots.get_mut(model)) else {
                 return;
             };
@@ -429,9 +447,29 @@ impl Supervisor {
         let supervisor = Supervisor {
             inner: Arc::clone(inner),
         };
+        let model = model.to_string();
         tokio::spawn(async move {
             match supervisor.replace_worker(spec).await {
                 Ok(report) => tracing::info!("recycled: {report}"),
+                Err(e @ (Error::BudgetExceeded { .. } | Error::GpuBudgetExceeded { .. })) => {
+                    // Two workers do not fit side by side: stop the old one
+                    // first (its requests drain; new ones wait for the load
+                    // that follows) rather than let it grow on.
+                    tracing::warn!(
+                        model,
+                        "no room for a replacement beside the old worker ({e}); restarting it in place"
+                    );
+                    if let Err(e) = supervisor.unload(&model).await {
+                        tracing::error!(model, "recycling in place failed to unload: {e}");
+                        return;
+                    }
+                    match supervisor.load_registered(&model).await {
+                        Ok(report) => tracing::info!("recycled in place: {report}"),
+                        // A request that arrived meanwhile already loaded it.
+                        Err(Error::AlreadyLoaded { .. } | Error::Busy { .. }) => {}
+                        Err(e) => tracing::error!(model, "recycling in place failed to load: {e}"),
+                    }
+                }
                 Err(e) => tracing::error!("recycling failed; the old worker keeps serving: {e}"),
             }
         });

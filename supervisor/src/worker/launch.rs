@@ -27,11 +27,13 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
-/// by the supervisor's placement) when the model asks for GPUs.
+/// by the supervisor's placement) when the model asks for GPUs. `spawned`
+/// hears the worker's pid as soon as it runs.
 pub(crate) async fn launch(
     spec: &ModelSpec,
     config: &SupervisorConfig,
     gpus: Option<Vec<u32>>,
+    spawned: &(dyn Fn(u32) + Send + Sync),
 ) -> Result<(Arc<WorkerHandle>, LoadReport)> {
     let started = Instant::now();
     let timeout = spec.load_timeout.unwrap_or(config.load_timeout);
@@ -68,6 +70,7 @@ pub(crate) async fn launch(
     let process = Arc::new(ProcessWatch::start(model, child, cap));
     process.spawn_rss_guard();
     let pid = process.pid();
+    spawned(pid);
     tracing::debug!(model, pid, binary = %binary.display(), "worker started");
 
     let (events, hello) =
