@@ -148,7 +148,17 @@ pub enum Plan {
 /// What `holder` has on `device`: NVML's reading for its pid, or its
 /// reservation if that is more (a load still allocating).
 fn held_on(device: &DeviceReading, holder: &Holder) -> u64 {
-    let seen: u64 = holder
+    let seen = seen_on(device, holder);
+    if holder.gpus.contains(&device.index) {
+        seen.max(holder.reserved_bytes)
+    } else {
+        seen
+    }
+}
+
+/// What NVML shows `holder`'s pid holding on `device`.
+fn seen_on(device: &DeviceReading, holder: &Holder) -> u64 {
+    holder
         .pid
         .map(|pid| {
             device
@@ -158,12 +168,7 @@ fn held_on(device: &DeviceReading, holder: &Holder) -> u64 {
                 .map(|(_, b)| b)
                 .sum()
         })
-        .unwrap_or(0);
-    if holder.gpus.contains(&device.index) {
-        seen.max(holder.reserved_bytes)
-    } else {
-        seen
-    }
+        .unwrap_or(0)
 }
 
 /// One device with berth's share of it worked out.
@@ -186,14 +191,9 @@ impl Room<'_> {
             let held = held_on(device, holder);
             berth += held;
             if holder.gpus.contains(&device.index) {
-                let seen = held_on(
-                    device,
-                    &Holder {
-                        reserved_bytes: 0,
-                        ..holder.clone()
-                    },
-                );
-                pending += holder.reserved_bytes.saturating_sub(seen);
+                pending += holder
+                    .reserved_bytes
+                    .saturating_sub(seen_on(device, holder));
             }
             if holder.evictable {
                 idle += held;

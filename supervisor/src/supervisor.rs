@@ -484,19 +484,8 @@ impl Supervisor {
             } = &mut *state;
             match (launched, slots.get_mut(model)) {
                 (Ok((worker, report)), Some(slot)) => {
-                    slot.state = ModelState::Ready;
-                    slot.worker = Some(Arc::clone(&worker));
-                    slot.loading = None;
-                    slot.reserved_bytes = 0;
-                    slot.gpus = report.gpus.clone().unwrap_or_default();
-                    slot.incoming_gpu = None;
                     slot.last_used = Instant::now();
-                    if let Some(entry) = catalogue.get_mut(model) {
-                        entry.last_peak_bytes = Some(report.peak_rss_bytes);
-                        entry.last_vram_bytes = vram_per_gpu(&report).or(entry.last_vram_bytes);
-                        entry.counters.loads.fetch_add(1, Ordering::Relaxed);
-                        slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
-                    }
+                    install(slot, catalogue.get_mut(model), &worker, &report);
                     self.watch_worker(model, &worker);
                     Ok(report)
                 }
@@ -1458,6 +1447,28 @@ fn evictable(state: &State, name: &str, slot: &Slot) -> bool {
             .catalogue
             .get(name)
             .is_none_or(|e| e.queued.load(Ordering::SeqCst) == 0)
+}
+
+/// Puts a freshly loaded worker into its slot (a load or a restart) and
+/// records what its load measured.
+fn install(
+    slot: &mut Slot,
+    entry: Option<&mut Entry>,
+    worker: &Arc<WorkerHandle>,
+    report: &LoadReport,
+) {
+    slot.state = ModelState::Ready;
+    slot.worker = Some(Arc::clone(worker));
+    slot.loading = None;
+    slot.reserved_bytes = 0;
+    slot.gpus = report.gpus.clone().unwrap_or_default();
+    slot.incoming_gpu = None;
+    if let Some(entry) = entry {
+        entry.last_peak_bytes = Some(report.peak_rss_bytes);
+        entry.last_vram_bytes = vram_per_gpu(report).or(entry.last_vram_bytes);
+        entry.counters.loads.fetch_add(1, Ordering::Relaxed);
+        slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
+    }
 }
 
 /// VRAM a load report shows on each of the worker's GPUs.

@@ -269,17 +269,7 @@ impl Supervisor {
                             (Some(slot), Some(entry))
                                 if slot.state == ModelState::Loading && ours(slot, &done) =>
                             {
-                                slot.state = ModelState::Ready;
-                                slot.worker = Some(Arc::clone(&worker));
-                                slot.loading = None;
-                                slot.reserved_bytes = 0;
-                                slot.gpus = report.gpus.clone().unwrap_or_default();
-                                slot.incoming_gpu = None;
-                                slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
-                                entry.last_peak_bytes = Some(report.peak_rss_bytes);
-                                entry.last_vram_bytes =
-                                    super::vram_per_gpu(&report).or(entry.last_vram_bytes);
-                                entry.counters.loads.fetch_add(1, Ordering::Relaxed);
+                                super::install(slot, Some(entry), &worker, &report);
                                 true
                             }
                             _ => false,
