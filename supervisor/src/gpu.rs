@@ -13,8 +13,13 @@ use serde::{Deserialize, Serialize};
 /// One device at one moment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceReading {
+    /// NVML's index: the order of the devices' PCI bus ids.
     pub index: u32,
     pub name: String,
+    /// The device's UUID (`GPU-…`), which names it to CUDA whatever order
+    /// CUDA enumerates devices in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
     pub total_bytes: u64,
     pub used_bytes: u64,
     pub free_bytes: u64,
@@ -88,6 +93,7 @@ pub fn inventory() -> Inventory {
         devices.push(DeviceReading {
             index,
             name: device.name().unwrap_or_default(),
+            uuid: device.uuid().ok(),
             total_bytes: memory.total,
             used_bytes: memory.used,
             free_bytes: memory.free,
@@ -95,6 +101,32 @@ pub fn inventory() -> Inventory {
         });
     }
     Inventory::Devices(devices)
+}
+
+/// The environment that puts a worker on NVML's devices `gpus`.
+///
+/// CUDA numbers devices fastest first unless told otherwise, NVML by PCI
+/// bus id; on a machine with mixed GPUs `CUDA_VISIBLE_DEVICES=1` would name
+/// another device than NVML's 1. So each device is named by its UUID where
+/// NVML gives one, and `CUDA_DEVICE_ORDER=PCI_BUS_ID` makes any plain index
+/// mean what it means to NVML.
+pub fn worker_env(gpus: &[u32], devices: &[DeviceReading]) -> Vec<(String, String)> {
+    let visible: Vec<String> = gpus
+        .iter()
+        .map(|index| {
+            devices
+                .iter()
+                .find(|d| d.index == *index)
+                .and_then(|d| d.uuid.clone())
+                .unwrap_or_else(|| index.to_string())
+        })
+        .collect();
+    let indices: Vec<String> = gpus.iter().map(u32::to_string).collect();
+    vec![
+        ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
+        ("CUDA_VISIBLE_DEVICES".into(), visible.join(",")),
+        (berth_protocol::ENV_GPUS.into(), indices.join(",")),
+    ]
 }
 
 /// VRAM held by `pid` across `devices`; `None` when it holds none.
@@ -106,6 +138,94 @@ pub fn process_vram(devices: &[DeviceReading], pid: u32) -> Option<u64> {
         .map(|(_, b)| b)
         .sum();
     (bytes > 0).then_some(bytes)
+}
+
+/// The GPUs as `berth gpus` and `GET /api/gpus` show them: each device's
+/// memory, and which of its processes are berth's workers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuStatus {
+    /// Why no device is listed (no driver, or the driver sees none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
+    pub devices: Vec<DeviceStatus>,
+}
+
+/// One device, with berth's share of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceStatus {
+    pub index: u32,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    pub total_bytes: u64,
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+    /// What berth's workers hold here together.
+    pub berth_bytes: u64,
+    pub processes: Vec<GpuProcess>,
+}
+
+/// A compute process on a device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuProcess {
+    pub pid: u32,
+    pub bytes: u64,
+    /// The model whose worker it is; `None`: not one of berth's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+impl GpuStatus {
+    /// `inventory` with each process that is one of `workers` (`(pid,
+    /// model)`) named.
+    pub fn new(inventory: Inventory, workers: &[(u32, String)]) -> GpuStatus {
+        let devices = match inventory {
+            Inventory::NoGpu(reason) => {
+                return GpuStatus {
+                    unavailable: Some(reason),
+                    devices: Vec::new(),
+                };
+            }
+            Inventory::Devices(devices) => devices,
+        };
+        let model_of = |pid: u32| {
+            workers
+                .iter()
+                .find(|(p, _)| *p == pid)
+                .map(|(_, m)| m.clone())
+        };
+        GpuStatus {
+            unavailable: None,
+            devices: devices
+                .into_iter()
+                .map(|d| {
+                    let processes: Vec<GpuProcess> = d
+                        .processes
+                        .iter()
+                        .map(|&(pid, bytes)| GpuProcess {
+                            pid,
+                            bytes,
+                            model: model_of(pid),
+                        })
+                        .collect();
+                    DeviceStatus {
+                        index: d.index,
+                        name: d.name,
+                        uuid: d.uuid,
+                        total_bytes: d.total_bytes,
+                        used_bytes: d.used_bytes,
+                        free_bytes: d.free_bytes,
+                        berth_bytes: processes
+                            .iter()
+                            .filter(|p| p.model.is_some())
+                            .map(|p| p.bytes)
+                            .sum(),
+                        processes,
+                    }
+                })
+                .collect(),
+        }
+    }
 }
 
 fn gib(bytes: u64) -> String {
@@ -330,6 +450,7 @@ mod tests {
             DeviceReading {
                 index: 0,
                 name: "NVIDIA H100 80GB HBM3".into(),
+                uuid: Some("GPU-5a1c3e7b-93f0-2d4e-8c61-0b7d9e2f4a10".into()),
                 total_bytes: 80 * GIB,
                 used_bytes: 60 * GIB,
                 free_bytes: 20 * GIB,
@@ -338,6 +459,7 @@ mod tests {
             DeviceReading {
                 index: 1,
                 name: "NVIDIA H100 80GB HBM3".into(),
+                uuid: None,
                 total_bytes: 80 * GIB,
                 used_bytes: 10 * GIB,
                 free_bytes: 70 * GIB,
@@ -530,6 +652,47 @@ mod tests {
                  (0.0 GiB of it idle)"
                     .into()
             )
+        );
+    }
+
+    #[test]
+    fn workers_name_their_gpus_to_cuda_by_uuid_in_nvml_order() {
+        let devices = recorded();
+        let env = worker_env(&[1, 0], &devices);
+        let get = |key: &str| {
+            env.iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.as_str())
+                .unwrap()
+        };
+        // GPU 1's reading has no UUID: its index stands, in PCI bus order.
+        assert_eq!(
+            get("CUDA_VISIBLE_DEVICES"),
+            "1,GPU-5a1c3e7b-93f0-2d4e-8c61-0b7d9e2f4a10"
+        );
+        assert_eq!(get("CUDA_DEVICE_ORDER"), "PCI_BUS_ID");
+        assert_eq!(get(berth_protocol::ENV_GPUS), "1,0");
+    }
+
+    #[test]
+    fn the_gpu_status_names_berths_workers() {
+        let status = GpuStatus::new(Inventory::Devices(recorded()), &[(4188, "smollm2".into())]);
+        assert_eq!(status.unavailable, None);
+        assert_eq!(status.devices[0].berth_bytes, 0);
+        assert_eq!(status.devices[1].berth_bytes, 10 * GIB);
+        assert_eq!(
+            status.devices[1].processes,
+            vec![GpuProcess {
+                pid: 4188,
+                bytes: 10 * GIB,
+                model: Some("smollm2".into())
+            }]
+        );
+        assert_eq!(status.devices[0].processes[1].model, None);
+        let none = GpuStatus::new(Inventory::NoGpu("no NVIDIA driver found".into()), &[]);
+        assert_eq!(
+            serde_json::to_value(&none).unwrap(),
+            serde_json::json!({"unavailable": "no NVIDIA driver found", "devices": []})
         );
     }
 

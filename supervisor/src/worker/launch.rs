@@ -51,9 +51,11 @@ pub(crate) async fn launch(
     };
     let mut env = spec.env.clone();
     if let Some(gpus) = &gpus {
-        let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
-        env.push(("CUDA_VISIBLE_DEVICES".into(), list.join(",")));
-        env.push((berth_protocol::ENV_GPUS.into(), list.join(",")));
+        let devices = match gpu::inventory() {
+            Inventory::Devices(devices) => devices,
+            Inventory::NoGpu(_) => Vec::new(),
+        };
+        env.extend(gpu::worker_env(gpus, &devices));
     }
     let (server, server_name) = handshake::open(model)?;
     let cap = spec

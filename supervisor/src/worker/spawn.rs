@@ -23,7 +23,12 @@ use tokio::sync::oneshot;
 use crate::error::{Error, Result};
 
 /// Environment variables passed through to workers when the supervisor has them.
+/// `LD_LIBRARY_PATH` is where the NVIDIA driver's and the CUDA toolkit's
+/// libraries are found when they are outside the loader's default path
+/// (`/usr/local/cuda/lib64`, a conda env): a CUDA build of the worker links
+/// them and would not start without it.
 pub const PASSTHROUGH_ENV: &[&str] = &[
+    "LD_LIBRARY_PATH",
     "RUST_BACKTRACE",
     "RUST_LOG",
     "TMPDIR",

@@ -8,7 +8,10 @@
 //! context is created, because creating one without it panics.
 //!
 //! Options: `alloc_mib` (default 0), `leak_mib_per_request` (default 0),
-//! `device` (an index among the worker's visible devices, default 0).
+//! `device` (an index among the worker's visible devices, default 0),
+//! `on_oom`: `error` (default: the request fails, the worker serves on) or
+//! `abort` (the error goes to stderr and the process aborts, as a framework
+//! with an uncaught out-of-memory exception dies).
 
 use std::sync::Arc;
 
@@ -22,6 +25,7 @@ struct GpuHog {
     held: Vec<CudaSlice<u8>>,
     leak_bytes: usize,
     device: usize,
+    abort_on_oom: bool,
 }
 
 /// True when the CUDA driver library can be loaded on this machine.
@@ -51,7 +55,20 @@ fn describe_error(e: &DriverError, bytes: usize, device: usize) -> String {
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["alloc_mib", "leak_mib_per_request", "device"])?;
+    opts.only(&["alloc_mib", "leak_mib_per_request", "device", "on_oom"])?;
+    let abort_on_oom = match opts.str("on_oom").unwrap_or("error") {
+        "error" => false,
+        "abort" => true,
+        other => {
+            return Err(WireError::new(
+                ErrorKind::LoadFailed,
+                format!(
+                    "model `{}`: on_oom `{other}` is not `error` or `abort`",
+                    spec.name
+                ),
+            ));
+        }
+    };
     let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
     let leak_mib: usize = opts.get_or("leak_mib_per_request", 0)?;
     let device: usize = opts.get_or("device", 0)?;
@@ -74,18 +91,25 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     })?;
     ctx.progress().advance();
     let stream = context.default_stream();
-    let block = stream
-        .alloc_zeros::<u8>(alloc_mib << 20)
-        .map_err(|e| fail(describe_error(&e, alloc_mib << 20, device)))?;
+    let mut held = Vec::new();
+    // A zero-byte allocation is an error on devices without memory pools.
+    if alloc_mib > 0 {
+        held.push(
+            stream
+                .alloc_zeros::<u8>(alloc_mib << 20)
+                .map_err(|e| fail(describe_error(&e, alloc_mib << 20, device)))?,
+        );
+    }
     stream
         .synchronize()
         .map_err(|e| fail(describe_error(&e, alloc_mib << 20, device)))?;
     ctx.progress().advance();
     Ok(Box::new(GpuHog {
         stream,
-        held: vec![block],
+        held,
         leak_bytes: leak_mib << 20,
         device,
+        abort_on_oom,
     }))
 }
 
@@ -102,10 +126,12 @@ impl Backend for GpuHog {
                 .stream
                 .alloc_zeros::<u8>(self.leak_bytes)
                 .map_err(|e| {
-                    WireError::new(
-                        ErrorKind::Backend,
-                        describe_error(&e, self.leak_bytes, self.device),
-                    )
+                    let message = describe_error(&e, self.leak_bytes, self.device);
+                    if self.abort_on_oom {
+                        eprintln!("gpu-hog: {message}");
+                        std::process::abort();
+                    }
+                    WireError::new(ErrorKind::Backend, message)
                 })?;
             self.held.push(leaked);
         }
