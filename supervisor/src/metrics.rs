@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::gpu::DeviceStatus;
 use crate::supervisor::Supervisor;
 
 /// Upper bounds of the latency histogram buckets, in seconds.
@@ -23,6 +24,8 @@ pub struct ModelCounters {
     /// Highest peak RSS of any stopped worker of the model (`VmHWM` at stop).
     pub worker_peak_rss_bytes: AtomicU64,
     pub reclaimed_bytes: AtomicU64,
+    /// Device memory confirmed returned by unloads (NVML).
+    pub gpu_reclaimed_bytes: AtomicU64,
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     latency_count: AtomicU64,
     latency_sum_micros: AtomicU64,
@@ -34,6 +37,8 @@ impl ModelCounters {
         self.unloads.fetch_add(1, Ordering::Relaxed);
         self.reclaimed_bytes
             .fetch_add(report.reclaimed_bytes, Ordering::Relaxed);
+        self.gpu_reclaimed_bytes
+            .fetch_add(report.gpu_reclaimed_bytes.unwrap_or(0), Ordering::Relaxed);
         self.worker_peak_rss_bytes
             .fetch_max(report.peak_rss_bytes, Ordering::Relaxed);
     }
@@ -69,7 +74,7 @@ pub fn render(supervisor: &Supervisor) -> String {
     let family = |out: &mut String, name: &str, kind: &str, help: &str| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     };
-    let simple: [Counter; 7] = [
+    let simple: [Counter; 8] = [
         ("berth_requests_total", "Requests sent to the model.", |c| {
             c.requests.load(Ordering::Relaxed)
         }),
@@ -98,6 +103,11 @@ pub fn render(supervisor: &Supervisor) -> String {
             "berth_reclaimed_bytes_total",
             "Anonymous memory confirmed returned by unloads.",
             |c| c.reclaimed_bytes.load(Ordering::Relaxed),
+        ),
+        (
+            "berth_gpu_reclaimed_bytes_total",
+            "Device memory confirmed returned by unloads (NVML).",
+            |c| c.gpu_reclaimed_bytes.load(Ordering::Relaxed),
         ),
     ];
     for (name, help, get) in simple {
@@ -215,5 +225,45 @@ pub fn render(supervisor: &Supervisor) -> String {
         "Models with a worker.",
     );
     let _ = writeln!(out, "berth_models_loaded {}", stats.len());
+    render_gpus(&mut out, &supervisor.gpus());
     out
+}
+
+/// A per-device gauge: name, help, and how to read it.
+type DeviceGauge = (&'static str, &'static str, fn(&DeviceStatus) -> u64);
+
+/// Per-device memory gauges; nothing without a GPU.
+fn render_gpus(out: &mut String, status: &crate::gpu::GpuStatus) {
+    if status.devices.is_empty() {
+        return;
+    }
+    let gauges: [DeviceGauge; 3] = [
+        (
+            "berth_gpu_memory_total_bytes",
+            "The device's memory.",
+            |d| d.total_bytes,
+        ),
+        (
+            "berth_gpu_memory_used_bytes",
+            "The device's used memory, every process's (NVML).",
+            |d| d.used_bytes,
+        ),
+        (
+            "berth_gpu_memory_berth_bytes",
+            "Device memory berth's workers hold (NVML, per process).",
+            |d| d.berth_bytes,
+        ),
+    ];
+    for (name, help, get) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for d in &status.devices {
+            let _ = writeln!(
+                out,
+                "{name}{{gpu=\"{}\",name=\"{}\"}} {}",
+                d.index,
+                escape(&d.name),
+                get(d)
+            );
+        }
+    }
 }

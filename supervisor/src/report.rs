@@ -133,6 +133,11 @@ pub struct UnloadReport {
     /// NVML's process list, and how long the device took to give it back.
     pub gpu_reclaimed_bytes: Option<u64>,
     pub gpu_reclaim_ms: Option<f64>,
+    /// Whether the pid had left NVML's process list when the wait for the
+    /// device ended (it waits up to 5 s); `false` means the driver still
+    /// counted the worker, and `gpu_reclaimed_bytes` is what was back then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_pid_gone: Option<bool>,
 }
 
 pub(crate) fn mib(bytes: u64) -> String {
@@ -156,6 +161,13 @@ impl fmt::Display for LoadReport {
         )?;
         if let (Some(limit), Some(cap)) = (self.memory_limit_bytes, self.memory_cap) {
             write!(f, "; limit {} ({cap})", mib(limit))?;
+        }
+        if self.gpus.is_some() || self.vram_bytes.is_some() {
+            write!(f, "\n  gpu: vram {}", mib(self.vram_bytes.unwrap_or(0)))?;
+            if let Some(gpus) = &self.gpus {
+                let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+                write!(f, " on GPU {}", list.join(","))?;
+            }
         }
         Ok(())
     }
@@ -182,6 +194,21 @@ impl fmt::Display for UnloadReport {
             mib(self.system_anon_before_bytes),
             mib(self.system_anon_after_bytes),
             self.leftover_processes
-        )
+        )?;
+        if let Some(held) = self.vram_at_stop_bytes {
+            write!(
+                f,
+                "\n  gpu: vram at stop {}; device memory back {} after {:.1} ms ({})",
+                mib(held),
+                mib(self.gpu_reclaimed_bytes.unwrap_or(0)),
+                self.gpu_reclaim_ms.unwrap_or(0.0),
+                if self.gpu_pid_gone == Some(false) {
+                    "NVML still listed the pid when the wait ended"
+                } else {
+                    "pid gone from NVML"
+                }
+            )?;
+        }
+        Ok(())
     }
 }

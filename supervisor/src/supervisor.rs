@@ -94,6 +94,9 @@ pub struct ModelStatus {
     pub rss_growth_per_request_bytes: f64,
     /// Device memory the worker holds (NVML, per process); `None` without a GPU.
     pub vram_bytes: Option<u64>,
+    /// The GPUs (NVML indices) the worker was placed on; empty: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<u32>,
 }
 
 /// A registered model, as the catalogue shows it.
@@ -1259,11 +1262,33 @@ impl Supervisor {
                         .map(|w| w.rss_growth_per_request())
                         .unwrap_or(0.0),
                     vram_bytes: worker.and_then(|w| crate::gpu::process_vram(&devices, w.pid())),
+                    gpus: slot.gpus.clone(),
                 }
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
         out
+    }
+
+    /// Each GPU's memory, with berth's workers on it named (a worker being
+    /// replaced is named too). Reads NVML; creates no CUDA context.
+    pub fn gpus(&self) -> crate::gpu::GpuStatus {
+        let inventory = crate::gpu::inventory();
+        let workers: Vec<(u32, String)> = {
+            let state = self.lock();
+            state
+                .slots
+                .iter()
+                .filter_map(|(name, slot)| slot.worker.as_ref().map(|w| (w.pid(), name.clone())))
+                .chain(
+                    state
+                        .retiring
+                        .values()
+                        .map(|r| (r.worker.pid(), r.model.clone())),
+                )
+                .collect()
+        };
+        crate::gpu::GpuStatus::new(inventory, &workers)
     }
 
     /// Counters per registered model, for metrics.
@@ -1397,7 +1422,6 @@ fn slot_state(slot: &Slot) -> ModelState {
     }
 }
 
-/// What a model needs before its first load is measured: the size of its files.
 /// What a new worker needs room for.
 #[derive(Debug, Clone)]
 struct Need {

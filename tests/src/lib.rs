@@ -234,6 +234,11 @@ impl Server {
     }
 
     pub fn start_with(config_toml: &str, extra_args: &[&str]) -> Server {
+        Self::start_env(config_toml, extra_args, &[])
+    }
+
+    /// As [`Server::start_with`], with `env` added to the daemon's environment.
+    pub fn start_env(config_toml: &str, extra_args: &[&str], env: &[(&str, &str)]) -> Server {
         let port = free_port();
         let config =
             std::env::temp_dir().join(format!("berth-test-{}-{port}.toml", std::process::id()));
@@ -247,6 +252,7 @@ impl Server {
             ])
             .arg(&config)
             .args(extra_args)
+            .envs(env.iter().copied())
             .env("BERTH_LOG", "info")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

@@ -362,9 +362,20 @@ pub fn ps(remote: Remote) -> ExitCode {
             }
             let models: Vec<ModelStatus> =
                 serde_json::from_value(value["models"].clone()).unwrap_or_default();
+            // GPU columns only where a model is on one.
+            let gpu = models
+                .iter()
+                .any(|m| m.vram_bytes.is_some() || !m.gpus.is_empty());
+            let mut header = format!(
+                "{:<16} {:<10} {:>8} {:<9} {:>10} {:>10}",
+                "NAME", "BACKEND", "PID", "STATE", "RSS", "PEAK"
+            );
+            if gpu {
+                header += &format!(" {:>10} {:<5}", "VRAM", "GPU");
+            }
             println!(
-                "{:<16} {:<10} {:>8} {:<9} {:>10} {:>10} {:>9} {:>9} {:>9}  UNTIL",
-                "NAME", "BACKEND", "PID", "STATE", "RSS", "PEAK", "UPTIME", "REQUESTS", "IN FLIGHT"
+                "{header} {:>9} {:>9} {:>9}  UNTIL",
+                "UPTIME", "REQUESTS", "IN FLIGHT"
             );
             for m in models {
                 let until = match m.keep_alive_left_s {
@@ -374,17 +385,90 @@ pub fn ps(remote: Remote) -> ExitCode {
                         humantime::format_duration(Duration::from_secs(s as u64))
                     ),
                 };
-                println!(
-                    "{:<16} {:<10} {:>8} {:<9} {:>10} {:>10} {:>9} {:>9} {:>9}  {until}",
+                let mut line = format!(
+                    "{:<16} {:<10} {:>8} {:<9} {:>10} {:>10}",
                     m.name,
                     m.backend,
                     m.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
                     m.state.to_string(),
                     human_bytes(m.rss_bytes),
                     human_bytes(m.peak_rss_bytes),
+                );
+                if gpu {
+                    let gpus: Vec<String> = m.gpus.iter().map(u32::to_string).collect();
+                    line += &format!(
+                        " {:>10} {:<5}",
+                        m.vram_bytes.map(human_bytes).unwrap_or_else(|| "-".into()),
+                        if gpus.is_empty() {
+                            "-".into()
+                        } else {
+                            gpus.join(",")
+                        }
+                    );
+                }
+                println!(
+                    "{line} {:>9} {:>9} {:>9}  {until}",
                     humantime::format_duration(Duration::from_secs(m.uptime_s as u64)).to_string(),
                     m.requests,
                     m.in_flight,
+                );
+            }
+            ExitCode::SUCCESS
+        }),
+        json,
+    )
+}
+
+/// `berth gpus`: each device's memory and berth's workers on it.
+pub fn gpus(remote: Remote) -> ExitCode {
+    let json = remote.json;
+    done(
+        Client::new(&remote).get("/api/gpus").map(|value| {
+            if json {
+                println!("{value}");
+                return ExitCode::SUCCESS;
+            }
+            let status: berth::gpu::GpuStatus = match serde_json::from_value(value.clone()) {
+                Ok(status) => status,
+                Err(_) => {
+                    println!("{value}");
+                    return ExitCode::SUCCESS;
+                }
+            };
+            if let Some(reason) = &status.unavailable {
+                println!("no GPU: {reason}");
+                return ExitCode::SUCCESS;
+            }
+            println!(
+                "{:<4} {:<28} {:>10} {:>10} {:>10} {:>10}  PROCESSES",
+                "GPU", "NAME", "TOTAL", "USED", "FREE", "BERTH"
+            );
+            for d in &status.devices {
+                let processes: Vec<String> = d
+                    .processes
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "{} {} ({})",
+                            p.pid,
+                            p.model.as_deref().unwrap_or("not berth's"),
+                            human_bytes(p.bytes)
+                        )
+                    })
+                    .collect();
+                println!(
+                    "{:<4} {:<28} {:>10} {:>10} {:>10} {:>10}  {}",
+                    d.index,
+                    d.name,
+                    human_bytes(d.total_bytes),
+                    human_bytes(d.used_bytes),
+                    human_bytes(d.free_bytes),
+                    human_bytes(d.berth_bytes),
+                    if processes.is_empty() {
+                        "-".into()
+                    } else {
+                        processes.join(", ")
+                    }
                 );
             }
             ExitCode::SUCCESS

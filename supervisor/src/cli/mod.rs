@@ -32,6 +32,8 @@ enum Commands {
     Serve(serve::ServeArgs),
     /// Show the models a running `berth serve` has loaded.
     Ps(client::Remote),
+    /// Show each GPU's memory and which of its processes are berth's workers.
+    Gpus(client::Remote),
     /// Load a registered model in a running `berth serve`.
     Load(client::NameArgs),
     /// Unload a model and print the proof of what came back.
@@ -67,6 +69,7 @@ pub fn main() -> ExitCode {
             Commands::Fetch(args) => fetch::run(args),
             Commands::Serve(args) => serve::run(args).await,
             Commands::Ps(remote) => client::ps(remote),
+            Commands::Gpus(remote) => client::gpus(remote),
             Commands::Load(args) => client::load(args),
             Commands::Unload(args) => client::unload(args),
             Commands::Swap(args) => client::swap(args),

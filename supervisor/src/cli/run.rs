@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use berth::gpu::{AutoWord, GpuRequest};
 use berth::{Body, ModelSpec, Supervisor, SupervisorConfig, parse_duration};
 use clap::Args;
 
@@ -26,6 +27,10 @@ pub struct RunArgs {
     /// Name of the model in reports (default: the backend's name).
     #[arg(long)]
     name: Option<String>,
+    /// Place the worker on GPUs: NVML indices (`0`, `0,1`) or `auto` (the
+    /// device with the most free memory).
+    #[arg(long, value_parser = parse_gpus)]
+    gpus: Option<GpuRequest>,
     /// Spawn + handshake + load must finish within this.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     load_timeout: Duration,
@@ -48,6 +53,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
     let mut spec = ModelSpec::new(&name, &args.backend);
     spec.model = args.model.clone();
     spec.options = args.options.iter().cloned().collect();
+    spec.gpus = args.gpus.clone();
 
     let load = match supervisor.load(spec).await {
         Ok(report) => report,
@@ -91,6 +97,21 @@ pub async fn run(args: RunArgs) -> ExitCode {
         println!("{unload}");
     }
     ExitCode::SUCCESS
+}
+
+/// `auto`, or a comma-separated list of NVML device indices.
+fn parse_gpus(text: &str) -> Result<GpuRequest, String> {
+    if text.trim() == "auto" {
+        return Ok(GpuRequest::Auto(AutoWord::Auto));
+    }
+    text.split(',')
+        .map(|n| {
+            n.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("`{text}` is not `auto` or GPU indices like `0` or `0,1`"))
+        })
+        .collect::<Result<Vec<u32>, String>>()
+        .map(GpuRequest::Devices)
 }
 
 /// A response as JSON: the backend's JSON, with the size of any bulk part.

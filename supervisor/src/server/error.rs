@@ -45,9 +45,8 @@ fn status_for(kind: &str) -> StatusCode {
         | "model_failed"
         | "restarting" => StatusCode::SERVICE_UNAVAILABLE,
         "load_timeout" => StatusCode::GATEWAY_TIMEOUT,
-        "worker_died" | "handshake_failed" | "protocol_mismatch" | "unexpected_message" => {
-            StatusCode::BAD_GATEWAY
-        }
+        "worker_died" | "gpu_out_of_memory" | "handshake_failed" | "protocol_mismatch"
+        | "unexpected_message" => StatusCode::BAD_GATEWAY,
         "cancelled" => StatusCode::REQUEST_TIMEOUT,
         "deadline_exceeded" | "stalled" => StatusCode::GATEWAY_TIMEOUT,
         "quarantined" => StatusCode::UNPROCESSABLE_ENTITY,

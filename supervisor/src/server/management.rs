@@ -17,6 +17,20 @@ pub async fn ps(State(app): State<AppState>) -> Json<Value> {
     Json(json!({ "models": app.supervisor.stats() }))
 }
 
+/// Each GPU's memory and berth's workers on it; `unavailable` says why
+/// there is none.
+pub async fn gpus(State(app): State<AppState>) -> Json<Value> {
+    let supervisor = app.supervisor.clone();
+    // NVML calls block for milliseconds.
+    let status = tokio::task::spawn_blocking(move || supervisor.gpus())
+        .await
+        .unwrap_or_else(|e| crate::gpu::GpuStatus {
+            unavailable: Some(format!("reading the GPUs failed: {e}")),
+            devices: Vec::new(),
+        });
+    Json(json!(status))
+}
+
 pub async fn catalogue(State(app): State<AppState>) -> Json<Value> {
     Json(json!({ "models": app.supervisor.catalogue() }))
 }

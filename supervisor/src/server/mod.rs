@@ -96,6 +96,7 @@ pub fn router(supervisor: Supervisor, token: Option<String>, max_body: usize) ->
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/api/ps", get(management::ps))
+        .route("/api/gpus", get(management::gpus))
         .route("/api/models", get(management::catalogue))
         .route(
             "/api/models/{name}",
@@ -170,11 +171,16 @@ async fn authorize(State(app): State<AppState>, request: Request, next: Next) ->
 }
 
 async fn metrics(State(app): State<AppState>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        crate::metrics::render(&app.supervisor),
-    )
-        .into_response()
+    // procfs and NVML reads block for milliseconds.
+    let supervisor = app.supervisor.clone();
+    match tokio::task::spawn_blocking(move || crate::metrics::render(&supervisor)).await {
+        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("rendering the metrics failed: {e}\n"),
+        )
+            .into_response(),
+    }
 }
 
 async fn readyz(State(app): State<AppState>) -> Response {

@@ -96,8 +96,9 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         reclaimed_bytes,
         leftover_processes,
         vram_at_stop_bytes: gpu_before.as_ref().map(|g| g.held),
-        gpu_reclaimed_bytes: gpu_after.map(|(bytes, _)| bytes),
-        gpu_reclaim_ms: gpu_after.map(|(_, ms)| ms),
+        gpu_reclaimed_bytes: gpu_after.map(|g| g.bytes),
+        gpu_reclaim_ms: gpu_after.map(|g| g.ms),
+        gpu_pid_gone: gpu_after.map(|g| g.pid_gone),
     }
 }
 
@@ -121,10 +122,21 @@ fn gpu_reading(pid: u32) -> Option<GpuBefore> {
     Some(GpuBefore { held, used })
 }
 
+/// What a stop gave back on the GPUs.
+#[derive(Clone, Copy)]
+struct GpuAfter {
+    /// The drop in the devices' used memory.
+    bytes: u64,
+    /// From the start of the stop until it was back (or the wait ended).
+    ms: f64,
+    /// The pid left NVML's process list within the wait.
+    pid_gone: bool,
+}
+
 /// Waits (up to 5 s) until the worker is gone from NVML's process list and
 /// its devices' used memory is back within 64 MiB of what it would be
 /// without it; returns the drop and how long it took.
-async fn gpu_given_back(pid: u32, before: &GpuBefore, started: Instant) -> (u64, f64) {
+async fn gpu_given_back(pid: u32, before: &GpuBefore, started: Instant) -> GpuAfter {
     const TOLERANCE: u64 = 64 << 20;
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -138,10 +150,11 @@ async fn gpu_given_back(pid: u32, before: &GpuBefore, started: Instant) -> (u64,
                 .sum();
             let back = now_used <= before_used.saturating_sub(before.held) + TOLERANCE;
             if (gone && back) || Instant::now() >= deadline {
-                return (
-                    before_used.saturating_sub(now_used),
-                    started.elapsed().as_secs_f64() * 1e3,
-                );
+                return GpuAfter {
+                    bytes: before_used.saturating_sub(now_used),
+                    ms: started.elapsed().as_secs_f64() * 1e3,
+                    pid_gone: gone,
+                };
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
