@@ -160,3 +160,32 @@ async fn model_backends_choose_their_device_and_say_how_to_get_cuda() {
     sup.load(ModelSpec::new("e", "echo")).await.unwrap();
     sup.shutdown().await;
 }
+
+#[test]
+fn the_gpu_status_says_why_there_is_none_or_lists_the_devices() {
+    let server = Server::start("");
+    let (status, body) = server.get("/api/gpus");
+    assert_eq!(status, 200, "{body}");
+    let out = std::process::Command::new(berth_bin())
+        .args(["gpus", "--url", &server.url])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    match inventory() {
+        Inventory::NoGpu(_) => {
+            assert!(
+                body["unavailable"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("no NVIDIA driver found")),
+                "{body}"
+            );
+            assert_eq!(body["devices"], serde_json::json!([]));
+            assert!(text.starts_with("no GPU: no NVIDIA driver found"), "{text}");
+        }
+        Inventory::Devices(devices) => {
+            assert_eq!(body["devices"].as_array().unwrap().len(), devices.len());
+            assert!(text.starts_with("GPU "), "{text}");
+        }
+    }
+}
