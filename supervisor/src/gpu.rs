@@ -110,16 +110,11 @@ pub fn inventory() -> Inventory {
 /// another device than NVML's 1. So each device is named by its UUID where
 /// NVML gives one, and `CUDA_DEVICE_ORDER=PCI_BUS_ID` makes any plain index
 /// mean what it means to NVML.
-pub fn worker_env(gpus: &[u32], devices: &[DeviceReading]) -> Vec<(String, String)> {
+/// `uuid_of` gives a device's UUID by NVML index ([`uuid`] in production).
+pub fn worker_env(gpus: &[u32], uuid_of: impl Fn(u32) -> Option<String>) -> Vec<(String, String)> {
     let visible: Vec<String> = gpus
         .iter()
-        .map(|index| {
-            devices
-                .iter()
-                .find(|d| d.index == *index)
-                .and_then(|d| d.uuid.clone())
-                .unwrap_or_else(|| index.to_string())
-        })
+        .map(|&index| uuid_of(index).unwrap_or_else(|| index.to_string()))
         .collect();
     let indices: Vec<String> = gpus.iter().map(u32::to_string).collect();
     vec![
@@ -127,6 +122,12 @@ pub fn worker_env(gpus: &[u32], devices: &[DeviceReading]) -> Vec<(String, Strin
         ("CUDA_VISIBLE_DEVICES".into(), visible.join(",")),
         (berth_protocol::ENV_GPUS.into(), indices.join(",")),
     ]
+}
+
+/// The UUID of NVML's device `index`, without reading every device's
+/// memory and processes as [`inventory`] does; `None` without a driver.
+pub fn uuid(index: u32) -> Option<String> {
+    nvml().ok()?.device_by_index(index).ok()?.uuid().ok()
 }
 
 /// VRAM held by `pid` across `devices`; `None` when it holds none.
@@ -658,7 +659,12 @@ mod tests {
     #[test]
     fn workers_name_their_gpus_to_cuda_by_uuid_in_nvml_order() {
         let devices = recorded();
-        let env = worker_env(&[1, 0], &devices);
+        let env = worker_env(&[1, 0], |index| {
+            devices
+                .iter()
+                .find(|d| d.index == index)
+                .and_then(|d| d.uuid.clone())
+        });
         let get = |key: &str| {
             env.iter()
                 .find(|(k, _)| k == key)

@@ -69,7 +69,9 @@ type Counter = (&'static str, &'static str, fn(&ModelCounters) -> u64);
 /// The supervisor's state as Prometheus text exposition.
 pub fn render(supervisor: &Supervisor) -> String {
     let counters = supervisor.counters();
-    let stats = supervisor.stats();
+    // One NVML reading for the workers' VRAM and the devices' gauges.
+    let inventory = crate::gpu::inventory();
+    let stats = supervisor.stats_on(&inventory);
     let mut out = String::new();
     let family = |out: &mut String, name: &str, kind: &str, help: &str| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -225,7 +227,7 @@ pub fn render(supervisor: &Supervisor) -> String {
         "Models with a worker.",
     );
     let _ = writeln!(out, "berth_models_loaded {}", stats.len());
-    render_gpus(&mut out, &supervisor.gpus());
+    render_gpus(&mut out, &supervisor.gpus_on(inventory));
     out
 }
 

@@ -1223,9 +1223,15 @@ impl Supervisor {
 
     /// Every loaded (or loading) model, with fresh memory readings.
     pub fn stats(&self) -> Vec<ModelStatus> {
-        let devices = match crate::gpu::inventory() {
+        self.stats_on(&crate::gpu::inventory())
+    }
+
+    /// [`Supervisor::stats`] with VRAM read from `inventory`, so one NVML
+    /// reading can serve several views (a metrics scrape).
+    pub(crate) fn stats_on(&self, inventory: &crate::gpu::Inventory) -> Vec<ModelStatus> {
+        let devices: &[crate::gpu::DeviceReading] = match inventory {
             crate::gpu::Inventory::Devices(devices) => devices,
-            crate::gpu::Inventory::NoGpu(_) => Vec::new(),
+            crate::gpu::Inventory::NoGpu(_) => &[],
         };
         let state = self.lock();
         let now = Instant::now();
@@ -1261,7 +1267,7 @@ impl Supervisor {
                     rss_growth_per_request_bytes: worker
                         .map(|w| w.rss_growth_per_request())
                         .unwrap_or(0.0),
-                    vram_bytes: worker.and_then(|w| crate::gpu::process_vram(&devices, w.pid())),
+                    vram_bytes: worker.and_then(|w| crate::gpu::process_vram(devices, w.pid())),
                     gpus: slot.gpus.clone(),
                 }
             })
@@ -1273,7 +1279,11 @@ impl Supervisor {
     /// Each GPU's memory, with berth's workers on it named (a worker being
     /// replaced is named too). Reads NVML; creates no CUDA context.
     pub fn gpus(&self) -> crate::gpu::GpuStatus {
-        let inventory = crate::gpu::inventory();
+        self.gpus_on(crate::gpu::inventory())
+    }
+
+    /// [`Supervisor::gpus`] from an NVML reading already taken.
+    pub(crate) fn gpus_on(&self, inventory: crate::gpu::Inventory) -> crate::gpu::GpuStatus {
         let workers: Vec<(u32, String)> = {
             let state = self.lock();
             state

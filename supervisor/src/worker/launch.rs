@@ -51,11 +51,7 @@ pub(crate) async fn launch(
     };
     let mut env = spec.env.clone();
     if let Some(gpus) = &gpus {
-        let devices = match gpu::inventory() {
-            Inventory::Devices(devices) => devices,
-            Inventory::NoGpu(_) => Vec::new(),
-        };
-        env.extend(gpu::worker_env(gpus, &devices));
+        env.extend(gpu::worker_env(gpus, gpu::uuid));
     }
     let (server, server_name) = handshake::open(model)?;
     let cap = spec
