@@ -50,6 +50,9 @@ pub enum ModelState {
     Draining,
     Stopping,
     /// The worker died on its own; requests fail until it is loaded again.
+    /// A worker that has only just died shows this, with its pid, for the
+    /// moment before the crash policy restarts it (`loading`) or gives up
+    /// (`failed`, no pid).
     Failed,
 }
 

@@ -128,7 +128,9 @@ async fn a_model_crashing_on_every_load_fails_and_comes_back_by_hand() {
         eventually(Duration::from_secs(10), || sup
             .stats()
             .first()
-            .is_some_and(|s| s.state == ModelState::Failed))
+            // A worker that has just died shows as failed, with its pid,
+            // until the crash policy has run; wait for its verdict.
+            .is_some_and(|s| s.state == ModelState::Failed && s.pid.is_none()))
         .await,
         "failed after max_restarts: {:?}",
         sup.stats()
