@@ -365,6 +365,35 @@ async fn a_grandchild_ignoring_sigterm_does_not_outlive_the_unload() {
     assert!(!alive(load.pid) && !alive(grandchild), "neither is left");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unload_leaves_the_hosts_own_children_to_the_host() {
+    // An embedding host has a child of its own that has exited and not yet
+    // been waited for.
+    let mut own = std::process::Command::new("sh")
+        .args(["-c", "exit 7"])
+        .spawn()
+        .unwrap();
+    let zombie = format!("/proc/{}/stat", own.id());
+    assert!(
+        wait_for(Duration::from_secs(5), || std::fs::read_to_string(&zombie)
+            .is_ok_and(|s| s
+                .rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z')))),
+        "the host's child exited"
+    );
+    // An unload that sweeps a worker's process group for what it forked.
+    let sup = supervisor();
+    sup.load(ModelSpec::new("forky", "fault").option("spawn_grandchild", true))
+        .await
+        .unwrap();
+    let unload = sup.unload("forky").await.unwrap();
+    assert_eq!(unload.leftover_processes, 0);
+    // The host still gets its child's exit status.
+    let status = own.wait().expect("berth did not reap the host's child");
+    assert_eq!(status.code(), Some(7));
+}
+
 #[test]
 fn a_new_server_stops_what_a_killed_one_left_behind() {
     let state = std::env::temp_dir().join(format!("berth-state-{}.json", std::process::id()));

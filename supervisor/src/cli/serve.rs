@@ -102,7 +102,7 @@ fn adopt_orphans(state_file: PathBuf) -> Result<(), String> {
         let mut ticker = tokio::time::interval(std::time::Duration::from_secs(1));
         loop {
             ticker.tick().await;
-            orphans::reap_strays();
+            orphans::reap_strays(orphans::Strays::All);
         }
     });
     Ok(())

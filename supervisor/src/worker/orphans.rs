@@ -111,9 +111,21 @@ pub fn become_subreaper() -> std::io::Result<()> {
     }
 }
 
+/// Which exited children [`reap_strays`] may reap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strays {
+    /// Every child that is not a worker: only for a process whose children
+    /// are all berth's (the `berth serve` daemon, a subreaper).
+    All,
+    /// Only those in this process group (a worker's, after a sweep). An
+    /// embedding host's own children are never touched: reaping them would
+    /// steal their exit status from its `wait`.
+    InGroup(u32),
+}
+
 /// Reaps exited children that are not workers (orphans re-parented to a
 /// subreaper). Workers are left to their own waiter threads.
-pub fn reap_strays() -> usize {
+pub fn reap_strays(which: Strays) -> usize {
     let me = std::process::id() as i32;
     let Ok(all) = procfs::process::all_processes() else {
         return 0;
@@ -122,6 +134,10 @@ pub fn reap_strays() -> usize {
         .filter_map(Result::ok)
         .filter_map(|p| p.stat().ok())
         .filter(|s| s.ppid == me && s.state == 'Z' && !is_worker(s.pid as u32))
+        .filter(|s| match which {
+            Strays::All => true,
+            Strays::InGroup(pgid) => s.pgrp == pgid as i32,
+        })
         .map(|s| s.pid as u32)
         .collect();
     for pid in &strays {

@@ -168,7 +168,7 @@ async fn sweep_group(pgid: u32) -> u32 {
     loop {
         let members = group_members(pgid);
         // Under a subreaper, killed grandchildren are our children to reap.
-        crate::worker::orphans::reap_strays();
+        crate::worker::orphans::reap_strays(crate::worker::orphans::Strays::InGroup(pgid));
         if members.is_empty() {
             return 0;
         }
