@@ -211,10 +211,27 @@ async fn a_hung_request_is_killed_but_a_slow_one_is_not() {
     let took = started.elapsed();
     assert_eq!(err.kind(), "stalled", "{err}");
     assert!(err.to_string().contains("no progress"), "{err}");
-    // stall_timeout + one heartbeat (1 s), plus scheduling slack.
+    // Never before stall_timeout; at most two heartbeats (1 s) after it:
+    // one until a tick sees the request, one for the tick that ends it.
+    // Plus slack for a busy machine.
     assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_millis(3500),
+        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
         "killed after {took:?}"
+    );
+
+    // After a while idle, the clock still starts with the request, not at
+    // the last idle heartbeat.
+    let mut idle = ModelSpec::new("idle", "fault").option("mode", "hang-on-request");
+    idle.stall_timeout = Some(Duration::from_secs(2));
+    sup.load(idle).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let started = Instant::now();
+    let err = sup.request("idle", Body::json("{}")).await.unwrap_err();
+    assert_eq!(err.kind(), "stalled", "{err}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "killed after {:?}, before its stall_timeout",
+        started.elapsed()
     );
 
     let mut slow = ModelSpec::new("slow", "hog").option("work_ms", 3000);

@@ -52,20 +52,26 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
                 }
                 return;
             };
-            // Stamped at the tick, not after the pong, so pong latency cannot
-            // make a full stall look a hair short of the timeout.
+            // The worker read its counter between `asked` and `answered`. So
+            // a value is stamped as first seen when its pong came back, and
+            // the clock is read at the ask: the time measured without
+            // progress is never more than the time that truly passed.
+            let answered = Instant::now();
             let now = asked;
-            let half_beat = policy.interval / 2;
             match last_progress {
-                // Idle, or moving: the clock restarts.
-                _ if worker.in_flight() == 0 => last_progress = Some((stats.progress, now)),
+                // Idle: no clock runs. A request's clock starts at the first
+                // tick that sees it in flight, which is never before it began.
+                _ if worker.in_flight() == 0 => last_progress = None,
+                // Moving: the clock restarts.
                 Some((seen, _)) if seen != stats.progress => {
-                    last_progress = Some((stats.progress, now))
+                    last_progress = Some((stats.progress, answered))
                 }
-                None => last_progress = Some((stats.progress, now)),
+                None => last_progress = Some((stats.progress, answered)),
                 Some((_, since)) => {
                     if let Some(stall) = policy.stall_timeout
-                        && now.duration_since(since) + half_beat >= stall
+                        // Never early: at least `stall` without progress,
+                        // at most one interval more.
+                        && now.duration_since(since) >= stall
                     {
                         tracing::warn!(
                             model = worker.model(),
