@@ -260,7 +260,9 @@ impl WorkerHandle {
                 cause,
                 in_flight: Vec::new(),
             });
-            let _ = died_tx.send(Some(death));
+            // Kept even when nobody is waiting yet (`send` would drop it):
+            // a later `death()` must find it.
+            died_tx.send_replace(Some(death));
         });
         Ok(handle)
     }
