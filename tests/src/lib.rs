@@ -140,8 +140,8 @@ pub fn fd_count() -> usize {
         .expect("fd count")
 }
 
-/// Tests that measure system memory hold this, so one test's allocations do
-/// not show up in another's reclaimed-bytes figure.
+/// Tests that measure system (or GPU) memory hold this, so one test's
+/// allocations do not show up in another's reclaimed-bytes figure.
 pub async fn memory_lock() -> tokio::sync::MutexGuard<'static, ()> {
     static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     LOCK.lock().await
@@ -376,6 +376,10 @@ impl Server {
 
     /// SIGTERM, then the exit status within `timeout`.
     pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        // Already reaped: its pid may be another process's by now.
+        if let Ok(Some(status)) = self.child.try_wait() {
+            return Some(status);
+        }
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(self.pid() as i32),
             nix::sys::signal::Signal::SIGTERM,

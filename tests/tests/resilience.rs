@@ -25,9 +25,14 @@ async fn crash_in_a_row(sup: &Supervisor, model: &str, n: usize) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         signal(pid, Signal::SIGKILL);
+        // Not just dead (it shows as failed with its pid until the crash
+        // policy runs): replaced, or in backoff with no worker.
         assert!(
-            eventually(Duration::from_secs(5), || ready_pid(sup, model)
-                != Some(pid))
+            eventually(Duration::from_secs(20), || sup
+                .stats()
+                .iter()
+                .find(|s| s.name == model)
+                .is_some_and(|s| s.pid != Some(pid)))
             .await
         );
     }
@@ -173,8 +178,9 @@ async fn a_request_that_kills_two_workers_is_quarantined() {
         let err = sup.request("p", poison()).await.unwrap_err();
         assert_eq!(err.kind(), "worker_died", "death {death}: {err}");
         assert!(
-            eventually(Duration::from_secs(5), || ready_pid(&sup, "p").is_some()).await,
-            "restarted"
+            eventually(Duration::from_secs(20), || ready_pid(&sup, "p").is_some()).await,
+            "restarted after death {death}: {:?}",
+            sup.stats()
         );
         // Other requests are served between the deaths.
         assert_eq!(
@@ -215,7 +221,7 @@ async fn a_hung_request_is_killed_but_a_slow_one_is_not() {
     // one until a tick sees the request, one for the tick that ends it.
     // Plus slack for a busy machine.
     assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
+        took >= Duration::from_secs(2) && took < Duration::from_secs(7),
         "killed after {took:?}"
     );
 
@@ -433,7 +439,7 @@ fn a_new_server_stops_what_a_killed_one_left_behind() {
 
     let _second = Server::start(&config);
     assert!(
-        wait_for(Duration::from_secs(5), || !alive(grandchild)),
+        wait_for(Duration::from_secs(20), || !alive(grandchild)),
         "the next supervisor stopped it"
     );
     let _ = std::fs::remove_file(&state);
@@ -486,7 +492,7 @@ async fn during_a_long_backoff_requests_get_a_clear_answer_at_once() {
     assert!(started.elapsed() < Duration::from_millis(200), "at once");
     // And it does come back.
     assert!(
-        eventually(Duration::from_secs(5), || ready_pid(&sup, "crashy")
+        eventually(Duration::from_secs(20), || ready_pid(&sup, "crashy")
             .is_some())
         .await
     );
@@ -577,7 +583,10 @@ async fn a_recycle_with_no_room_for_two_workers_restarts_in_place() {
             .await
             .unwrap_or_else(|e| panic!("request {i}: {e}"));
     }
-    assert!(!alive(first.pid), "the first worker was recycled");
+    assert!(
+        wait_for(Duration::from_secs(10), || !alive(first.pid)),
+        "the first worker was recycled"
+    );
     assert!(
         eventually(Duration::from_secs(10), || sup
             .stats()

@@ -87,10 +87,13 @@ fn embeddings_match_berth_run_and_ps_shows_the_real_worker() {
     assert_eq!(status, 200, "{report}");
     assert_eq!(report["pid"].as_u64(), Some(pid as u64));
     assert_eq!(report["leftover_processes"], 0);
+    // What the system confirms coming back is tested alone, in reclaim.rs:
+    // here other tests' workers come and go during the stop.
     assert!(
-        report["reclaimed_bytes"].as_u64().unwrap() > 50 << 20,
+        report["anon_at_stop_bytes"].as_u64().unwrap() > 50 << 20,
         "{report}"
     );
+    assert!(report["reclaimed_bytes"].is_u64(), "{report}");
     assert!(!alive(pid), "the unloaded worker is gone");
     assert!(server.ps().is_empty());
 }
@@ -165,7 +168,7 @@ fn keep_alive_unloads_an_idle_model() {
         200
     );
     assert!(
-        wait_for(Duration::from_secs(1), || server.ps().is_empty()),
+        wait_for(Duration::from_secs(5), || server.ps().is_empty()),
         "unloaded right after"
     );
 }
@@ -212,7 +215,7 @@ fn the_budget_evicts_the_idle_model_but_never_one_in_flight() {
 #[test]
 fn a_full_queue_answers_429_at_once() {
     let server = Server::start(
-        "[[model]]\nname = \"slow\"\nbackend = \"hog\"\nmax_concurrency = 1\nmax_queue = 1\noptions = { work_ms = 1500 }\n",
+        "[[model]]\nname = \"slow\"\nbackend = \"hog\"\nmax_concurrency = 1\nmax_queue = 1\noptions = { work_ms = 4000 }\n",
     );
     assert_eq!(server.post("/api/models/slow/load", json!({})).0, 200);
     std::thread::scope(|scope| {

@@ -56,8 +56,19 @@ struct Fault {
     grandchild: Option<std::process::Child>,
 }
 
+/// A deliberate crash writes no core dump: with systemd-coredump or apport
+/// a dump of the process takes seconds, and the crash would no longer show
+/// how fast berth notices a death.
+fn no_core_dump() {
+    // SAFETY: PR_SET_DUMPABLE takes an integer flag; no memory is involved.
+    unsafe {
+        libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong);
+    }
+}
+
 fn crash() -> ! {
     eprintln!("fault: raising SIGSEGV as asked");
+    no_core_dump();
     // Rust's runtime handles SIGSEGV to report stack overflows and returns
     // from a raised one; restore the default so it kills, as a real fault does.
     // SAFETY: resetting a disposition and raising a signal have no
@@ -163,6 +174,7 @@ impl Backend for Fault {
             Mode::HangOnRequest => hang(),
             Mode::AbortOnRequest => {
                 eprintln!("fault: aborting as asked");
+                no_core_dump();
                 std::process::abort()
             }
             Mode::ExitOnRequest => {
