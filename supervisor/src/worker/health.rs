@@ -69,8 +69,9 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
                 None => last_progress = Some((stats.progress, answered)),
                 Some((_, since)) => {
                     if let Some(stall) = policy.stall_timeout
-                        // Never early: at least `stall` without progress,
-                        // at most one interval more.
+                        // Never early: at least `stall` without progress;
+                        // at most about two intervals late (one until a tick
+                        // first sees the request, one to the tick that ends it).
                         && now.duration_since(since) >= stall
                     {
                         tracing::warn!(
