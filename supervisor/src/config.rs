@@ -10,7 +10,11 @@ use crate::error::{Error, Result};
 use crate::worker::stop::StopGraces;
 
 /// One model: which backend, which weights, which options.
+///
+/// Unknown keys are refused (`deny_unknown_fields`): a misspelt setting in a
+/// config or a request is an error, never a silently ignored one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// The name requests use. Letters, digits, `-`, `_`, `.`.
     pub name: String,
@@ -27,9 +31,17 @@ pub struct ModelSpec {
     #[serde(default, with = "crate::units::duration_opt")]
     pub load_timeout: Option<Duration>,
     /// Overrides [`SupervisorConfig::worker_binary`]: a host's own worker.
+    /// Set by the operator (config, CLI, host code); the HTTP API refuses it.
     #[serde(default)]
     pub worker_binary: Option<PathBuf>,
+    /// A worker kind the operator declared in [`SupervisorConfig::workers`]
+    /// (its program and environment), by name: how an HTTP client picks a
+    /// worker program without being able to name one.
+    #[serde(default)]
+    pub worker: Option<String>,
     /// Extra environment for the worker (`CUDA_VISIBLE_DEVICES`, ...).
+    /// Loader and interpreter variables ([`is_dangerous_env`]) are refused
+    /// here; an operator sets those on a worker kind. The HTTP API refuses it.
     #[serde(default)]
     pub env: Vec<(String, String)>,
     /// `mmap` or `read`; passed to the backend as its `load_mode` option.
@@ -70,6 +82,12 @@ pub struct ModelSpec {
     /// Requests waiting beyond that before new ones are refused (default 64).
     #[serde(default)]
     pub max_queue: Option<usize>,
+    /// The folder `model` must resolve inside, checked again at every load
+    /// (with symlinks resolved, and the resolved path is what the worker
+    /// opens): set for models registered over HTTP, so a path checked at
+    /// registration cannot be swapped for a symlink to elsewhere later.
+    #[serde(skip)]
+    pub confine: Option<PathBuf>,
 }
 
 impl ModelSpec {
@@ -81,6 +99,7 @@ impl ModelSpec {
             options: BTreeMap::new(),
             load_timeout: None,
             worker_binary: None,
+            worker: None,
             env: Vec::new(),
             load_mode: None,
             keep_alive: None,
@@ -93,6 +112,7 @@ impl ModelSpec {
             restart_window: None,
             max_concurrency: None,
             max_queue: None,
+            confine: None,
         }
     }
 
@@ -116,7 +136,8 @@ impl ModelSpec {
         self
     }
 
-    /// Checks what can be checked before a process is started.
+    /// Checks what can be checked before a process is started: the name,
+    /// every duration and size against its allowed range, the environment.
     pub fn validate(&self) -> Result<()> {
         let invalid = |reason: String| {
             Err(Error::InvalidSpec {
@@ -125,14 +146,17 @@ impl ModelSpec {
             })
         };
         if self.name.is_empty()
+            || self.name.len() > MAX_NAME_LEN
+            || self.name.starts_with('.')
             || !self
                 .name
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
         {
-            return invalid(
-                "a model name is letters, digits, `-`, `_` and `.`, and not empty".into(),
-            );
+            return invalid(format!(
+                "a model name is 1 to {MAX_NAME_LEN} letters, digits, `-`, `_` and `.`, \
+                 and does not start with `.`"
+            ));
         }
         if let Some(mode) = &self.load_mode
             && mode != "mmap"
@@ -140,11 +164,51 @@ impl ModelSpec {
         {
             return invalid(format!("load_mode `{mode}` is not `mmap` or `read`"));
         }
-        if self.max_concurrency == Some(0) {
-            return invalid("max_concurrency must be at least 1".into());
+        let durations = [
+            ("load_timeout", self.load_timeout),
+            ("keep_alive", self.keep_alive),
+            ("stall_timeout", self.stall_timeout),
+            ("restart_window", self.restart_window),
+        ];
+        for (field, value) in durations {
+            if let Err(reason) = check_duration(field, value) {
+                return invalid(reason);
+            }
+        }
+        for (field, value) in [
+            ("memory_limit", self.memory_limit),
+            ("max_rss", self.max_rss),
+        ] {
+            if let Err(reason) = check_bytes(field, value) {
+                return invalid(reason);
+            }
+        }
+        if let Some(n) = self.max_concurrency
+            && !(1..=MAX_CONCURRENCY).contains(&n)
+        {
+            return invalid(format!(
+                "max_concurrency {n} is out of range: 1 to {MAX_CONCURRENCY}"
+            ));
+        }
+        if let Some(n) = self.max_queue
+            && n > MAX_QUEUE
+        {
+            return invalid(format!("max_queue {n} is out of range: 0 to {MAX_QUEUE}"));
         }
         if self.backend.trim().is_empty() {
             return invalid("no backend given".into());
+        }
+        for (key, _) in &self.env {
+            if key.is_empty() || key.contains('=') || key.contains('\0') {
+                return invalid(format!("`{key}` is not an environment variable name"));
+            }
+            if is_dangerous_env(key) {
+                return invalid(format!(
+                    "env `{key}` changes how the worker program is loaded or interpreted, \
+                     so a model spec may not set it; an operator sets it on a worker kind \
+                     in the config (`[workers.NAME] env`) and names that kind with `worker`"
+                ));
+            }
         }
         if let Some(path) = &self.model
             && !path.exists()
@@ -158,6 +222,155 @@ impl ModelSpec {
         }
         Ok(())
     }
+
+    /// [`ModelSpec::validate`], and the worker kind it names is one `config`
+    /// declares.
+    pub fn validate_for(&self, config: &SupervisorConfig) -> Result<()> {
+        self.validate()?;
+        if let Some(kind) = &self.worker
+            && !config.workers.contains_key(kind)
+        {
+            let known: Vec<&str> = config.workers.keys().map(String::as_str).collect();
+            return Err(Error::InvalidSpec {
+                model: self.name.clone(),
+                reason: if known.is_empty() {
+                    format!(
+                        "worker kind `{kind}` is not declared; the operator declares worker \
+                         kinds in the config (`[workers.{kind}] binary = ...`)"
+                    )
+                } else {
+                    format!(
+                        "worker kind `{kind}` is not declared (declared: {})",
+                        known.join(", ")
+                    )
+                },
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `path` with every symlink resolved, if that lies inside `root`; else an
+/// error naming both.
+pub fn confined(model: &str, path: &std::path::Path, root: &std::path::Path) -> Result<PathBuf> {
+    let resolved = path.canonicalize();
+    if let (Ok(resolved), Ok(root)) = (&resolved, root.canonicalize())
+        && resolved.starts_with(&root)
+    {
+        return Ok(resolved.clone());
+    }
+    Err(Error::InvalidSpec {
+        model: model.into(),
+        reason: format!(
+            "path `{}`{} is outside the models directory `{}`; put the model inside it",
+            path.display(),
+            match &resolved {
+                Ok(r) if r != path => format!(" (resolves to `{}`)", r.display()),
+                Ok(_) => String::new(),
+                Err(e) => format!(" ({e})"),
+            },
+            root.display()
+        ),
+    })
+}
+
+/// Longest model name accepted.
+pub const MAX_NAME_LEN: usize = 128;
+/// Longest duration accepted anywhere (keep-alive, timeouts, windows): a
+/// year. Longer values are refused rather than overflowing a clock.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+/// Largest size accepted for a memory setting: 1 PiB.
+pub const MAX_BYTES: u64 = 1 << 50;
+/// Most requests one worker may take at once.
+pub const MAX_CONCURRENCY: usize = 4096;
+/// Longest queue a model may have.
+pub const MAX_QUEUE: usize = 1 << 20;
+
+/// `field` within `0..=MAX_DURATION`, or a reason naming the field and range.
+pub fn check_duration(field: &str, value: Option<Duration>) -> std::result::Result<(), String> {
+    match value {
+        Some(d) if d > MAX_DURATION => Err(format!(
+            "{field} {} is out of range: 0s to {}",
+            humantime::format_duration(d),
+            humantime::format_duration(MAX_DURATION)
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `field` within `0..=MAX_BYTES`, or a reason naming the field and range.
+pub fn check_bytes(field: &str, value: Option<u64>) -> std::result::Result<(), String> {
+    match value {
+        Some(b) if b > MAX_BYTES => Err(format!(
+            "{field} {b} bytes is out of range: 0 to {MAX_BYTES} (1 PiB)"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Environment variables that change which code a program runs or how it is
+/// loaded: the dynamic loader's (`LD_*`, glibc's tunables and module paths),
+/// shells' start-up files, interpreters' start-up hooks and search paths, and
+/// `PATH`. A model spec may not set these; only an operator's worker kind.
+pub fn is_dangerous_env(name: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "BASH_ENV",
+        "ENV",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS4",
+        "IFS",
+        "CDPATH",
+        "PATH",
+        "GLIBC_TUNABLES",
+        "GCONV_PATH",
+        "LOCPATH",
+        "NLSPATH",
+        "HOSTALIASES",
+        "RESOLV_HOST_CONF",
+        "MALLOC_TRACE",
+        "PYTHONSTARTUP",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONINSPECT",
+        "PYTHONUSERBASE",
+        "PYTHONBREAKPOINT",
+        "PERL5OPT",
+        "PERL5LIB",
+        "PERLLIB",
+        "PERL5DB",
+        "RUBYOPT",
+        "RUBYLIB",
+        "NODE_OPTIONS",
+        "NODE_PATH",
+        "JAVA_TOOL_OPTIONS",
+        "_JAVA_OPTIONS",
+        "JDK_JAVA_OPTIONS",
+        "CLASSPATH",
+        "LUA_INIT",
+        "LUA_PATH",
+        "LUA_CPATH",
+        "TCLLIBPATH",
+    ];
+    let upper = name.to_ascii_uppercase();
+    upper.starts_with("LD_")
+        || upper.starts_with("DYLD_")
+        || upper.starts_with("BASH_FUNC_")
+        || EXACT.contains(&upper.as_str())
+}
+
+/// A worker program the operator declares by name, so that a model (even
+/// one registered over HTTP) can run it by naming the kind, never the path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerKind {
+    /// The program (a `berth-worker`-compatible binary, or a wrapper that
+    /// execs one: `setpriv`, a seccomp launcher, ...).
+    pub binary: PathBuf,
+    /// Environment for it; may set loader and interpreter variables, since
+    /// only an operator writes it.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 /// Supervisor-wide settings.
@@ -188,6 +401,12 @@ pub struct SupervisorConfig {
     pub gpu_memory_budget: Option<u64>,
     /// Models registered through the HTTP API must lie under this folder.
     pub models_root: Option<PathBuf>,
+    /// Worker kinds a model may name with [`ModelSpec::worker`].
+    pub workers: BTreeMap<String, WorkerKind>,
+    /// Largest answer (or streamed piece) a worker may send inside its
+    /// message; a larger one fails its request with `input_too_large`
+    /// (default 256 MiB). Bulk bytes in shared memory do not count.
+    pub max_response: u64,
 }
 
 impl Default for SupervisorConfig {
@@ -203,6 +422,8 @@ impl Default for SupervisorConfig {
             memory_budget: None,
             max_loaded: None,
             models_root: None,
+            workers: BTreeMap::new(),
+            max_response: 256 << 20,
             restart_backoff: Duration::from_millis(500),
             gpu_memory_budget: None,
         }
@@ -216,7 +437,7 @@ mod tests {
     #[test]
     fn names_are_checked_before_anything_starts() {
         assert!(ModelSpec::new("mini-lm_2.v1", "echo").validate().is_ok());
-        for bad in ["", "has space", "a/b"] {
+        for bad in ["", "has space", "a/b", ".", "..", ".hidden"] {
             let err = ModelSpec::new(bad, "echo").validate().unwrap_err();
             assert_eq!(err.kind(), "invalid_spec", "{bad:?}");
         }
@@ -225,5 +446,63 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(err.to_string().contains("/nonexistent/dir"), "{err}");
+    }
+
+    #[test]
+    fn loader_and_interpreter_variables_are_refused_in_a_spec() {
+        for key in [
+            "LD_PRELOAD",
+            "ld_library_path",
+            "BASH_ENV",
+            "PYTHONSTARTUP",
+            "PATH",
+            "GLIBC_TUNABLES",
+        ] {
+            let mut spec = ModelSpec::new("m", "echo");
+            spec.env.push((key.into(), "x".into()));
+            let err = spec.validate().unwrap_err();
+            assert!(err.to_string().contains(key), "{key}: {err}");
+            assert!(err.to_string().contains("[workers.NAME]"), "{err}");
+        }
+        let mut fine = ModelSpec::new("m", "echo");
+        fine.env.push(("CUDA_VISIBLE_DEVICES".into(), "0".into()));
+        assert!(fine.validate().is_ok());
+    }
+
+    #[test]
+    fn out_of_range_durations_and_sizes_name_the_field_and_range() {
+        let mut spec = ModelSpec::new("m", "echo");
+        spec.keep_alive = Some(Duration::from_secs(10_000_000_000));
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains("keep_alive") && err.contains("0s to"), "{err}");
+        let mut spec = ModelSpec::new("m", "echo");
+        spec.max_rss = Some(u64::MAX);
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains("max_rss") && err.contains("1 PiB"), "{err}");
+        let mut spec = ModelSpec::new("m", "echo");
+        spec.max_concurrency = Some(usize::MAX);
+        assert!(
+            spec.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("max_concurrency")
+        );
+    }
+
+    #[test]
+    fn a_worker_kind_must_be_declared() {
+        let mut spec = ModelSpec::new("m", "echo");
+        spec.worker = Some("python".into());
+        let err = spec.validate_for(&SupervisorConfig::default()).unwrap_err();
+        assert!(err.to_string().contains("[workers.python]"), "{err}");
+        let mut config = SupervisorConfig::default();
+        config.workers.insert(
+            "python".into(),
+            WorkerKind {
+                binary: "/bin/true".into(),
+                env: BTreeMap::new(),
+            },
+        );
+        assert!(spec.validate_for(&config).is_ok());
     }
 }

@@ -108,6 +108,10 @@ pub enum Error {
     #[error("model `{model}`: {reason}")]
     InvalidSpec { model: String, reason: String },
 
+    /// A request's own settings are out of range (its deadline, keep-alive).
+    #[error("model `{model}`: {reason}")]
+    InvalidRequest { model: String, reason: String },
+
     #[error("the supervisor is shutting down; model `{model}` takes no new work")]
     ShuttingDown { model: String },
 
@@ -237,6 +241,7 @@ impl Error {
             Error::NotLoaded { .. } => "not_loaded",
             Error::AlreadyLoaded { .. } => "already_loaded",
             Error::InvalidSpec { .. } => "invalid_spec",
+            Error::InvalidRequest { .. } => "bad_request",
             Error::ShuttingDown { .. } => "shutting_down",
             Error::Io { .. } => "io_error",
             Error::UnknownModel { .. } => "model_not_found",

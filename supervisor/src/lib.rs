@@ -21,6 +21,7 @@ mod config;
 mod error;
 pub mod fetch;
 pub mod gpu;
+mod heap;
 pub mod metrics;
 mod report;
 pub mod server;
@@ -30,7 +31,7 @@ pub mod worker;
 
 pub use berth_protocol as protocol;
 pub use berth_protocol::{Body, Bulk};
-pub use config::{ModelSpec, SupervisorConfig};
+pub use config::{ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
 pub use error::{Error, Result};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport};
 pub use supervisor::{

@@ -7,10 +7,9 @@ use std::time::Duration;
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     if let Ok(secs) = text.parse::<f64>() {
-        if secs.is_finite() && secs >= 0.0 {
-            return Ok(Duration::from_secs_f64(secs));
-        }
-        return Err(format!("`{text}` is not a duration"));
+        // `try_`: `from_secs_f64` panics past u64::MAX seconds (`1e20`).
+        return Duration::try_from_secs_f64(secs)
+            .map_err(|_| format!("`{text}` is not a duration (a number of seconds from 0)"));
     }
     humantime::parse_duration(text)
         .map_err(|e| format!("`{text}` is not a duration ({e}); try 30s, 5m, 500ms"))
@@ -91,6 +90,8 @@ pub(crate) mod bytes_opt {
     enum Raw {
         Text(String),
         Bytes(u64),
+        /// A negative or fractional number: refused with a clear message.
+        Number(f64),
     }
 
     pub fn serialize<S: Serializer>(b: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
@@ -107,6 +108,9 @@ pub(crate) mod bytes_opt {
                 .map(Some)
                 .map_err(serde::de::Error::custom),
             Some(Raw::Bytes(b)) => Ok(Some(b)),
+            Some(Raw::Number(n)) => Err(serde::de::Error::custom(format!(
+                "`{n}` is not a size (a whole number of bytes from 0, or 2GiB, 512MiB)"
+            ))),
         }
     }
 }
@@ -153,6 +157,9 @@ mod tests {
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert!(parse_duration("soon").unwrap_err().contains("soon"));
         assert!(parse_duration("-1").is_err());
+        assert!(parse_duration("1e20").is_err());
+        assert!(parse_duration("NaN").is_err());
+        assert!(parse_duration("inf").is_err());
     }
 
     #[test]

@@ -23,8 +23,9 @@ impl<'a> Options<'a> {
             return Ok(None);
         };
         raw.trim().parse::<T>().map(Some).map_err(|_| {
+            // Bad input, not a failed load: the caller gets a 400.
             WireError::new(
-                ErrorKind::LoadFailed,
+                ErrorKind::BadRequest,
                 format!(
                     "model `{}`: option `{key}={raw}` is not a valid {} for backend `{}`",
                     self.spec.name,
@@ -63,7 +64,7 @@ impl<'a> Options<'a> {
             return Ok(());
         }
         Err(WireError::new(
-            ErrorKind::LoadFailed,
+            ErrorKind::BadRequest,
             format!(
                 "model `{}`: backend `{}` has no option {} (it takes: {})",
                 self.spec.name,

@@ -1,6 +1,7 @@
 //! Bringing a worker up: spawn → hello → load, all under one deadline.
 //! Whatever goes wrong, the process is gone before the error is returned.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,6 +27,55 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// The program a worker for `spec` runs: the spec's own binary (a host's),
+/// else its declared worker kind's, else the supervisor's, else
+/// `berth-worker` next to this executable.
+pub(crate) fn worker_binary(spec: &ModelSpec, config: &SupervisorConfig) -> Result<PathBuf> {
+    let kind = spec.worker.as_ref().and_then(|k| config.workers.get(k));
+    match spec
+        .worker_binary
+        .as_ref()
+        .or(kind.map(|k| &k.binary))
+        .or(config.worker_binary.as_ref())
+    {
+        Some(path) => Ok(path.clone()),
+        None => find_worker_binary(WORKER_BINARY),
+    }
+}
+
+/// The backends `binary` offers (`--backends`), asked once per binary and
+/// remembered; `None` when it cannot say (a wrapper that passes no
+/// arguments on, a program that is not a berth worker): then the load is
+/// what finds out.
+pub(crate) fn offered_backends(binary: &std::path::Path) -> Option<Vec<String>> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static KNOWN: Mutex<Option<HashMap<PathBuf, Option<Vec<String>>>>> = Mutex::new(None);
+    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    let known = known.get_or_insert_with(HashMap::new);
+    if let Some(answer) = known.get(binary) {
+        return answer.clone();
+    }
+    let answer = std::process::Command::new(binary)
+        .arg("--backends")
+        .env_clear()
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .and_then(|out| String::from_utf8(out.stdout).ok())
+        .map(|text| {
+            text.lines()
+                .map(|l| l.trim().to_string())
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+        })
+        .filter(|names| !names.is_empty());
+    known.insert(binary.to_path_buf(), answer.clone());
+    answer
+}
+
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
 /// by the supervisor's placement) when the model asks for GPUs. `spawned`
 /// hears the worker's pid as soon as it runs.
@@ -40,16 +90,19 @@ pub(crate) async fn launch(
     let deadline = started + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
     let model = spec.name.as_str();
-
-    let binary = match spec
-        .worker_binary
-        .as_ref()
-        .or(config.worker_binary.as_ref())
-    {
-        Some(path) => path.clone(),
-        None => find_worker_binary(WORKER_BINARY)?,
+    // A confined model's path is resolved now, and the resolved path is the
+    // one the worker opens.
+    let weights = match (&spec.confine, &spec.model) {
+        (Some(root), Some(path)) => Some(crate::config::confined(model, path, root)?),
+        _ => spec.model.clone(),
     };
-    let mut env = spec.env.clone();
+
+    let kind = spec.worker.as_ref().and_then(|k| config.workers.get(k));
+    let binary = worker_binary(spec, config)?;
+    let mut env: Vec<(String, String)> = kind
+        .map(|k| k.env.clone().into_iter().collect())
+        .unwrap_or_default();
+    env.extend(spec.env.iter().cloned());
     if let Some(gpus) = &gpus {
         env.extend(gpu::worker_env(gpus, gpu::uuid));
     }
@@ -97,6 +150,7 @@ pub(crate) async fn launch(
         events,
         hello,
         started,
+        config.max_response,
     )?;
 
     if !backends.contains(&spec.backend) {
@@ -112,7 +166,10 @@ pub(crate) async fn launch(
         });
     }
 
-    let info = match handle.load(spec.to_load_spec(), left()).await {
+    let info = match handle
+        .load(spec.to_load_spec(weights.as_deref()), left())
+        .await
+    {
         LoadOutcome::Loaded(info) => info,
         LoadOutcome::Failed(e) => {
             stop::stop(&handle, config.stop_graces).await;
@@ -179,11 +236,13 @@ async fn kill_and_reap(process: &ProcessWatch) {
 }
 
 impl ModelSpec {
-    pub(crate) fn to_load_spec(&self) -> LoadSpec {
+    /// The wire's load spec, with the weights at `model` (the spec's own
+    /// path, resolved where it is confined).
+    pub(crate) fn to_load_spec(&self, model: Option<&std::path::Path>) -> LoadSpec {
         LoadSpec {
             name: self.name.clone(),
             backend: self.backend.clone(),
-            model: self.model.as_ref().map(|p| p.display().to_string()),
+            model: model.map(|p| p.display().to_string()),
             options: {
                 let mut options = self.options.clone();
                 if let Some(mode) = &self.load_mode {

@@ -39,11 +39,26 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     opts.only(&["alloc_mib", "leak_kib_per_request", "work_ms"])?;
     let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
     let leak_kib: usize = opts.get_or("leak_kib_per_request", 0)?;
-    let block = touched(alloc_mib << 20, || ctx.progress().advance());
+    let too_large = |key: &str| {
+        WireError::new(
+            berth_protocol::ErrorKind::BadRequest,
+            format!(
+                "model `{}`: option `{key}` is too large for this machine",
+                spec.name
+            ),
+        )
+    };
+    let bytes = alloc_mib
+        .checked_mul(1 << 20)
+        .ok_or_else(|| too_large("alloc_mib"))?;
+    let leak_bytes = leak_kib
+        .checked_mul(1 << 10)
+        .ok_or_else(|| too_large("leak_kib_per_request"))?;
+    let block = touched(bytes, || ctx.progress().advance());
     let work = Duration::from_millis(opts.get_or("work_ms", 0)?);
     Ok(Box::new(Hog {
         held: vec![block],
-        leak_bytes: leak_kib << 10,
+        leak_bytes,
         work,
     }))
 }
