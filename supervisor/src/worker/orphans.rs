@@ -9,6 +9,11 @@
 //!   not clean up (it was SIGKILLed, the host lost power to it) stops what
 //!   is left in those process groups, checked by boot id and start time so
 //!   a recycled pid is never touched.
+//!
+//! The state file has one writer: a second supervisor given the same file
+//! finds it locked (`flock` on `<file>.lock`, which names the holder's pid)
+//! and refuses to start, before it reads or writes anything; inside one
+//! supervisor, writes are serialised and each writes the latest snapshot.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -38,6 +43,10 @@ struct StateFile {
 
 static LIVE: Mutex<BTreeMap<u32, WorkerRecord>> = Mutex::new(BTreeMap::new());
 static STATE_FILE: OnceLock<PathBuf> = OnceLock::new();
+/// Held for the life of the process: the state file's lock.
+static STATE_LOCK: OnceLock<std::fs::File> = OnceLock::new();
+/// Serialises writes of the state file.
+static WRITING: Mutex<()> = Mutex::new(());
 
 fn live() -> std::sync::MutexGuard<'static, BTreeMap<u32, WorkerRecord>> {
     LIVE.lock().unwrap_or_else(|e| e.into_inner())
@@ -86,12 +95,15 @@ fn is_worker(pid: u32) -> bool {
 
 fn persist() {
     let Some(path) = STATE_FILE.get() else { return };
+    // One write at a time, each of the snapshot taken under the same lock:
+    // the last write is always of the latest state.
+    let _writing = WRITING.lock().unwrap_or_else(|e| e.into_inner());
     let state = StateFile {
         supervisor_pid: std::process::id(),
         boot_id: boot_id(),
         workers: live().values().cloned().collect(),
     };
-    let tmp = path.with_extension("tmp");
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     let written = serde_json::to_vec_pretty(&state)
         .map_err(std::io::Error::other)
         .and_then(|bytes| std::fs::write(&tmp, bytes))
@@ -99,6 +111,54 @@ fn persist() {
     if let Err(e) = written {
         tracing::warn!(path = %path.display(), "cannot write the state file: {e}");
     }
+}
+
+/// Kills every live worker's process group now (SIGKILL), for a stop that
+/// cannot wait. Returns how many groups were signalled.
+pub fn kill_all_now() -> usize {
+    let groups: Vec<u32> = live().values().map(|r| r.pgid).collect();
+    let own = nix::unistd::getpgrp().as_raw() as u32;
+    groups
+        .into_iter()
+        .filter(|&g| g > 1 && g != own)
+        .filter(|&g| killpg(Pid::from_raw(g as i32), Signal::SIGKILL).is_ok())
+        .count()
+}
+
+/// Takes the state file's lock, or names the supervisor that holds it.
+fn lock_state_file(path: &Path) -> Result<(), String> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::io::AsRawFd;
+    let lock_path = path.with_extension("lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock_path)
+        .map_err(|e| {
+            format!(
+                "cannot open the state file's lock {}: {e}",
+                lock_path.display()
+            )
+        })?;
+    // SAFETY: flock on a descriptor this function owns; no memory involved.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        return Err(format!(
+            "state file {} is in use by another berth serve (pid {}); give this one its own \
+             `state_file` (and address), or stop that one first",
+            path.display(),
+            holder.trim()
+        ));
+    }
+    let _ = file.set_len(0);
+    let _ = file.rewind();
+    let _ = write!(file, "{}", std::process::id());
+    STATE_LOCK
+        .set(file)
+        .map_err(|_| "a state file is already in use".to_string())
 }
 
 /// Makes this process the subreaper of everything its workers fork.
@@ -157,6 +217,7 @@ pub fn use_state_file(path: &Path) -> Result<usize, String> {
         std::fs::create_dir_all(parent)
             .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
     }
+    lock_state_file(path)?;
     let stopped = match std::fs::read(path) {
         Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
             Ok(previous) => stop_leftovers(&previous),
@@ -197,9 +258,13 @@ fn stop_leftovers(previous: &StateFile) -> usize {
         .filter_map(Result::ok)
         .filter_map(|p| p.stat().ok())
         .collect();
+    let own_group = nix::unistd::getpgrp().as_raw() as u32;
     for record in &previous.workers {
+        if !is_provably_ours(record, own_group, &stats) {
+            continue;
+        }
         // What is still in the worker's group and started no earlier than the
-        // worker: its descendants, never a stranger that reused the pid.
+        // worker: the worker and its descendants.
         let members: Vec<u32> = stats
             .iter()
             .filter(|s| {
@@ -220,4 +285,29 @@ fn stop_leftovers(previous: &StateFile) -> usize {
         stopped += members.len();
     }
     stopped
+}
+
+/// Whether a recorded worker's group is provably the one the previous
+/// supervisor started (the boot id was checked by the caller):
+/// - never group 0 or 1, and never this process's own group;
+/// - a start time was recorded (0 proves nothing);
+/// - the group's leader, where it still lives, is the recorded worker: same
+///   pid and same start time. Where it is gone, the kernel has not reused
+///   its pid, since a pid is never handed out while a group of that id still
+///   has members, so the members are the worker's descendants.
+fn is_provably_ours(
+    record: &WorkerRecord,
+    own_group: u32,
+    stats: &[procfs::process::Stat],
+) -> bool {
+    if record.pgid <= 1 || record.pgid == own_group || record.pgid != record.pid {
+        return false;
+    }
+    if record.start_time == 0 {
+        return false;
+    }
+    match stats.iter().find(|s| s.pid == record.pid as i32) {
+        Some(leader) => leader.starttime == record.start_time && leader.pgrp == record.pgid as i32,
+        None => true,
+    }
 }
