@@ -198,6 +198,7 @@ impl WorkerHandle {
         events: IpcReceiver<Event>,
         hello: berth_protocol::Hello,
         started_at: Instant,
+        max_response: u64,
     ) -> Result<Arc<Self>> {
         let routes = Arc::new(Routes::default());
         let (control_tx, control_rx) = mpsc::unbounded_channel();
@@ -209,7 +210,7 @@ impl WorkerHandle {
             std::thread::Builder::new()
                 .name(format!("berth-reader-{}", hello.pid))
                 .spawn(move || {
-                    read_events(&name, &events, &routes, &control_tx, &pong_tx);
+                    read_events(&name, &events, &routes, &control_tx, &pong_tx, max_response);
                     let _ = done_tx.send(true);
                 })
                 .map_err(|source| Error::Io {
@@ -542,11 +543,18 @@ fn read_events(
     routes: &Routes,
     control: &mpsc::UnboundedSender<Event>,
     pongs: &watch::Sender<Option<(u64, WorkerStats)>>,
+    max_response: u64,
 ) {
     loop {
         match events.recv() {
-            Ok(Event::Chunk { id, body }) => routes.route(id, Reply::Chunk(body)),
-            Ok(Event::Done { id, result }) => routes.route(id, Reply::Done(result)),
+            Ok(Event::Chunk { id, body }) => match bounded(model, body, max_response) {
+                Ok(body) => routes.route(id, Reply::Chunk(body)),
+                Err(e) => routes.route(id, Reply::Done(Err(e))),
+            },
+            Ok(Event::Done { id, result }) => {
+                let result = result.and_then(|body| bounded(model, body, max_response));
+                routes.route(id, Reply::Done(result))
+            }
             Ok(Event::Pong { seq, stats }) => {
                 let _ = pongs.send(Some((seq, stats)));
             }
@@ -560,6 +568,31 @@ fn read_events(
             }
         }
     }
+}
+
+/// A body the worker sent, refused (and dropped at once) past
+/// `max_response` bytes inside the message: the supervisor would otherwise
+/// parse and copy it several times over on its way to the client. Bulk bytes
+/// in shared memory are the worker's mapping, not the supervisor's heap, and
+/// do not count.
+fn bounded(model: &str, body: Body, max_response: u64) -> std::result::Result<Body, WireError> {
+    let inline = match &body.bulk {
+        berth_protocol::Bulk::Inline(bytes) => bytes.len(),
+        _ => 0,
+    };
+    let size = (body.json.len() + inline) as u64;
+    if size <= max_response {
+        return Ok(body);
+    }
+    drop(body);
+    crate::heap::release_freed_heap();
+    Err(WireError::new(
+        berth_protocol::ErrorKind::InputTooLarge,
+        format!(
+            "model `{model}`: its answer was {size} bytes, over the supervisor's max_response \
+             of {max_response} bytes; send fewer inputs per request, or raise max_response"
+        ),
+    ))
 }
 
 /// One piece of a streamed answer.

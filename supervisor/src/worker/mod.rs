@@ -7,6 +7,7 @@ pub(crate) mod launch;
 pub mod limits;
 pub mod memory;
 pub mod orphans;
+pub(crate) mod output;
 pub mod process;
 pub mod spawn;
 pub mod stop;

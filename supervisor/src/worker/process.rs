@@ -6,7 +6,6 @@
 //! lines of stderr for error messages.
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Read};
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -77,8 +76,8 @@ impl std::fmt::Display for KillCause {
     }
 }
 
-/// How many stderr lines are kept for error messages.
-pub const STDERR_TAIL_LINES: usize = 20;
+pub use crate::worker::output::STDERR_TAIL_LINES;
+use crate::worker::output::forward_lines;
 
 #[derive(Debug)]
 pub(crate) struct ProcessWatch {
@@ -261,47 +260,5 @@ impl ProcessWatch {
                 tracing::warn!(pid = self.pid, %signal, "cannot signal the worker's group: {e}")
             }
         }
-    }
-}
-
-fn forward_lines(
-    model: &str,
-    pid: u32,
-    stream: &'static str,
-    pipe: impl Read + Send + 'static,
-    tail: Option<Arc<Mutex<VecDeque<String>>>>,
-    closed: Option<watch::Sender<bool>>,
-) {
-    let model = model.to_string();
-    let spawned = std::thread::Builder::new()
-        .name(format!("berth-{stream}-{pid}"))
-        .spawn(move || {
-            let mut reader = BufReader::new(pipe);
-            let mut buf = Vec::new();
-            loop {
-                buf.clear();
-                match reader.read_until(b'\n', &mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => {}
-                }
-                let line = String::from_utf8_lossy(&buf).trim_end().to_string();
-                if line.is_empty() {
-                    continue;
-                }
-                tracing::info!(target: "berth::worker", model = %model, pid, stream, "{line}");
-                if let Some(tail) = &tail {
-                    let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
-                    if tail.len() == STDERR_TAIL_LINES {
-                        tail.pop_front();
-                    }
-                    tail.push_back(line);
-                }
-            }
-            if let Some(closed) = closed {
-                let _ = closed.send(true);
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::warn!(pid, "cannot read the worker's {stream}: {e}");
     }
 }

@@ -175,6 +175,10 @@ enum Input {
     Many(Vec<String>),
 }
 
+/// Texts per forward pass: past this, batching gains little on a CPU and
+/// the pass's memory keeps growing.
+const PASS: usize = 32;
+
 impl Embed {
     /// Embeds `texts` in one forward pass; one unit-length vector per text.
     pub fn embed(&self, texts: &[String]) -> Result<(Vec<Vec<f32>>, usize), String> {
@@ -225,10 +229,22 @@ impl Backend for Embed {
                 "`input` is an empty list; give at least one text",
             ));
         }
-        let (vectors, tokens) = self
-            .embed(&texts)
-            .map_err(|e| WireError::new(ErrorKind::Backend, e))?;
-        ctx.progress().advance();
+        // At most PASS texts per forward pass: attention over a padded
+        // batch grows with its size, so a request of thousands of texts
+        // would otherwise need gigabytes at once. Each pass is progress.
+        let mut vectors = Vec::with_capacity(texts.len());
+        let mut tokens = 0;
+        for pass in texts.chunks(PASS) {
+            if ctx.is_cancelled() {
+                return Err(WireError::new(ErrorKind::Cancelled, "cancelled"));
+            }
+            let (v, t) = self
+                .embed(pass)
+                .map_err(|e| WireError::new(ErrorKind::Backend, e))?;
+            vectors.extend(v);
+            tokens += t;
+            ctx.progress().advance();
+        }
         let body = serde_json::json!({ "embeddings": vectors, "dim": self.dim, "tokens": tokens });
         Ok(Body::json(body.to_string()))
     }

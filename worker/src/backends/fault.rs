@@ -17,7 +17,11 @@
 //! - `crash_on_load_if_exists`: crashes at load while this file exists (a
 //!   model broken until someone fixes it);
 //! - `spawn_grandchild`: at load, starts a process that ignores SIGTERM (a
-//!   worker's helper that would outlive it).
+//!   worker's helper that would outlive it);
+//! - `stderr_bytes`: each request first writes this many bytes to stderr as
+//!   one line (a worker flooding its output);
+//! - `response_bytes`: each request is answered with a JSON object padded
+//!   to this many bytes (a worker answering too much).
 
 use std::time::Duration;
 
@@ -54,6 +58,8 @@ struct Fault {
     exit_code: i32,
     crash_on: Option<String>,
     grandchild: Option<std::process::Child>,
+    stderr_bytes: usize,
+    response_bytes: usize,
 }
 
 /// A deliberate crash writes no core dump: with systemd-coredump or apport
@@ -96,6 +102,8 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         "crash_on",
         "crash_on_load_if_exists",
         "spawn_grandchild",
+        "stderr_bytes",
+        "response_bytes",
     ])?;
     if let Some(marker) = opts.str("crash_on_load_if_exists")
         && std::path::Path::new(marker).exists()
@@ -157,11 +165,30 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         exit_code: opts.get_or("exit_code", 3)?,
         crash_on: opts.str("crash_on").map(str::to_owned),
         grandchild,
+        stderr_bytes: opts.get_or("stderr_bytes", 0)?,
+        response_bytes: opts.get_or("response_bytes", 0)?,
     }))
 }
 
 impl Backend for Fault {
     fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        if self.stderr_bytes > 0 {
+            use std::io::Write;
+            let block = vec![b'x'; 1 << 20];
+            let mut left = self.stderr_bytes;
+            let mut stderr = std::io::stderr().lock();
+            while left > 0 {
+                let n = left.min(block.len());
+                let _ = stderr.write_all(&block[..n]);
+                left -= n;
+            }
+            let _ = stderr.write_all(b"\n");
+        }
+        if self.response_bytes > 0 {
+            ctx.progress().advance();
+            let pad = "x".repeat(self.response_bytes.saturating_sub(12));
+            return Ok(Body::json(format!("{{\"pad\": \"{pad}\"}}")));
+        }
         if self
             .crash_on
             .as_deref()
