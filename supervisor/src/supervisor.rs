@@ -337,7 +337,7 @@ impl Supervisor {
     /// Adds a model to the catalogue (or replaces an unloaded one's spec).
     /// It loads on its first request, or with [`Supervisor::load_registered`].
     pub fn register(&self, spec: ModelSpec) -> Result<()> {
-        spec.validate()?;
+        self.check_spec(&spec)?;
         let mut state = self.lock();
         if let Some(slot) = state.slots.get(&spec.name) {
             let pid = slot.worker.as_ref().map(|w| w.pid()).unwrap_or(0);
@@ -354,6 +354,28 @@ impl Supervisor {
             ..entry
         };
         state.catalogue.insert(name, entry);
+        Ok(())
+    }
+
+    /// Everything about `spec` that can be checked without loading it: its
+    /// fields and ranges, its worker kind, that its worker program can be
+    /// found and offers its backend.
+    fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
+        spec.validate_for(&self.inner.config)?;
+        let binary = crate::worker::launch::worker_binary(spec, &self.inner.config)?;
+        if let Some(offered) = crate::worker::launch::offered_backends(&binary)
+            && !offered.contains(&spec.backend)
+        {
+            return Err(Error::InvalidSpec {
+                model: spec.name.clone(),
+                reason: format!(
+                    "worker `{}` has no backend `{}` (it offers: {})",
+                    binary.display(),
+                    spec.backend,
+                    offered.join(", ")
+                ),
+            });
+        }
         Ok(())
     }
 
@@ -901,7 +923,7 @@ impl Supervisor {
     pub async fn swap(&self, spec: ModelSpec) -> Result<SwapReport> {
         let model = spec.name.clone();
         self.check_running(&model)?;
-        spec.validate()?;
+        self.check_spec(&spec)?;
         {
             let mut state = self.lock();
             if !state.catalogue.contains_key(&model) {
@@ -1129,6 +1151,17 @@ impl Supervisor {
         options: RequestOptions,
     ) -> Result<RequestStream> {
         self.check_running(model)?;
+        for (field, value) in [
+            ("keep_alive", options.keep_alive),
+            ("timeout", options.deadline),
+        ] {
+            crate::config::check_duration(field, value).map_err(|reason| {
+                Error::InvalidRequest {
+                    model: model.into(),
+                    reason,
+                }
+            })?;
+        }
         let hash = crate::worker::handle::body_hash(&body);
         let (permits, queued, max_queue, counters) = {
             let state = self.lock();
@@ -1151,7 +1184,9 @@ impl Supervisor {
         };
         // The deadline covers the whole request: queueing, loading, answering.
         let started = Instant::now();
-        let deadline = options.deadline.map(|d| tokio::time::Instant::now() + d);
+        let deadline = options
+            .deadline
+            .and_then(|d| tokio::time::Instant::now().checked_add(d));
         let permit = match Arc::clone(&permits).try_acquire_owned() {
             Ok(permit) => permit,
             Err(_) => {
@@ -1176,7 +1211,9 @@ impl Supervisor {
                 })?
             }
         };
-        let give_up = started + self.inner.config.load_timeout * 2;
+        let give_up = started
+            .checked_add(self.inner.config.load_timeout.saturating_mul(2))
+            .unwrap_or(started + Duration::from_secs(3600));
         let mut body = Some(body);
         while Instant::now() < give_up {
             within(deadline, model, started, self.ensure_loaded(model))
@@ -1236,43 +1273,62 @@ impl Supervisor {
             crate::gpu::Inventory::Devices(devices) => devices,
             crate::gpu::Inventory::NoGpu(_) => &[],
         };
-        let state = self.lock();
-        let now = Instant::now();
-        let mut out: Vec<ModelStatus> = state
-            .slots
-            .iter()
-            .map(|(name, slot)| {
-                let entry = state.catalogue.get(name);
-                let worker = slot.worker.as_ref();
-                let memory = worker.and_then(|w| w.sample_memory()).unwrap_or_default();
-                ModelStatus {
-                    name: name.clone(),
-                    backend: entry.map(|e| e.spec.backend.clone()).unwrap_or_default(),
-                    state: slot_state(slot),
-                    pid: worker.map(|w| w.pid()),
-                    rss_bytes: memory.rss_bytes,
-                    pss_bytes: memory.pss_bytes,
-                    peak_rss_bytes: memory.peak_rss_bytes,
-                    uptime_s: worker.map(|w| w.uptime().as_secs_f64()).unwrap_or(0.0),
-                    requests: worker.map(|w| w.requests()).unwrap_or(0),
-                    in_flight: worker.map(|w| w.in_flight()).unwrap_or(0),
-                    queued: entry.map(|e| e.queued.load(Ordering::SeqCst)).unwrap_or(0),
-                    keep_alive_left_s: slot
-                        .expires_at
-                        .map(|t| t.saturating_duration_since(now).as_secs_f64()),
-                    restarts: entry
-                        .map(|e| e.counters.restarts.load(Ordering::Relaxed))
-                        .unwrap_or(0),
-                    recycles: entry
-                        .map(|e| e.counters.recycles.load(Ordering::Relaxed))
-                        .unwrap_or(0),
-                    last_exit: entry.and_then(|e| e.health.last_exit.clone()),
-                    rss_growth_per_request_bytes: worker
-                        .map(|w| w.rss_growth_per_request())
-                        .unwrap_or(0.0),
-                    vram_bytes: worker.and_then(|w| crate::gpu::process_vram(devices, w.pid())),
-                    gpus: slot.gpus.clone(),
+        // What the state holds is copied under the lock; procfs is read
+        // after it is released, so a status poll never holds up a request.
+        let rows: Vec<(ModelStatus, Option<Arc<WorkerHandle>>)> = {
+            let state = self.lock();
+            let now = Instant::now();
+            state
+                .slots
+                .iter()
+                .map(|(name, slot)| {
+                    let entry = state.catalogue.get(name);
+                    let worker = slot.worker.clone();
+                    let status = ModelStatus {
+                        name: name.clone(),
+                        backend: entry.map(|e| e.spec.backend.clone()).unwrap_or_default(),
+                        state: slot_state(slot),
+                        pid: worker.as_ref().map(|w| w.pid()),
+                        rss_bytes: 0,
+                        pss_bytes: 0,
+                        peak_rss_bytes: 0,
+                        uptime_s: 0.0,
+                        requests: 0,
+                        in_flight: 0,
+                        queued: entry.map(|e| e.queued.load(Ordering::SeqCst)).unwrap_or(0),
+                        keep_alive_left_s: slot
+                            .expires_at
+                            .map(|t| t.saturating_duration_since(now).as_secs_f64()),
+                        restarts: entry
+                            .map(|e| e.counters.restarts.load(Ordering::Relaxed))
+                            .unwrap_or(0),
+                        recycles: entry
+                            .map(|e| e.counters.recycles.load(Ordering::Relaxed))
+                            .unwrap_or(0),
+                        last_exit: entry.and_then(|e| e.health.last_exit.clone()),
+                        rss_growth_per_request_bytes: 0.0,
+                        vram_bytes: None,
+                        gpus: slot.gpus.clone(),
+                    };
+                    (status, worker)
+                })
+                .collect()
+        };
+        let mut out: Vec<ModelStatus> = rows
+            .into_iter()
+            .map(|(mut status, worker)| {
+                if let Some(w) = worker {
+                    let memory = w.sample_memory().unwrap_or_default();
+                    status.rss_bytes = memory.rss_bytes;
+                    status.pss_bytes = memory.pss_bytes;
+                    status.peak_rss_bytes = memory.peak_rss_bytes;
+                    status.uptime_s = w.uptime().as_secs_f64();
+                    status.requests = w.requests();
+                    status.in_flight = w.in_flight();
+                    status.rss_growth_per_request_bytes = w.rss_growth_per_request();
+                    status.vram_bytes = crate::gpu::process_vram(devices, w.pid());
                 }
+                status
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -1381,7 +1437,7 @@ impl Supervisor {
         }
         if let Some(slot) = slots.get_mut(model) {
             slot.last_used = Instant::now();
-            slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
+            slot.expires_at = expiry(entry.keep_alive);
         }
         entry.spec.max_rss.is_some() || entry.spec.max_requests.is_some()
     }
@@ -1504,8 +1560,15 @@ fn install(
         entry.last_peak_bytes = Some(report.peak_rss_bytes);
         entry.last_vram_bytes = vram_per_gpu(report).or(entry.last_vram_bytes);
         entry.counters.loads.fetch_add(1, Ordering::Relaxed);
-        slot.expires_at = entry.keep_alive.map(|k| Instant::now() + k);
+        slot.expires_at = expiry(entry.keep_alive);
     }
+}
+
+/// When a keep-alive that starts now runs out; `None` (never) for none, or
+/// for one too long for the clock (specs are range-checked, but a host's
+/// own `RequestOptions` need not be).
+fn expiry(keep_alive: Option<Duration>) -> Option<Instant> {
+    keep_alive.and_then(|k| Instant::now().checked_add(k))
 }
 
 /// VRAM a load report shows on each of the worker's GPUs.

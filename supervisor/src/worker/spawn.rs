@@ -2,6 +2,7 @@
 //!
 //! - cleared environment plus what the worker needs;
 //! - its own process group, so a stop reaches everything it forked;
+//! - `PR_SET_NO_NEW_PRIVS`, so nothing it execs can gain privileges;
 //! - `PR_SET_PDEATHSIG = SIGKILL` armed between fork and exec, and the parent
 //!   re-checked right after, so a supervisor killed at any moment (even by
 //!   SIGKILL) takes its workers with it.
@@ -125,6 +126,11 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
                 if written != 1 {
                     return Err(io::Error::last_os_error());
                 }
+            }
+            // No exec from here on can gain privileges (setuid binaries,
+            // file capabilities): a worker never needs them.
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
             }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
                 return Err(io::Error::last_os_error());
