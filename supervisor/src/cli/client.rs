@@ -141,7 +141,10 @@ impl Client {
         let result = match (method, body) {
             ("GET", _) => self.auth(self.agent.get(url)).call(),
             (_, Some(body)) => self.auth(self.agent.post(url)).send_json(body),
-            (_, None) => self.auth(self.agent.post(url)).send_empty(),
+            // Always JSON: the daemon refuses a POST of any other type.
+            (_, None) => self
+                .auth(self.agent.post(url))
+                .send_json(serde_json::json!({})),
         };
         let response = result.map_err(|e| self.unreachable(e))?;
         Ok(Reply {
@@ -191,7 +194,12 @@ fn unix_request(
     body: Option<&Value>,
 ) -> io::Result<Reply> {
     let mut stream = UnixStream::connect(socket)?;
-    let payload = body.map(Value::to_string);
+    // Always JSON: the daemon refuses a POST of any other type.
+    let payload = match body {
+        Some(body) => Some(body.to_string()),
+        None if method != "GET" => Some("{}".to_string()),
+        None => None,
+    };
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
     if let Some(token) = token {
         head.push_str(&format!("Authorization: Bearer {token}\r\n"));

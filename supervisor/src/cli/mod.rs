@@ -63,7 +63,7 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(async {
+    let code = runtime.block_on(async {
         match cli.command {
             Commands::Run(args) => run::run(args).await,
             Commands::Fetch(args) => fetch::run(args),
@@ -76,7 +76,10 @@ pub fn main() -> ExitCode {
             Commands::Embed(args) => client::embed(args),
             Commands::Generate(args) => client::generate(args),
         }
-    })
+    });
+    // A blocking task still reading procfs or NVML must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
 }
 
 /// Logs to stderr; `BERTH_LOG` (or `RUST_LOG`) sets the filter.

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use berth::fetch::{DEFAULT_MODELS, fetch, models_dir};
-use berth::server::config::{DEFAULT_KEEP_ALIVE, DEFAULT_LISTEN, ServeConfig};
-use berth::server::{Listen, serve};
+use berth::server::config::{DEFAULT_LISTEN, DEFAULT_MAX_BODY, ServeConfig};
+use berth::server::{Listen, ServeOptions, serve};
 use berth::worker::orphans;
-use berth::{ModelSpec, Supervisor, SupervisorConfig};
+use berth::{ModelSpec, Supervisor};
 use clap::Args;
 
 #[derive(Debug, Args)]
@@ -46,25 +46,23 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .or(config.listen.as_deref())
             .unwrap_or(DEFAULT_LISTEN),
     )?;
-    let token = args
-        .token
-        .clone()
-        .or(config.token.clone())
-        .filter(|t| !t.is_empty());
+    let token = match args.token.clone().or(config.token.clone()) {
+        Some(t) if t.trim().is_empty() => {
+            return Err("the token is blank; give a real token or none".into());
+        }
+        token => token,
+    };
     let models_root = config.models_dir.clone().unwrap_or_else(models_dir);
-    let defaults = SupervisorConfig::default();
-    let supervisor = Supervisor::new(SupervisorConfig {
-        worker_binary: args.worker.clone(),
-        load_timeout: config.load_timeout.unwrap_or(defaults.load_timeout),
-        drain_timeout: config.drain_timeout.unwrap_or(defaults.drain_timeout),
-        default_keep_alive: Some(config.keep_alive.unwrap_or(DEFAULT_KEEP_ALIVE)),
-        memory_budget: config.memory_budget,
-        max_loaded: config.max_loaded,
-        gpu_memory_budget: config.gpu_memory_budget,
-        models_root: Some(models_root.clone()),
-        restart_backoff: config.restart_backoff.unwrap_or(defaults.restart_backoff),
-        ..defaults
-    });
+    // Before anything is read, written or started: this server's state
+    // file must be its own.
+    adopt_orphans(
+        config
+            .state_file
+            .clone()
+            .unwrap_or_else(|| default_state_file(&listen)),
+    )?;
+    let supervisor =
+        Supervisor::new(config.supervisor_config(args.worker.clone(), models_root.clone()));
     let models = if args.config.is_some() {
         config.models.clone()
     } else {
@@ -76,14 +74,39 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .register(spec)
             .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
     }
-    let max_body = config.max_body.unwrap_or(16 << 20) as usize;
-    adopt_orphans(
-        config
-            .state_file
-            .clone()
-            .unwrap_or_else(|| default_state_file(&listen)),
-    )?;
-    serve(supervisor, listen, token, max_body).await
+    raise_descriptor_limit();
+    let mut options = ServeOptions::new(listen);
+    options.token = token;
+    options.max_body = config.max_body.unwrap_or(DEFAULT_MAX_BODY) as usize;
+    options.body_timeout = config.body_timeout.unwrap_or(options.body_timeout);
+    options.max_inputs = config.max_inputs.unwrap_or(options.max_inputs);
+    options.allowed_hosts = config.allowed_hosts.clone();
+    options.allowed_origins = config.allowed_origins.clone();
+    options.connections.header_timeout = config
+        .header_timeout
+        .unwrap_or(options.connections.header_timeout);
+    options.connections.max_connections = config
+        .max_connections
+        .unwrap_or(options.connections.max_connections);
+    serve(supervisor, options).await
+}
+
+/// Raises the soft limit on open descriptors to the hard one, as servers
+/// do: each connection and each worker (pipes, IPC) takes descriptors, and
+/// the usual soft limit of 1024 is below what `max_connections` allows.
+fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct given, nothing else.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
 }
 
 /// Reaps what workers fork, and stops what a killed predecessor left.
@@ -133,7 +156,11 @@ fn default_catalogue(dir: &std::path::Path) -> Result<Vec<ModelSpec>, String> {
         };
         let path = fetch(model, dir, &mut say)
             .map_err(|e| format!("cannot fetch default model `{}`: {e}", model.name))?;
-        specs.push(ModelSpec::new(model.name, model.backend).model(path));
+        let mut spec = ModelSpec::new(model.name, model.backend).model(path);
+        // A cap, so no request (thousands of texts, a runaway context) can
+        // take the host's memory: several times each model's measured peak.
+        spec.memory_limit = Some(model.memory_limit);
+        specs.push(spec);
     }
     Ok(specs)
 }

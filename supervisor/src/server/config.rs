@@ -23,10 +23,25 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::config::ModelSpec;
+use std::collections::BTreeMap;
+
+use crate::config::{ModelSpec, WorkerKind, check_bytes, check_duration};
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7733";
 pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(300);
+/// A client must send a request's head within this, on a new connection and
+/// on a kept-alive one waiting for its next request (the idle timeout).
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request's body must have arrived within this once its head has.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Connections held at once; past it, new ones get a 503 and are closed.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
+pub const MAX_CONNECTIONS_LIMIT: usize = 1 << 16;
+/// Texts one embeddings request may carry (OpenAI's own limit).
+pub const DEFAULT_MAX_INPUTS: usize = 2048;
+/// Largest answer a worker may send through the sidecar.
+pub const DEFAULT_MAX_RESPONSE: u64 = 64 << 20;
+pub const DEFAULT_MAX_BODY: u64 = 16 << 20;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -60,6 +75,33 @@ pub struct ServeConfig {
     /// First restart delay after a crash (default 500 ms, doubling to 60 s).
     #[serde(default, with = "crate::units::duration_opt")]
     pub restart_backoff: Option<Duration>,
+    /// Worker programs models may name (`worker = "NAME"`), declared by the
+    /// operator: `[workers.NAME] binary = "/path", env = { K = "V" }`.
+    #[serde(default)]
+    pub workers: BTreeMap<String, WorkerKind>,
+    /// `Host` header values accepted besides the listen address itself
+    /// (`berth.internal:7733`): how an operator exposes berth under a name.
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
+    /// `Origin` header values accepted (`https://app.example`); browsers'
+    /// requests from any other origin are refused.
+    #[serde(default)]
+    pub allowed_origins: Vec<String>,
+    /// Connections held at once (default 512).
+    #[serde(default)]
+    pub max_connections: Option<usize>,
+    /// See [`DEFAULT_HEADER_TIMEOUT`] (default 10 s).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub header_timeout: Option<Duration>,
+    /// See [`DEFAULT_BODY_TIMEOUT`] (default 60 s).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub body_timeout: Option<Duration>,
+    /// Texts one `/v1/embeddings` request may carry (default 2048).
+    #[serde(default)]
+    pub max_inputs: Option<usize>,
+    /// Largest answer a worker may send (default 64 MiB).
+    #[serde(default, with = "crate::units::bytes_opt")]
+    pub max_response: Option<u64>,
     #[serde(default, rename = "model")]
     pub models: Vec<ModelSpec>,
 }
@@ -70,6 +112,9 @@ impl ServeConfig {
             .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
         let config: ServeConfig = toml::from_str(&text)
             .map_err(|e| format!("`{}` is not a valid berth config: {e}", path.display()))?;
+        config
+            .check()
+            .map_err(|e| format!("`{}`: {e}", path.display()))?;
         let mut seen = std::collections::HashSet::new();
         for model in &config.models {
             if !seen.insert(&model.name) {
@@ -81,6 +126,91 @@ impl ServeConfig {
             }
         }
         Ok(config)
+    }
+
+    /// Every duration, size and count against its allowed range, and every
+    /// model spec, so nothing out of range reaches a clock or an allocation.
+    pub fn check(&self) -> Result<(), String> {
+        for (field, value) in [
+            ("keep_alive", self.keep_alive),
+            ("load_timeout", self.load_timeout),
+            ("drain_timeout", self.drain_timeout),
+            ("restart_backoff", self.restart_backoff),
+            ("header_timeout", self.header_timeout),
+            ("body_timeout", self.body_timeout),
+        ] {
+            check_duration(field, value)?;
+        }
+        for (field, value) in [
+            ("memory_budget", self.memory_budget),
+            ("gpu_memory_budget", self.gpu_memory_budget),
+            ("max_response", self.max_response),
+        ] {
+            check_bytes(field, value)?;
+        }
+        if let Some(b) = self.max_body
+            && !(1024..=(1 << 30)).contains(&b)
+        {
+            return Err(format!(
+                "max_body {b} bytes is out of range: 1 KiB to 1 GiB"
+            ));
+        }
+        if let Some(n) = self.max_connections
+            && !(1..=MAX_CONNECTIONS_LIMIT).contains(&n)
+        {
+            return Err(format!(
+                "max_connections {n} is out of range: 1 to {MAX_CONNECTIONS_LIMIT}"
+            ));
+        }
+        if let Some(n) = self.max_inputs
+            && !(1..=1_000_000).contains(&n)
+        {
+            return Err(format!("max_inputs {n} is out of range: 1 to 1000000"));
+        }
+        if let Some(0) = self.max_loaded {
+            return Err("max_loaded must be at least 1".into());
+        }
+        for d in [self.header_timeout, self.body_timeout]
+            .into_iter()
+            .flatten()
+        {
+            if d.is_zero() {
+                return Err("header_timeout and body_timeout must be above 0s".into());
+            }
+        }
+        if let Some(token) = &self.token
+            && token.trim().is_empty()
+        {
+            return Err("token is blank; give a real token or leave it out".into());
+        }
+        for model in &self.models {
+            model.validate().map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The supervisor's settings, this file's values over the defaults.
+    /// `models_root` is where models registered over HTTP must lie.
+    pub fn supervisor_config(
+        &self,
+        worker_binary: Option<PathBuf>,
+        models_root: PathBuf,
+    ) -> crate::SupervisorConfig {
+        let defaults = crate::SupervisorConfig::default();
+        crate::SupervisorConfig {
+            worker_binary,
+            load_timeout: self.load_timeout.unwrap_or(defaults.load_timeout),
+            drain_timeout: self.drain_timeout.unwrap_or(defaults.drain_timeout),
+            default_keep_alive: Some(self.keep_alive.unwrap_or(DEFAULT_KEEP_ALIVE)),
+            memory_budget: self.memory_budget,
+            max_loaded: self.max_loaded,
+            gpu_memory_budget: self.gpu_memory_budget,
+            models_root: Some(models_root),
+            restart_backoff: self.restart_backoff.unwrap_or(defaults.restart_backoff),
+            workers: self.workers.clone(),
+            max_response: self.max_response.unwrap_or(DEFAULT_MAX_RESPONSE),
+            ..defaults
+        }
     }
 }
 
@@ -117,5 +247,150 @@ mod tests {
     fn unknown_keys_are_refused() {
         let err = toml::from_str::<ServeConfig>("lisen = \"x\"").unwrap_err();
         assert!(err.to_string().contains("lisen"), "{err}");
+    }
+
+    #[test]
+    fn out_of_range_settings_name_the_field() {
+        for (text, field) in [
+            ("keep_alive = 1e19", "keep_alive"),
+            ("drain_timeout = \"100000000000s\"", "drain_timeout"),
+            ("memory_budget = \"1000000TiB\"", "memory_budget"),
+            ("max_connections = 0", "max_connections"),
+            ("token = \"  \"", "token"),
+            ("max_body = 1", "max_body"),
+            ("[[model]]\nname = \"..\"\nbackend = \"echo\"", "model name"),
+            (
+                "[[model]]\nname = \"m\"\nbackend = \"echo\"\nkeep_alive = 1e19",
+                "keep_alive",
+            ),
+            (
+                "[[model]]\nname = \"m\"\nbackend = \"echo\"\nmax_concurrency = 99999999",
+                "max_concurrency",
+            ),
+        ] {
+            let err = match toml::from_str::<ServeConfig>(text) {
+                Ok(config) => config.check().unwrap_err(),
+                Err(e) => e.to_string(),
+            };
+            assert!(err.contains(field), "{text}: {err}");
+        }
+    }
+
+    /// A property test without a framework: a fixed-seed generator feeds
+    /// every duration and size field extreme and random values, in a TOML
+    /// config and in an HTTP registration body. Nothing panics; a value that
+    /// is accepted is in range; one that is refused is refused naming its
+    /// field.
+    #[test]
+    fn every_duration_and_size_field_survives_random_extremes() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let model_fields = [
+            ("keep_alive", true),
+            ("load_timeout", true),
+            ("stall_timeout", true),
+            ("restart_window", true),
+            ("memory_limit", false),
+            ("max_rss", false),
+        ];
+        let top_fields = [
+            ("keep_alive", true),
+            ("load_timeout", true),
+            ("drain_timeout", true),
+            ("restart_backoff", true),
+            ("header_timeout", true),
+            ("body_timeout", true),
+            ("memory_budget", false),
+            ("gpu_memory_budget", false),
+            ("max_response", false),
+        ];
+        let units = [
+            "", "s", "ms", "m", "h", "d", "y", "KiB", "MiB", "GiB", "TiB", "GB", "parsecs",
+        ];
+        for case in 0..4000 {
+            let r = next();
+            // A JSON/TOML number or a string, from tiny to absurd.
+            let exponent = (r % 400) as i32 - 60;
+            let mantissa = (next() % 10_000) as f64 / 1000.0;
+            let sign = if r % 7 == 0 { -1.0 } else { 1.0 };
+            let number = sign * mantissa * 10f64.powi(exponent);
+            let text = match case % 5 {
+                0 => format!("{number}"),
+                1 => format!(
+                    "{}{}",
+                    number.abs(),
+                    units[(next() % units.len() as u64) as usize]
+                ),
+                2 => ["NaN", "inf", "-inf", "1e400", "18446744073709551616", ""]
+                    [(next() % 6) as usize]
+                    .to_string(),
+                3 => format!("{}", next()),
+                _ => format!(
+                    "{}{}",
+                    next() % 1000,
+                    units[(next() % units.len() as u64) as usize]
+                ),
+            };
+            let as_toml = if case % 2 == 0 && number.is_finite() && !number.is_nan() {
+                format!("{number:e}")
+            } else {
+                format!("{text:?}")
+            };
+            let as_json: serde_json::Value = if case % 2 == 0 {
+                serde_json::Number::from_f64(number)
+                    .map_or(serde_json::json!(text), serde_json::Value::Number)
+            } else {
+                serde_json::json!(text)
+            };
+            let (field, is_duration) = model_fields[(next() % model_fields.len() as u64) as usize];
+            // Over HTTP: the registration body.
+            let body = serde_json::json!({ "backend": "echo", field: as_json.clone() });
+            match crate::server::management::spec_from("m", body.to_string().as_bytes())
+                .map_err(|e| e.message)
+                .and_then(|spec| spec.validate().map(|()| spec).map_err(|e| e.to_string()))
+            {
+                Ok(spec) => {
+                    let ok = if is_duration {
+                        [
+                            spec.keep_alive,
+                            spec.load_timeout,
+                            spec.stall_timeout,
+                            spec.restart_window,
+                        ]
+                        .iter()
+                        .flatten()
+                        .all(|d| *d <= crate::config::MAX_DURATION)
+                    } else {
+                        [spec.memory_limit, spec.max_rss]
+                            .iter()
+                            .flatten()
+                            .all(|b| *b <= crate::config::MAX_BYTES)
+                    };
+                    assert!(ok, "{field} = {as_json} accepted out of range");
+                }
+                Err(message) => assert!(message.contains(field), "{field} = {as_json}: {message}"),
+            }
+            // In the TOML, at the top and in a model.
+            let (top, _) = top_fields[(next() % top_fields.len() as u64) as usize];
+            for text in [
+                format!("{top} = {as_toml}\n"),
+                format!("[[model]]\nname = \"m\"\nbackend = \"echo\"\n{field} = {as_toml}\n"),
+            ] {
+                let name = if text.starts_with('[') { field } else { top };
+                match toml::from_str::<ServeConfig>(&text) {
+                    Ok(config) => {
+                        if let Err(message) = config.check() {
+                            assert!(message.contains(name), "{text}: {message}");
+                        }
+                    }
+                    Err(e) => assert!(e.to_string().contains(name), "{text}: {e}"),
+                }
+            }
+        }
     }
 }

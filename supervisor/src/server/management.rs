@@ -13,8 +13,14 @@ use super::error::{ApiError, parse};
 use super::openai::{KeepAliveField, request_options};
 use crate::{Body, ModelSpec};
 
-pub async fn ps(State(app): State<AppState>) -> Json<Value> {
-    Json(json!({ "models": app.supervisor.stats() }))
+/// Reads every worker's procfs off the async runtime (and the supervisor
+/// reads it outside its state lock), so polling `ps` slows no request.
+pub async fn ps(State(app): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let supervisor = app.supervisor.clone();
+    let stats = tokio::task::spawn_blocking(move || supervisor.stats())
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    Ok(Json(json!({ "models": stats })))
 }
 
 /// Each GPU's memory and berth's workers on it; `unavailable` says why
@@ -35,12 +41,28 @@ pub async fn catalogue(State(app): State<AppState>) -> Json<Value> {
     Json(json!({ "models": app.supervisor.catalogue() }))
 }
 
+/// Fields only the operator sets (the config, the CLI's own flags, the
+/// embedding host): which program runs, its environment, its directory.
+/// An HTTP client names a declared worker kind (`worker`) instead.
+const OPERATOR_ONLY: &[&str] = &["worker_binary", "env", "command", "cwd"];
+
 /// A spec in a request body; the name comes from the path.
-fn spec_from(name: &str, body: &[u8]) -> Result<ModelSpec, ApiError> {
+pub(crate) fn spec_from(name: &str, body: &[u8]) -> Result<ModelSpec, ApiError> {
     let mut value: Value = parse(body)?;
     let object = value
         .as_object_mut()
         .ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
+    if let Some(field) = OPERATOR_ONLY.iter().find(|f| object.contains_key(**f)) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "operator_only",
+            format!(
+                "model `{name}`: `{field}` cannot be set over HTTP: which program a worker runs, \
+                 and with what environment, is the operator's choice; declare a worker kind in \
+                 the config (`[workers.NAME]`) and name it here with `\"worker\": \"NAME\"`"
+            ),
+        ));
+    }
     if let Some(given) = object.get("name").and_then(Value::as_str)
         && given != name
     {
@@ -49,8 +71,13 @@ fn spec_from(name: &str, body: &[u8]) -> Result<ModelSpec, ApiError> {
         )));
     }
     object.insert("name".into(), Value::String(name.into()));
-    serde_json::from_value(value)
-        .map_err(|e| ApiError::bad_request(format!("invalid model spec: {e}")))
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        ApiError::bad_request(format!(
+            "model `{name}`: invalid spec: {}: {}",
+            e.path(),
+            e.inner()
+        ))
+    })
 }
 
 pub async fn register(
@@ -58,8 +85,7 @@ pub async fn register(
     Path(name): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let spec = spec_from(&name, &body)?;
-    app.check_model_path(&spec)?;
+    let spec = app.confine(spec_from(&name, &body)?)?;
     app.supervisor.register(spec)?;
     let entry = app
         .supervisor
@@ -96,8 +122,7 @@ pub async fn swap(
     Path(name): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let spec = spec_from(&name, &body)?;
-    app.check_model_path(&spec)?;
+    let spec = app.confine(spec_from(&name, &body)?)?;
     Ok(Json(json!(app.supervisor.swap(spec).await?)))
 }
 
@@ -117,6 +142,9 @@ pub async fn infer(
         .supervisor
         .request_with(&name, Body::json(json), options)
         .await?;
+    if reply.json.len() >= 1 << 20 {
+        crate::heap::trim_soon();
+    }
     Ok(([(header::CONTENT_TYPE, "application/json")], reply.json).into_response())
 }
 

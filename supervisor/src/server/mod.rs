@@ -1,12 +1,11 @@
 //! `berth serve`: the sidecar. HTTP (axum) over one `Supervisor`; the
 //! handlers translate and delegate, and hold no process logic.
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -15,82 +14,85 @@ use crate::Supervisor;
 
 pub mod config;
 mod error;
+mod guard;
+pub mod listen;
 mod management;
 mod openai;
 
 pub use error::ApiError;
+pub use listen::Listen;
 
 #[derive(Clone)]
 pub(crate) struct AppState {
     pub supervisor: Supervisor,
+    /// Texts one embeddings request may carry.
+    pub max_inputs: usize,
+}
+
+/// How the sidecar serves: its address, who may call it, and its limits.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub listen: Listen,
     pub token: Option<String>,
+    pub max_body: usize,
+    pub body_timeout: Duration,
+    pub max_inputs: usize,
+    pub allowed_hosts: Vec<String>,
+    pub allowed_origins: Vec<String>,
+    pub connections: listen::ConnectionLimits,
+}
+
+impl ServeOptions {
+    /// Defaults for everything but the address.
+    pub fn new(listen: Listen) -> ServeOptions {
+        ServeOptions {
+            listen,
+            token: None,
+            max_body: config::DEFAULT_MAX_BODY as usize,
+            body_timeout: config::DEFAULT_BODY_TIMEOUT,
+            max_inputs: config::DEFAULT_MAX_INPUTS,
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
+            connections: listen::ConnectionLimits {
+                max_connections: config::DEFAULT_MAX_CONNECTIONS,
+                header_timeout: config::DEFAULT_HEADER_TIMEOUT,
+            },
+        }
+    }
 }
 
 impl AppState {
     /// Models registered through the API must lie inside the models
-    /// directory: the API must not become a way to read any file as weights.
-    pub fn check_model_path(&self, spec: &crate::ModelSpec) -> Result<(), ApiError> {
-        let (Some(root), Some(path)) = (&self.supervisor.config().models_root, &spec.model) else {
-            return Ok(());
+    /// directory, checked now and again at every load with symlinks
+    /// resolved: the API must not become a way to read any file as weights.
+    pub fn confine(&self, mut spec: crate::ModelSpec) -> Result<crate::ModelSpec, ApiError> {
+        let Some(root) = &self.supervisor.config().models_root else {
+            return Ok(spec);
         };
-        let inside = path
-            .canonicalize()
-            .ok()
-            .zip(root.canonicalize().ok())
-            .is_some_and(|(p, r)| p.starts_with(r));
-        if inside {
-            Ok(())
-        } else {
-            Err(ApiError::bad_request(format!(
-                "model `{}`: path `{}` is outside the models directory `{}`",
-                spec.name,
-                path.display(),
-                root.display()
-            )))
+        if let Some(path) = &spec.model {
+            crate::config::confined(&spec.name, path, root)?;
         }
-    }
-}
-
-/// Where the server listens.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Listen {
-    Tcp(SocketAddr),
-    Unix(PathBuf),
-}
-
-impl Listen {
-    /// `127.0.0.1:7733`, `[::1]:7733`, `localhost:7733`, or `unix:/path`.
-    pub fn parse(text: &str) -> Result<Listen, String> {
-        if let Some(path) = text.strip_prefix("unix:") {
-            return Ok(Listen::Unix(PathBuf::from(path)));
-        }
-        let text = text.replace("localhost:", "127.0.0.1:");
-        text.parse::<SocketAddr>().map(Listen::Tcp).map_err(|_| {
-            format!("`{text}` is not an address to listen on (try 127.0.0.1:7733 or unix:/path)")
-        })
-    }
-
-    /// Loopback addresses and unix sockets are private to this machine.
-    pub fn is_private(&self) -> bool {
-        match self {
-            Listen::Tcp(addr) => addr.ip().is_loopback(),
-            Listen::Unix(_) => true,
-        }
-    }
-}
-
-impl std::fmt::Display for Listen {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Listen::Tcp(addr) => write!(f, "http://{addr}"),
-            Listen::Unix(path) => write!(f, "unix:{}", path.display()),
-        }
+        spec.confine = Some(root.clone());
+        Ok(spec)
     }
 }
 
 /// The router over `supervisor`.
-pub fn router(supervisor: Supervisor, token: Option<String>, max_body: usize) -> Router {
-    let state = AppState { supervisor, token };
+pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
+    let state = AppState {
+        supervisor,
+        max_inputs: options.max_inputs,
+    };
+    let guard = guard::Guard::new(
+        &options.listen,
+        options.token.clone(),
+        &options.allowed_hosts,
+        &options.allowed_origins,
+    );
+    let body = BodyLimits {
+        max: options.max_body,
+        timeout: options.body_timeout,
+    };
     let api = Router::new()
         .route("/v1/models", get(openai::models))
         .route("/v1/embeddings", post(openai::embeddings))
@@ -107,17 +109,65 @@ pub fn router(supervisor: Supervisor, token: Option<String>, max_body: usize) ->
         .route("/api/models/{name}/swap", post(management::swap))
         .route("/api/models/{name}/infer", post(management::infer))
         .route("/metrics", get(metrics))
-        .route("/readyz", get(readyz))
-        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+        .route("/readyz", get(readyz));
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(api)
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
-        .layer(DefaultBodyLimit::max(max_body))
+        .layer(DefaultBodyLimit::max(options.max_body))
+        .layer(middleware::from_fn_with_state(body, read_body))
+        .layer(middleware::from_fn_with_state(guard, guard::check))
         .layer(middleware::map_response(openai_shaped))
         .with_state(state)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BodyLimits {
+    max: usize,
+    timeout: Duration,
+}
+
+/// Reads a request's body whole, within `body_timeout` and `max_body`, so a
+/// client that sends its headers and then trickles (or withholds) the body
+/// cannot hold a handler, and with it shutdown, without bound.
+async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Next) -> Response {
+    if !matches!(
+        *request.method(),
+        Method::POST | Method::PUT | Method::PATCH
+    ) {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let read = tokio::time::timeout(limits.timeout, axum::body::to_bytes(body, limits.max)).await;
+    let bytes = match read {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(e)) => {
+            return ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!(
+                    "the request body is over max_body ({} bytes), or broke off: {e}",
+                    limits.max
+                ),
+            )
+            .into_response();
+        }
+        Err(_) => {
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!(
+                    "the request body did not arrive within body_timeout ({})",
+                    humantime::format_duration(limits.timeout)
+                ),
+            )
+            .into_response();
+        }
+    };
+    next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+        .await
 }
 
 /// Turns axum's own plain-text rejections (413 body too large, 405, 415,
@@ -151,25 +201,6 @@ async fn openai_shaped(response: Response) -> Response {
     ApiError::new(status, code, message).into_response()
 }
 
-async fn authorize(State(app): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(token) = &app.token {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(token.as_str()) {
-            return ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "missing or wrong bearer token (Authorization: Bearer <token>)",
-            )
-            .into_response();
-        }
-    }
-    next.run(request).await
-}
-
 async fn metrics(State(app): State<AppState>) -> Response {
     // procfs and NVML reads block for milliseconds.
     let supervisor = app.supervisor.clone();
@@ -191,51 +222,39 @@ async fn readyz(State(app): State<AppState>) -> Response {
     }
 }
 
-/// Serves until SIGTERM or SIGINT, then stops accepting, lets in-flight
-/// HTTP requests finish, unloads every model (reports in the log) and returns.
-pub async fn serve(
-    supervisor: Supervisor,
-    listen: Listen,
-    token: Option<String>,
-    max_body: usize,
-) -> Result<(), String> {
-    if !listen.is_private() && token.is_none() {
+/// Serves until SIGTERM or SIGINT, then shuts down in bounded time:
+/// - new connections are no longer accepted, and open ones are told to close
+///   after their current request;
+/// - every model drains for at most `drain_timeout`, then its worker is
+///   stopped (Shutdown, SIGTERM, SIGKILL, as an unload does), which fails
+///   whatever was still in flight, so no request can hold the exit;
+/// - connections get a last moment to deliver those answers, and whatever
+///   is still open then (a half-sent request, a client not reading) is
+///   dropped.
+///
+/// A second signal stops at once: every worker's group is killed and the
+/// process exits with status 130.
+pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), String> {
+    if !options.listen.is_private() && options.token.is_none() {
         return Err(format!(
-            "refusing to listen on {listen} without a token: anyone who can reach it could run models; \
-             set `token` in the config (or BERTH_TOKEN), or listen on 127.0.0.1"
+            "refusing to listen on {} without a token: anyone who can reach it could run models; \
+             set `token` in the config (or BERTH_TOKEN), or listen on 127.0.0.1",
+            options.listen
         ));
     }
-    let app = router(supervisor.clone(), token, max_body);
-    let shutdown = shutdown_signal();
-    let served = match &listen {
-        Listen::Tcp(addr) => {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-            tracing::info!("berth serve listening on {listen}");
-            eprintln!("berth: listening on {listen}");
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown)
-                .await
-        }
-        Listen::Unix(path) => {
-            let _ = std::fs::remove_file(path);
-            let listener = tokio::net::UnixListener::bind(path)
-                .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-                .map_err(|e| format!("cannot restrict {listen} to mode 0600: {e}"))?;
-            tracing::info!("berth serve listening on {listen}");
-            eprintln!("berth: listening on {listen}");
-            let result = axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown)
-                .await;
-            let _ = std::fs::remove_file(path);
-            result
-        }
-    };
-    served.map_err(|e| format!("server error: {e}"))?;
-    eprintln!("berth: shutting down; unloading every model");
+    let bound = listen::bind(&options.listen).await?;
+    let app = router(supervisor.clone(), &options);
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    tokio::spawn(signals(stop_tx));
+    tokio::spawn(crate::heap::run_heap_trimmer());
+    tracing::info!("berth serve listening on {}", options.listen);
+    eprintln!("berth: listening on {}", options.listen);
+    let connections = listen::serve(&bound, app, options.connections, stop).await;
+    drop(bound);
+    eprintln!(
+        "berth: shutting down: draining requests (at most {}), then stopping every worker",
+        humantime::format_duration(supervisor.config().drain_timeout)
+    );
     // Each report is logged by the supervisor as the unload ends.
     for failed in supervisor
         .shutdown()
@@ -245,24 +264,36 @@ pub async fn serve(
     {
         eprintln!("berth: {failed}");
     }
+    if !connections.wait_closed(Duration::from_secs(2)).await {
+        eprintln!(
+            "berth: closing {} connections that did not finish",
+            connections.open()
+        );
+    }
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// The first SIGTERM or SIGINT starts the shutdown; a second one kills every
+/// worker's group and exits at once.
+async fn signals(stop: tokio::sync::watch::Sender<bool>) {
     use tokio::signal::unix::{SignalKind, signal};
-    match (
+    let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
-    ) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-        }
-        _ => {
-            tracing::error!("cannot install the SIGTERM/SIGINT handlers; stop berth with SIGKILL");
-            std::future::pending::<()>().await;
-        }
+    ) else {
+        tracing::error!("cannot install the SIGTERM/SIGINT handlers; stop berth with SIGKILL");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
     }
+    let _ = stop.send(true);
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    let killed = crate::worker::orphans::kill_all_now();
+    eprintln!("berth: second signal: killed {killed} workers' process groups; exiting now");
+    std::process::exit(130);
 }

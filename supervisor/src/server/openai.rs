@@ -40,22 +40,49 @@ pub(crate) fn request_options(
     keep_alive: Option<&KeepAliveField>,
     timeout: Option<&KeepAliveField>,
 ) -> Result<RequestOptions, ApiError> {
-    let parse = |field: Option<&KeepAliveField>| -> Result<Option<std::time::Duration>, ApiError> {
-        match field {
-            None => Ok(None),
-            Some(KeepAliveField::Text(t)) => crate::parse_duration(t)
-                .map(Some)
-                .map_err(ApiError::bad_request),
-            Some(KeepAliveField::Secs(s)) => crate::parse_duration(&s.to_string())
-                .map(Some)
-                .map_err(ApiError::bad_request),
-        }
-    };
+    let parse =
+        |field: &str, value: Option<&KeepAliveField>| -> Result<Option<Duration>, ApiError> {
+            let parsed = match value {
+                None => return Ok(None),
+                Some(KeepAliveField::Text(t)) => crate::parse_duration(t),
+                Some(KeepAliveField::Secs(s)) => crate::parse_duration(&s.to_string()),
+            }
+            .map_err(|e| ApiError::bad_request(format!("`{field}`: {e}")))?;
+            crate::config::check_duration(field, Some(parsed)).map_err(ApiError::bad_request)?;
+            Ok(Some(parsed))
+        };
     Ok(RequestOptions {
-        keep_alive: parse(keep_alive)?,
-        deadline: parse(timeout)?,
+        keep_alive: parse("keep_alive", keep_alive)?,
+        deadline: parse("timeout", timeout)?,
     })
 }
+
+/// The built-in backends that answer each OpenAI endpoint. A model on one
+/// of the others is refused at once, before anything is loaded or run;
+/// a host's own backends are not known here and go through.
+const CHAT_BACKENDS: &[&str] = &["generate"];
+const EMBEDDING_BACKENDS: &[&str] = &["embed"];
+
+fn refuse_other_kind(app: &AppState, model: &str, endpoint: &str) -> Result<(), ApiError> {
+    let Some(spec) = app.supervisor.spec(model) else {
+        return Ok(()); // the supervisor names the unknown model
+    };
+    let (wrong, right, right_endpoint) = match endpoint {
+        "embeddings" => (CHAT_BACKENDS, "a chat model", "/v1/chat/completions"),
+        _ => (EMBEDDING_BACKENDS, "an embedding model", "/v1/embeddings"),
+    };
+    if wrong.contains(&spec.backend.as_str()) {
+        return Err(ApiError::bad_request(format!(
+            "model `{model}` is {right} (backend `{}`), not one for /v1/{endpoint}; use {right_endpoint}",
+            spec.backend
+        )));
+    }
+    Ok(())
+}
+
+/// Answers this large are followed by a heap trim (see
+/// [`crate::heap::trim_soon`]).
+const LARGE_ANSWER: usize = 1 << 20;
 
 pub async fn models(State(app): State<AppState>) -> Json<Value> {
     let data: Vec<Value> = app
@@ -92,6 +119,19 @@ pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Json
             "`input` must be a string or an array of strings",
         ));
     }
+    let count = req.input.as_array().map_or(1, Vec::len);
+    if count > app.max_inputs {
+        return Err(ApiError::new(
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            "too_many_inputs",
+            format!(
+                "model `{}`: {count} texts in one request, over max_inputs ({}); split them \
+                 across requests",
+                req.model, app.max_inputs
+            ),
+        ));
+    }
+    refuse_other_kind(&app, &req.model, "embeddings")?;
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -107,7 +147,10 @@ pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Json
         .supervisor
         .request_with(&req.model, body, options)
         .await?;
-    let out: Value = serde_json::from_str(&reply.json).map_err(|e| {
+    if reply.json.len() >= LARGE_ANSWER {
+        crate::heap::trim_soon();
+    }
+    let mut out: Value = serde_json::from_str(&reply.json).map_err(|e| {
         ApiError::new(
             axum::http::StatusCode::BAD_GATEWAY,
             "backend_error",
@@ -117,7 +160,12 @@ pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Json
             ),
         )
     })?;
-    let vectors = out["embeddings"].as_array().cloned().ok_or_else(|| {
+    drop(reply);
+    let vectors = match out["embeddings"].take() {
+        Value::Array(vectors) => Some(vectors),
+        _ => None,
+    }
+    .ok_or_else(|| {
         ApiError::bad_request(format!(
             "model `{}` is not an embedding model (backend gave no `embeddings`)",
             req.model
@@ -212,6 +260,7 @@ pub async fn chat_completions(
     if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only `n: 1` is supported"));
     }
+    refuse_other_kind(&app, &req.model, "chat/completions")?;
     let mut backend_request = json!({ "messages": req.messages });
     let fields = [
         (

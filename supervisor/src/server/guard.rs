@@ -1,0 +1,273 @@
+//! Who may talk to the sidecar, checked before any handler runs.
+//!
+//! berth on loopback without a token is reachable by every web page the
+//! user opens: a browser sends a cross-site "simple" POST (form or `fetch`
+//! with a text body) to `127.0.0.1` without asking, and DNS rebinding lets a
+//! page's own host name resolve to it. So, as Ollama and Jupyter learnt:
+//! - every POST and PUT must be `application/json`, which a browser sends
+//!   cross-site only after a CORS preflight that berth never approves;
+//! - a request whose `Origin` is not one the operator allowed is refused;
+//! - on loopback, a `Host` that is not the listen address (or `localhost`
+//!   with its port, or a name the operator allowed) is refused, which is
+//!   what defeats rebinding;
+//! - the bearer token, where set, is compared in constant time, with the
+//!   `Bearer` scheme in any case (RFC 7235).
+//!
+//! `/healthz` skips the Host check: probes address a pod by its IP.
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::error::ApiError;
+use super::listen::Listen;
+
+/// The checks, built once from the listen address and the config.
+#[derive(Debug, Clone)]
+pub(crate) struct Guard {
+    token: Option<String>,
+    /// `Host` values accepted (lower case); `None`: any (a unix socket, or a
+    /// non-loopback address the operator protects with a token).
+    hosts: Option<Vec<String>>,
+    origins: Vec<String>,
+}
+
+impl Guard {
+    pub fn new(
+        listen: &Listen,
+        token: Option<String>,
+        allowed_hosts: &[String],
+        allowed_origins: &[String],
+    ) -> Guard {
+        let mut hosts: Vec<String> = allowed_hosts
+            .iter()
+            .map(|h| h.to_ascii_lowercase())
+            .collect();
+        let check_hosts = match listen {
+            Listen::Tcp(addr) if addr.ip().is_loopback() => {
+                let port = addr.port();
+                hosts.extend([
+                    addr.to_string(),
+                    format!("localhost:{port}"),
+                    format!("127.0.0.1:{port}"),
+                    format!("[::1]:{port}"),
+                ]);
+                true
+            }
+            Listen::Tcp(addr) => {
+                if !addr.ip().is_unspecified() {
+                    hosts.push(addr.to_string());
+                }
+                !allowed_hosts.is_empty()
+            }
+            Listen::Unix(_) => false,
+        };
+        Guard {
+            token,
+            hosts: check_hosts.then_some(hosts),
+            origins: allowed_origins
+                .iter()
+                .map(|o| o.trim_end_matches('/').to_ascii_lowercase())
+                .collect(),
+        }
+    }
+
+    /// Why `request` is refused, or `None`.
+    fn refuse(&self, method: &Method, path: &str, headers: &HeaderMap) -> Option<ApiError> {
+        let text = |name| {
+            headers
+                .get(name)
+                .and_then(|v: &header::HeaderValue| v.to_str().ok())
+        };
+        if path != "/healthz"
+            && let Some(hosts) = &self.hosts
+            && let Some(host) = text(header::HOST)
+            && !hosts.contains(&host.to_ascii_lowercase())
+        {
+            return Some(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden_host",
+                format!(
+                    "Host `{host}` is not this server's address; to reach berth under another \
+                     name, add it to `allowed_hosts` in the config"
+                ),
+            ));
+        }
+        if let Some(origin) = headers.get(header::ORIGIN) {
+            let origin = origin.to_str().unwrap_or("").trim_end_matches('/');
+            if !self.origins.contains(&origin.to_ascii_lowercase()) {
+                return Some(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "forbidden_origin",
+                    format!(
+                        "requests from web pages (Origin `{origin}`) are refused; to let a page \
+                         call berth, add its origin to `allowed_origins` in the config"
+                    ),
+                ));
+            }
+        }
+        if (method == Method::POST || method == Method::PUT) && !is_json(text(header::CONTENT_TYPE))
+        {
+            return Some(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "send the body as JSON with `Content-Type: application/json` \
+                 (curl: -H 'Content-Type: application/json')",
+            ));
+        }
+        if path != "/healthz"
+            && let Some(token) = &self.token
+            && !bearer_matches(text(header::AUTHORIZATION), token)
+        {
+            return Some(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong bearer token (Authorization: Bearer <token>)",
+            ));
+        }
+        None
+    }
+}
+
+fn is_json(content_type: Option<&str>) -> bool {
+    content_type
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// `Authorization: Bearer <token>`, the scheme in any case, compared in
+/// time that does not depend on where the given token first differs.
+fn bearer_matches(value: Option<&str>, token: &str) -> bool {
+    let Some((scheme, given)) = value.map(str::trim).and_then(|v| v.split_once(' ')) else {
+        return false;
+    };
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return false;
+    }
+    let (given, token) = (given.trim().as_bytes(), token.as_bytes());
+    given.len() == token.len()
+        && given
+            .iter()
+            .zip(token)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+/// The middleware: refuses, or passes the request on.
+pub(crate) async fn check(
+    State(guard): State<Guard>,
+    request: Request<Body>,
+    next: Next,
+) -> Response {
+    match guard.refuse(request.method(), request.uri().path(), request.headers()) {
+        Some(refusal) => refusal.into_response(),
+        None => next.run(request).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(header::HeaderName, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (k, v) in pairs {
+            map.insert(k.clone(), v.parse().unwrap());
+        }
+        map
+    }
+
+    fn loopback() -> Guard {
+        Guard::new(
+            &Listen::parse("127.0.0.1:7733").unwrap(),
+            None,
+            &[],
+            &["https://app.example".into()],
+        )
+    }
+
+    #[test]
+    fn a_rebound_host_or_foreign_origin_is_refused_on_loopback() {
+        let guard = loopback();
+        let json = (header::CONTENT_TYPE, "application/json");
+        let ok = headers(&[(header::HOST, "localhost:7733"), json.clone()]);
+        assert!(guard.refuse(&Method::POST, "/v1/embeddings", &ok).is_none());
+        let rebound = headers(&[(header::HOST, "evil.example:7733"), json.clone()]);
+        let refused = guard.refuse(&Method::GET, "/api/ps", &rebound).unwrap();
+        assert_eq!(refused.code, "forbidden_host");
+        assert!(guard.refuse(&Method::GET, "/healthz", &rebound).is_none());
+        let page = headers(&[
+            (header::HOST, "127.0.0.1:7733"),
+            (header::ORIGIN, "https://evil.example"),
+            json.clone(),
+        ]);
+        assert_eq!(
+            guard
+                .refuse(&Method::POST, "/api/models/x/load", &page)
+                .unwrap()
+                .code,
+            "forbidden_origin"
+        );
+        let allowed = headers(&[
+            (header::HOST, "127.0.0.1:7733"),
+            (header::ORIGIN, "https://app.example"),
+            json,
+        ]);
+        assert!(
+            guard
+                .refuse(&Method::POST, "/v1/embeddings", &allowed)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_post_must_be_json() {
+        let guard = loopback();
+        for content_type in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data",
+        ] {
+            let h = headers(&[
+                (header::HOST, "127.0.0.1:7733"),
+                (header::CONTENT_TYPE, content_type),
+            ]);
+            assert_eq!(
+                guard
+                    .refuse(&Method::POST, "/api/models/x/load", &h)
+                    .unwrap()
+                    .code,
+                "unsupported_media_type",
+                "{content_type}"
+            );
+        }
+        let none = headers(&[(header::HOST, "127.0.0.1:7733")]);
+        assert!(
+            guard
+                .refuse(&Method::POST, "/api/models/x/load", &none)
+                .is_some()
+        );
+        let charset = headers(&[
+            (header::HOST, "127.0.0.1:7733"),
+            (header::CONTENT_TYPE, "Application/JSON; charset=utf-8"),
+        ]);
+        assert!(
+            guard
+                .refuse(&Method::POST, "/v1/embeddings", &charset)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive_and_the_token_exact() {
+        assert!(bearer_matches(Some("Bearer s3cret"), "s3cret"));
+        assert!(bearer_matches(Some("bearer s3cret"), "s3cret"));
+        assert!(bearer_matches(Some("BEARER  s3cret "), "s3cret"));
+        assert!(!bearer_matches(Some("Bearer s3cre"), "s3cret"));
+        assert!(!bearer_matches(Some("Basic s3cret"), "s3cret"));
+        assert!(!bearer_matches(Some("s3cret"), "s3cret"));
+        assert!(!bearer_matches(None, "s3cret"));
+    }
+}

@@ -1,0 +1,278 @@
+//! Where the sidecar listens, and how it holds connections.
+//!
+//! `axum::serve` has no header-read timeout, no connection cap and a
+//! graceful shutdown that waits for every connection forever, so berth runs
+//! its own accept loop over hyper's HTTP/1 connection (what `axum::serve`
+//! uses underneath):
+//! - a request's head must arrive within `header_timeout`, on a new
+//!   connection and on a kept-alive one waiting for its next request (hyper
+//!   restarts the timer there), so slow-header and idle connections are shed;
+//! - at most `max_connections` are held; past that a new connection gets a
+//!   503 in one write and is closed at once, so the process never runs out
+//!   of descriptors and the clients it already serves keep being served;
+//! - on shutdown every connection is told to finish its current request and
+//!   close, and the caller decides how long to wait for them.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{Semaphore, watch};
+
+/// Where the server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+impl Listen {
+    /// `127.0.0.1:7733`, `[::1]:7733`, `localhost:7733`, or `unix:/path`.
+    pub fn parse(text: &str) -> Result<Listen, String> {
+        if let Some(path) = text.strip_prefix("unix:") {
+            return Ok(Listen::Unix(PathBuf::from(path)));
+        }
+        let text = text.replace("localhost:", "127.0.0.1:");
+        text.parse::<SocketAddr>().map(Listen::Tcp).map_err(|_| {
+            format!("`{text}` is not an address to listen on (try 127.0.0.1:7733 or unix:/path)")
+        })
+    }
+
+    /// Loopback addresses and unix sockets are private to this machine.
+    pub fn is_private(&self) -> bool {
+        match self {
+            Listen::Tcp(addr) => addr.ip().is_loopback(),
+            Listen::Unix(_) => true,
+        }
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Tcp(addr) => write!(f, "http://{addr}"),
+            Listen::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// How connections are held.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    pub max_connections: usize,
+    pub header_timeout: Duration,
+}
+
+/// A bound listener. A unix socket it created is removed when it is
+/// dropped, and only if the path still holds that very socket.
+#[derive(Debug)]
+pub enum Bound {
+    Tcp(tokio::net::TcpListener),
+    Unix {
+        listener: tokio::net::UnixListener,
+        path: PathBuf,
+        /// (device, inode) of the socket this server created.
+        identity: (u64, u64),
+    },
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Bound::Unix { path, identity, .. } = self
+            && std::fs::symlink_metadata(&*path).is_ok_and(|m| (m.dev(), m.ino()) == *identity)
+        {
+            let _ = std::fs::remove_file(&*path);
+        }
+    }
+}
+
+/// Binds `listen`. A unix socket path is taken over only when it holds a
+/// socket that nothing answers on (a crashed server's); a live socket, or
+/// anything that is not a socket, is refused and left where it is.
+pub async fn bind(listen: &Listen) -> Result<Bound, String> {
+    match listen {
+        Listen::Tcp(addr) => tokio::net::TcpListener::bind(addr)
+            .await
+            .map(Bound::Tcp)
+            .map_err(|e| format!("cannot listen on {listen}: {e}")),
+        Listen::Unix(path) => {
+            bind_unix(path).map_err(|e| format!("cannot listen on {listen}: {e}"))
+        }
+    }
+}
+
+fn bind_unix(path: &Path) -> Result<Bound, String> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(format!(
+                "`{}` exists and is not a socket; refusing to replace it (choose another path)",
+                path.display()
+            ));
+        }
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => {
+                return Err(format!(
+                    "another server is listening on `{}`; stop it first or choose another path",
+                    path.display()
+                ));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                // A socket nobody listens on: a crashed server's leftover.
+                std::fs::remove_file(path)
+                    .map_err(|e| format!("cannot remove the stale socket: {e}"))?;
+            }
+            Err(e) => return Err(format!("cannot tell whether the socket is in use: {e}")),
+        }
+    }
+    let listener = tokio::net::UnixListener::bind(path).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("cannot restrict it to mode 0600: {e}"))?;
+    let meta = std::fs::symlink_metadata(path).map_err(|e| e.to_string())?;
+    Ok(Bound::Unix {
+        listener,
+        path: path.to_path_buf(),
+        identity: (meta.dev(), meta.ino()),
+    })
+}
+
+/// The connections being served; [`Connections::wait_closed`] waits for
+/// them to end.
+#[derive(Debug, Clone)]
+pub struct Connections {
+    slots: Arc<Semaphore>,
+    max: usize,
+}
+
+impl Connections {
+    pub fn open(&self) -> usize {
+        self.max - self.slots.available_permits()
+    }
+
+    /// True once every connection has closed, false if `timeout` passed first.
+    pub async fn wait_closed(&self, timeout: Duration) -> bool {
+        let all = u32::try_from(self.max).unwrap_or(u32::MAX);
+        tokio::time::timeout(timeout, self.slots.acquire_many(all))
+            .await
+            .is_ok()
+    }
+}
+
+/// The refusal a connection past the cap gets, written in one go.
+fn refusal(max: usize) -> Vec<u8> {
+    let body = serde_json::json!({ "error": {
+        "message": format!("berth is holding its maximum of {max} connections; retry shortly \
+                            (raise max_connections in the config if this is normal load)"),
+        "type": "server_error",
+        "code": "too_many_connections",
+    }})
+    .to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Accepts and serves connections until `stop` turns true, then tells every
+/// open connection to finish its request and close, and returns the
+/// connections so the caller can wait for them as long as it chooses.
+pub async fn serve(
+    bound: &Bound,
+    app: Router,
+    limits: ConnectionLimits,
+    mut stop: watch::Receiver<bool>,
+) -> Connections {
+    let connections = Connections {
+        slots: Arc::new(Semaphore::new(limits.max_connections)),
+        max: limits.max_connections,
+    };
+    let refusal = refusal(limits.max_connections);
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            accepted = accept(bound) => accepted,
+        };
+        let stream = match accepted {
+            Ok(stream) => stream,
+            Err(e) => {
+                // EMFILE and the like: wait for descriptors to come back
+                // rather than spinning.
+                tracing::warn!("cannot accept a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&connections.slots).try_acquire_owned() else {
+            stream.refuse(&refusal);
+            continue;
+        };
+        let (app, stop) = (app.clone(), stop.clone());
+        tokio::spawn(async move {
+            match stream {
+                Stream::Tcp(s) => serve_one(s, app, limits, stop).await,
+                Stream::Unix(s) => serve_one(s, app, limits, stop).await,
+            }
+            drop(slot);
+        });
+    }
+    connections
+}
+
+enum Stream {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl Stream {
+    /// One non-blocking write of the refusal (a new socket's send buffer
+    /// holds it), then close: a client that does not read cannot hold it.
+    fn refuse(self, refusal: &[u8]) {
+        let _ = match &self {
+            Stream::Tcp(s) => s.try_write(refusal),
+            Stream::Unix(s) => s.try_write(refusal),
+        };
+    }
+}
+
+async fn accept(bound: &Bound) -> std::io::Result<Stream> {
+    match bound {
+        Bound::Tcp(listener) => {
+            let (stream, _) = listener.accept().await?;
+            let _ = stream.set_nodelay(true);
+            Ok(Stream::Tcp(stream))
+        }
+        Bound::Unix { listener, .. } => Ok(Stream::Unix(listener.accept().await?.0)),
+    }
+}
+
+async fn serve_one<S>(
+    stream: S,
+    app: Router,
+    limits: ConnectionLimits,
+    mut stop: watch::Receiver<bool>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = TowerToHyperService::new(app);
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        _ = stop.wait_for(|s| *s) => {}
+    }
+    connection.as_mut().graceful_shutdown();
+    let _ = connection.await;
+}
