@@ -1261,7 +1261,8 @@ impl Supervisor {
 
     // ----- status -----
 
-    /// Every loaded (or loading) model, with fresh memory readings.
+    /// Every loaded (or loading) model, with memory readings at most a
+    /// second old (the heartbeat's, or read now).
     pub fn stats(&self) -> Vec<ModelStatus> {
         self.stats_on(&crate::gpu::inventory())
     }
@@ -1318,7 +1319,10 @@ impl Supervisor {
             .into_iter()
             .map(|(mut status, worker)| {
                 if let Some(w) = worker {
-                    let memory = w.sample_memory().unwrap_or_default();
+                    // Heartbeats sample every worker each second; a status
+                    // view reuses that reading rather than walking procfs
+                    // again for each poll.
+                    let memory = w.recent_memory(Duration::from_secs(1)).unwrap_or_default();
                     status.rss_bytes = memory.rss_bytes;
                     status.pss_bytes = memory.pss_bytes;
                     status.peak_rss_bytes = memory.peak_rss_bytes;

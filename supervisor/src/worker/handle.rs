@@ -336,6 +336,19 @@ impl WorkerHandle {
         Some(m.last)
     }
 
+    /// The last reading if it is younger than `max_age`, else a new one:
+    /// status views polled in a loop then cost at most one procfs read per
+    /// worker per `max_age`, however many clients poll.
+    pub fn recent_memory(&self, max_age: Duration) -> Option<ProcessMemory> {
+        {
+            let m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
+            if m.sampled_at.is_some_and(|at| at.elapsed() < max_age) {
+                return Some(m.last);
+            }
+        }
+        self.sample_memory()
+    }
+
     /// Records, after load, the current RSS as the base of the growth trend
     /// and how long the load took (what a replacement will cost).
     pub(crate) fn set_baseline(&self, load_time: Duration) {
