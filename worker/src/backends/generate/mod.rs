@@ -1,0 +1,251 @@
+//! `generate`: chat text generation with a quantized Llama-architecture GGUF
+//! model (SmolLM2 and its kin) through candle, on the CPU or a GPU.
+//!
+//! Model: `--model FILE.gguf`; the tokenizer and the chat template come from
+//! the file's metadata.
+//!
+//! Options:
+//! - `load_mode` = `mmap` (default: map the file, copy the tensors out, unmap)
+//!   or `read` (read the whole file into the worker's memory first);
+//! - `threads`: compute threads (default: the cores this process may use);
+//! - `device` = `cpu` | `cuda` | `cuda:N` (default: the GPU the supervisor
+//!   placed the worker on, else the CPU; CUDA needs a worker built with the
+//!   `cuda` feature);
+//! - `quant` = `native` (default; `q4_1` is accepted for a Q4_1 file: the
+//!   weights as the file has them) or `q8_0`: convert the weights once to
+//!   Q8_0, cached next to the file as `<stem>.Q8_0.gguf` and reused while it
+//!   is newer than the source. candle has no SIMD kernel for Q4_1; Q8_0
+//!   has one, and for SmolLM2-135M on 2 cores it decodes about 2x and reads
+//!   prompts about 4x faster, for a file half as large again;
+//! - defaults for requests: `max_tokens` (256), `temperature` (0 = greedy),
+//!   `top_p` (none), `seed` (none: a fresh seed per request, so sampled
+//!   answers vary unless a seed is given; greedy ignores it).
+//!
+//! Request (JSON): `{"messages": [{"role": "system"|"user"|"assistant",
+//! "content": "..."}, ...]}`, or `{"input": "..."}` / `{"prompt": "..."}`,
+//! which is one user message (the model is a chat model; raw completion is
+//! not offered). Optional per request: `max_tokens`, `temperature`, `top_p`,
+//! `seed`, `stop` (a string or an array of strings).
+//!
+//! While generating, chunks `{"delta": "..."}` stream the text; their
+//! concatenation is exactly the final `text`. Final body:
+//! `{"text", "finish_reason": "stop"|"length", "prompt_tokens",
+//! "completion_tokens", "prompt_ms", "decode_ms", "decode_tokens_per_s"}`,
+//! where `decode_tokens_per_s` counts one-token forward passes after the
+//! prompt's.
+//!
+//! The code, one concern a file:
+//! - `request.rs`: a request body parsed and checked into messages and
+//!   generation settings;
+//! - `template.rs`: the ChatML prompt and the stop-string scan that decides
+//!   how much generated text may be streamed;
+//! - `gguf.rs`: the GGUF file's metadata and the tokenizer it describes;
+//! - `weights.rs`: the model file's bytes and the cached Q8_0 conversion;
+//! - `decode.rs`: one request's prefill, sampling and streamed deltas;
+//! - this file: the options, `load` and the `Backend` glue.
+
+mod decode;
+mod gguf;
+mod request;
+mod template;
+mod weights;
+
+use std::collections::HashSet;
+use std::io::Cursor;
+use std::path::Path;
+
+use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
+use candle_core::Device;
+use candle_core::quantized::gguf_file::Value;
+use candle_transformers::models::quantized_llama::{MAX_SEQ_LEN, ModelWeights};
+use serde_json::json;
+use tokenizers::Tokenizer;
+
+use crate::backends::{LoadMode, choose_device, configure_threads, device_name};
+use crate::{Backend, LoadContext, RequestContext};
+
+pub use gguf::tokenizer_from_gguf;
+
+use gguf::{check_architecture, dominant_dtype, md_str, md_u32, parse_gguf};
+use request::{Settings, parse_request};
+use template::{ChatMl, IM_END, IM_START};
+use weights::{Counted, Data, Source, open_data, q8_0_source};
+
+const OPTIONS: &[&str] = &[
+    "load_mode",
+    "threads",
+    "device",
+    "quant",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+];
+const DEFAULT_MAX_TOKENS: usize = 256;
+
+#[derive(Debug)]
+struct Generate {
+    name: String,
+    /// Never run: each request runs a clone (the tensors are shared, only
+    /// the KV caches and masks are per clone), so a request starts from an
+    /// empty cache and its memory goes when it ends.
+    model: ModelWeights,
+    tokenizer: Tokenizer,
+    chat: ChatMl,
+    /// Tokens that end the reply (end of turn, end of text).
+    end_ids: HashSet<u32>,
+    bos: Option<u32>,
+    context_length: usize,
+    defaults: Settings,
+    details: serde_json::Value,
+    device: Device,
+}
+
+pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
+    let fail = |msg: String| {
+        WireError::new(
+            ErrorKind::LoadFailed,
+            format!("model `{}`: {msg}", spec.name),
+        )
+    };
+    let opts = ctx.options(spec);
+    opts.only(OPTIONS)?;
+    let path = spec.model.as_deref().ok_or_else(|| {
+        fail("the generate backend needs --model FILE (a llama-architecture GGUF file)".into())
+    })?;
+    let load_mode = LoadMode::from_options(spec, &opts)?;
+    let quant = opts.str("quant").unwrap_or("native");
+    if !matches!(quant, "native" | "q4_1" | "q8_0") {
+        return Err(fail(format!("`quant={quant}`: use native, q4_1 or q8_0")));
+    }
+    let defaults = Settings {
+        max_tokens: opts.get_or("max_tokens", DEFAULT_MAX_TOKENS)?,
+        temperature: opts.get_or("temperature", 0.0)?,
+        top_p: opts.get("top_p")?,
+        seed: opts.get("seed")?,
+    };
+    defaults.check().map_err(fail)?;
+    let device = choose_device(spec, &opts, ctx)?;
+    // Before any tensor operation: candle sizes its pools once.
+    let threads = configure_threads(opts.get("threads")?);
+    let progress = ctx.progress();
+
+    let src = Path::new(path);
+    let source = if quant == "q8_0" {
+        q8_0_source(src, load_mode, progress).map_err(fail)?
+    } else {
+        Source::File(src.to_path_buf())
+    };
+    progress.advance();
+    let (data, file) = match source {
+        Source::File(p) => (
+            open_data(&p, load_mode).map_err(fail)?,
+            p.display().to_string(),
+        ),
+        Source::Converted(bytes) => (
+            Data::Owned(bytes),
+            format!("(in memory, converted from {})", src.display()),
+        ),
+    };
+    progress.advance();
+    let content = parse_gguf(&data, &file, progress).map_err(fail)?;
+    check_architecture(&content, &file).map_err(fail)?;
+    let dtype = dominant_dtype(&content);
+    if quant == "q4_1" && dtype != "q4_1" {
+        return Err(fail(format!(
+            "`quant=q4_1` asks for Q4_1 weights but `{file}` is {dtype}; use quant=native (the file as it is) or quant=q8_0"
+        )));
+    }
+    let md = &content.metadata;
+    let template = md_str(md, "tokenizer.chat_template")
+        .ok_or_else(|| fail(format!("`{file}` has no chat template")))?;
+    let chat = ChatMl::from_template(template).map_err(|e| fail(format!("`{file}`: {e}")))?;
+    let tokenizer = tokenizer_from_gguf(&content).map_err(|e| fail(format!("`{file}`: {e}")))?;
+    progress.advance();
+    for marker in [IM_START, IM_END] {
+        let single = tokenizer
+            .encode(marker, false)
+            .is_ok_and(|e| e.get_ids().len() == 1);
+        if !single {
+            return Err(fail(format!(
+                "`{file}`: its tokenizer has no `{marker}` token for the ChatML template"
+            )));
+        }
+    }
+    let mut end_ids: HashSet<u32> = [IM_END, "<|endoftext|>"]
+        .iter()
+        .filter_map(|t| tokenizer.token_to_id(t))
+        .collect();
+    end_ids.extend(md_u32(md, "tokenizer.ggml.eos_token_id"));
+    let bos = match md.get("tokenizer.ggml.add_bos_token") {
+        Some(Value::Bool(true)) => Some(
+            md_u32(md, "tokenizer.ggml.bos_token_id")
+                .ok_or_else(|| fail(format!("`{file}` asks for a BOS token but names none")))?,
+        ),
+        _ => None,
+    };
+    let trained_context = md_u32(md, "llama.context_length").map(|n| n as usize);
+    let context_length = trained_context.unwrap_or(MAX_SEQ_LEN).min(MAX_SEQ_LEN);
+    let details = json!({
+        "architecture": "llama",
+        "model_name": md_str(md, "general.name"),
+        "context_length": context_length,
+        "trained_context_length": trained_context,
+        "vocab_size": tokenizer.get_vocab_size(true),
+        "layers": md_u32(md, "llama.block_count"),
+        "embedding_length": md_u32(md, "llama.embedding_length"),
+        "quant": dtype,
+        "file": file,
+        "source_file": src.display().to_string(),
+        "threads": threads,
+        "device": device_name(&device),
+        "load_mode": load_mode.as_str(),
+        "chat_template": "chatml",
+        "default_system_prompt": chat.default_system,
+        "defaults": {
+            "max_tokens": defaults.max_tokens,
+            "temperature": defaults.temperature,
+            "top_p": defaults.top_p,
+            "seed": defaults.seed,
+        },
+    });
+
+    let mut reader = Counted {
+        inner: Cursor::new(&*data),
+        progress,
+    };
+    let model = ModelWeights::from_gguf(content, &mut reader, &device)
+        .map_err(|e| fail(format!("cannot build the model from `{file}`: {e}")))?;
+    drop(data);
+    progress.advance();
+    Ok(Box::new(Generate {
+        name: spec.name.clone(),
+        model,
+        tokenizer,
+        chat,
+        end_ids,
+        bos,
+        context_length,
+        defaults,
+        details,
+        device,
+    }))
+}
+
+impl Generate {
+    fn error(&self, kind: ErrorKind, msg: impl std::fmt::Display) -> WireError {
+        WireError::new(kind, format!("model `{}`: {msg}", self.name))
+    }
+}
+
+impl Backend for Generate {
+    fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        let req = parse_request(&request.json, &self.defaults)
+            .map_err(|e| self.error(ErrorKind::BadRequest, e))?;
+        self.generate(&req, ctx)
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        self.details.clone()
+    }
+}

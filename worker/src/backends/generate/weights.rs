@@ -1,0 +1,226 @@
+//! The weights' bytes: the model file mapped or read, a reader that shows
+//! a long load as progress, and the `quant=q8_0` conversion with its cache
+//! next to the source file.
+
+use std::fs::File;
+use std::io::{BufWriter, Cursor, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use candle_core::quantized::gguf_file::{self, Content, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+
+use super::gguf::{check_architecture, parse_gguf};
+use crate::Progress;
+use crate::backends::LoadMode;
+
+/// `general.file_type` for "mostly Q8_0" (llama.cpp's `LLAMA_FTYPE_MOSTLY_Q8_0`).
+const FILE_TYPE_Q8_0: u32 = 7;
+
+/// The file's bytes, mapped or read.
+pub(super) enum Data {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Data {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Data::Mapped(m) => m,
+            Data::Owned(v) => v,
+        }
+    }
+}
+
+pub(super) fn open_data(path: &Path, mode: LoadMode) -> Result<Data, String> {
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => format!("model file `{shown}` does not exist"),
+        _ => format!("cannot read model file `{shown}`: {e}"),
+    })?;
+    if meta.is_dir() {
+        return Err(format!(
+            "`{shown}` is a directory; the generate backend needs a GGUF file"
+        ));
+    }
+    let read_err = |e: std::io::Error| format!("cannot read model file `{shown}`: {e}");
+    match mode {
+        // An empty file cannot be mapped; it fails the GGUF check instead.
+        LoadMode::Mmap if meta.len() > 0 => {
+            let file = File::open(path).map_err(read_err)?;
+            // SAFETY: the map is read-only and lives only while the model is
+            // built (candle copies every tensor out of it). A file truncated
+            // meanwhile kills this worker with SIGBUS, which the supervisor
+            // reports like any crash; it cannot corrupt another process.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(read_err)?;
+            Ok(Data::Mapped(map))
+        }
+        _ => std::fs::read(path).map(Data::Owned).map_err(read_err),
+    }
+}
+
+/// A reader that advances the load progress on every read, so a long load
+/// shows as moving.
+pub(super) struct Counted<'a, R> {
+    pub(super) inner: R,
+    pub(super) progress: &'a Progress,
+}
+
+impl<R: Read> Read for Counted<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.progress.advance();
+        self.inner.read(buf)
+    }
+}
+
+impl<R: Seek> Seek for Counted<'_, R> {
+    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+        self.inner.seek(pos)
+    }
+}
+
+/// Where the Q8_0 copy of `src` is cached.
+fn q8_0_cache_path(src: &Path) -> PathBuf {
+    let stem = src
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    src.with_file_name(format!("{stem}.Q8_0.gguf"))
+}
+
+fn is_fresh(cache: &Path, src: &Path) -> bool {
+    let modified = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .filter(|m| m.is_file())
+            .and_then(|m| m.modified().ok())
+    };
+    matches!((modified(cache), modified(src)), (Some(c), Some(s)) if c >= s)
+}
+
+/// The weights' source after the `quant` option: a file, or (when the Q8_0
+/// copy could not be written next to the source) converted bytes.
+pub(super) enum Source {
+    File(PathBuf),
+    Converted(Vec<u8>),
+}
+
+/// Converts `content`'s block-quantized tensors to Q8_0 and writes a GGUF
+/// file with the same metadata to `out`. Float tensors (norms) and tensors
+/// already in Q8_0 are kept as they are.
+fn convert_to_q8_0<W: Write + Seek>(
+    content: &Content,
+    bytes: &[u8],
+    out: &mut W,
+    progress: &Progress,
+) -> Result<(), String> {
+    let mut reader = Cursor::new(bytes);
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let mut tensors = Vec::with_capacity(names.len());
+    for name in names {
+        let tensor = content
+            .tensor(&mut reader, name, &Device::Cpu)
+            .map_err(|e| format!("reading tensor `{name}`: {e}"))?;
+        let keep = matches!(
+            tensor.dtype(),
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::Q8_0
+        ) || tensor.shape().dims().last().copied().unwrap_or(0) % 32 != 0;
+        let tensor = if keep {
+            tensor
+        } else {
+            tensor
+                .dequantize(&Device::Cpu)
+                .and_then(|t| QTensor::quantize(&t, GgmlDType::Q8_0))
+                .map_err(|e| format!("converting tensor `{name}` to Q8_0: {e}"))?
+        };
+        tensors.push((name.as_str(), tensor));
+        progress.advance();
+    }
+    let file_type = Value::U32(FILE_TYPE_Q8_0);
+    let mut metadata: Vec<(&str, &Value)> = content
+        .metadata
+        .iter()
+        // candle's writer aligns to 32 bytes, whatever the source said.
+        .filter(|(k, _)| k.as_str() != "general.alignment")
+        .map(|(k, v)| {
+            let v = if k == "general.file_type" {
+                &file_type
+            } else {
+                v
+            };
+            (k.as_str(), v)
+        })
+        .collect();
+    metadata.sort_by_key(|(k, _)| *k);
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    gguf_file::write(out, &metadata, &tensors).map_err(|e| format!("writing Q8_0 weights: {e}"))
+}
+
+/// Resolves `quant=q8_0`: the cached copy when fresh, else a new one written
+/// to a temporary name and renamed into place (so a reader never sees half a
+/// file), else (an unwritable folder) a copy in memory.
+pub(super) fn q8_0_source(
+    src: &Path,
+    mode: LoadMode,
+    progress: &Progress,
+) -> Result<Source, String> {
+    let cache = q8_0_cache_path(src);
+    if is_fresh(&cache, src) {
+        return Ok(Source::File(cache));
+    }
+    let shown = src.display().to_string();
+    let data = open_data(src, mode)?;
+    let content = parse_gguf(&data, &shown, progress)?;
+    check_architecture(&content, &shown)?;
+    let needs = content.tensor_infos.values().any(|t| {
+        !matches!(
+            t.ggml_dtype,
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::Q8_0
+        )
+    });
+    if !needs {
+        return Ok(Source::File(src.to_path_buf()));
+    }
+    let file_name = cache
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = cache.with_file_name(format!(".{file_name}.{}.tmp", std::process::id()));
+    let written = (|| -> Result<(), String> {
+        let file = File::create(&tmp).map_err(|e| e.to_string())?;
+        let mut out = BufWriter::new(file);
+        convert_to_q8_0(&content, &data, &mut out, progress)?;
+        let file = out.into_inner().map_err(|e| e.to_string())?;
+        file.sync_all().map_err(|e| e.to_string())?;
+        std::fs::rename(&tmp, &cache).map_err(|e| e.to_string())
+    })();
+    match written {
+        Ok(()) => Ok(Source::File(cache)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            eprintln!(
+                "generate: cannot cache Q8_0 weights at `{}` ({e}); converting in memory",
+                cache.display()
+            );
+            let mut out = Cursor::new(Vec::new());
+            convert_to_q8_0(&content, &data, &mut out, progress)?;
+            Ok(Source::Converted(out.into_inner()))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_q8_0_cache_sits_next_to_the_source() {
+        assert_eq!(
+            q8_0_cache_path(Path::new("/m/SmolLM2.Q4_1.gguf")),
+            Path::new("/m/SmolLM2.Q4_1.Q8_0.gguf")
+        );
+    }
+}
