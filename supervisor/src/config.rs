@@ -378,6 +378,9 @@ pub struct WorkerKind {
 pub struct SupervisorConfig {
     /// The worker binary; default: `berth-worker` next to the running executable.
     pub worker_binary: Option<PathBuf>,
+    /// Arguments `worker_binary` takes before the worker's own: `["worker"]`
+    /// when it is the `berth` executable in its worker role.
+    pub worker_args: Vec<String>,
     /// Spawn + handshake + load must finish within this (default 120 s).
     pub load_timeout: Duration,
     pub stop_graces: StopGraces,
@@ -413,6 +416,7 @@ impl Default for SupervisorConfig {
     fn default() -> Self {
         SupervisorConfig {
             worker_binary: None,
+            worker_args: Vec::new(),
             load_timeout: Duration::from_secs(120),
             stop_graces: StopGraces::default(),
             drain_timeout: Duration::from_secs(30),

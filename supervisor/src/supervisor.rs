@@ -362,19 +362,44 @@ impl Supervisor {
     /// found and offers its backend.
     fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
         spec.validate_for(&self.inner.config)?;
-        let binary = crate::worker::launch::worker_binary(spec, &self.inner.config)?;
-        if let Some(offered) = crate::worker::launch::offered_backends(&binary)
+        let program = crate::worker::launch::worker_program(spec, &self.inner.config)?;
+        if let Some(offered) = crate::worker::launch::offered_backends(&program)
             && !offered.contains(&spec.backend)
         {
             return Err(Error::InvalidSpec {
                 model: spec.name.clone(),
                 reason: format!(
-                    "worker `{}` has no backend `{}` (it offers: {})",
-                    binary.display(),
+                    "worker `{program}` has no backend `{}` (it offers: {})",
                     spec.backend,
                     offered.join(", ")
                 ),
             });
+        }
+        Ok(())
+    }
+
+    /// Asks the default worker program, and every declared worker kind,
+    /// which backends it offers: what `berth serve` checks before it says
+    /// it is listening, so a missing or broken worker is found at start and
+    /// not at the first request.
+    pub fn check_workers(&self) -> std::result::Result<(), String> {
+        use crate::worker::launch::{WorkerProgram, offered_backends, worker_program};
+        let config = &self.inner.config;
+        let probe = ModelSpec::new("probe", "any");
+        let mut programs = vec![worker_program(&probe, config).map_err(|e| e.to_string())?];
+        programs.extend(config.workers.values().map(|kind| WorkerProgram {
+            path: kind.binary.clone(),
+            args: Vec::new(),
+        }));
+        for program in programs {
+            if offered_backends(&program).is_none() {
+                return Err(format!(
+                    "worker program `{program}` did not answer `--backends` with its backends; \
+                     a worker program is a berth worker (`berth worker`, `berth-worker`, or a \
+                     binary built on the berth-worker library), or a wrapper that execs one \
+                     passing its arguments on"
+                ));
+            }
         }
         Ok(())
     }

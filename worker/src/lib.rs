@@ -16,5 +16,5 @@ mod stats;
 pub use backend::{Backend, LoadContext, LoadFn, Progress, Registry, RequestContext};
 pub use berth_protocol as protocol;
 pub use options::Options;
-pub use serve::serve;
+pub use serve::{serve, serve_with_args};
 pub use stats::self_memory;

@@ -29,7 +29,14 @@ use crate::hygiene;
 /// Arguments: `--version` and `--backends` print what they say and exit; any
 /// other argument is refused (the supervisor passes none).
 pub fn serve(registry: Registry) -> ! {
-    let mut args = std::env::args().skip(1);
+    serve_with_args(registry, std::env::args().skip(1))
+}
+
+/// [`serve`] with the worker's own arguments given: for a program that is a
+/// worker in one of its roles (`berth worker`), which passes what follows
+/// the role's name.
+pub fn serve_with_args(registry: Registry, args: impl IntoIterator<Item = String>) -> ! {
+    let mut args = args.into_iter();
     match args.next().as_deref() {
         None => {}
         Some("--version") => {

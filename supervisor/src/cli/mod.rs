@@ -46,8 +46,45 @@ enum Commands {
     Generate(client::GenerateArgs),
 }
 
+/// The argument that runs this executable as a worker: `berth worker`.
+pub(crate) const WORKER_ROLE: &str = "worker";
+
+/// The worker program `berth serve` and `berth run` start: the one given
+/// (`--worker`, `BERTH_WORKER`), else this executable in its worker role.
+pub(crate) fn worker_program(
+    given: Option<std::path::PathBuf>,
+) -> (Option<std::path::PathBuf>, Vec<String>) {
+    match given {
+        Some(path) => (Some(path), Vec::new()),
+        None => match std::env::current_exe() {
+            Ok(me) if cfg!(feature = "worker-role") => (Some(me), vec![WORKER_ROLE.to_string()]),
+            _ => (None, Vec::new()),
+        },
+    }
+}
+
 pub fn main() -> ExitCode {
+    let mut args = std::env::args();
+    if args.nth(1).as_deref() == Some(WORKER_ROLE) {
+        #[cfg(feature = "worker-role")]
+        berth_worker::serve_with_args(berth_worker::Registry::builtin(), args);
+        #[cfg(not(feature = "worker-role"))]
+        {
+            eprintln!(
+                "berth: this build has no worker role (built without the `worker-role` feature)"
+            );
+            return ExitCode::FAILURE;
+        }
+    }
     let cli = Cli::parse();
+    if !matches!(cli.command, Commands::Serve(_)) {
+        // A command writing to a pipe that closed (`berth embed ... | head`)
+        // ends quietly, as Unix tools do, instead of panicking in println!.
+        // SAFETY: restoring a signal's default disposition is always sound.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     init_logging(if matches!(cli.command, Commands::Serve(_)) {
         "info"
     } else {

@@ -34,7 +34,7 @@ pub struct RunArgs {
     /// Spawn + handshake + load must finish within this.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     load_timeout: Duration,
-    /// The worker binary (default: `berth-worker` next to `berth`).
+    /// The worker program (default: this executable, as `berth worker`).
     #[arg(long, env = "BERTH_WORKER")]
     worker: Option<PathBuf>,
     /// Print one JSON object on stdout instead of text.
@@ -43,8 +43,10 @@ pub struct RunArgs {
 }
 
 pub async fn run(args: RunArgs) -> ExitCode {
+    let (worker_binary, worker_args) = super::worker_program(args.worker.clone());
     let config = SupervisorConfig {
-        worker_binary: args.worker.clone(),
+        worker_binary,
+        worker_args,
         load_timeout: args.load_timeout,
         ..SupervisorConfig::default()
     };

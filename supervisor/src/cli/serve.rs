@@ -23,7 +23,7 @@ pub struct ServeArgs {
     /// Bearer token clients must send; overrides the config's.
     #[arg(long, env = "BERTH_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// The worker binary (default: `berth-worker` next to `berth`).
+    /// The worker program (default: this executable, as `berth worker`).
     #[arg(long, env = "BERTH_WORKER")]
     worker: Option<PathBuf>,
 }
@@ -61,8 +61,13 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .clone()
             .unwrap_or_else(|| default_state_file(&listen)),
     )?;
-    let supervisor =
-        Supervisor::new(config.supervisor_config(args.worker.clone(), models_root.clone()));
+    let supervisor = Supervisor::new(config.supervisor_config(
+        super::worker_program(args.worker.clone()),
+        models_root.clone(),
+    ));
+    supervisor
+        .check_workers()
+        .map_err(|e| format!("cannot start workers: {e}"))?;
     let models = if args.config.is_some() {
         config.models.clone()
     } else {

@@ -189,16 +189,18 @@ impl ServeConfig {
         Ok(())
     }
 
-    /// The supervisor's settings, this file's values over the defaults.
-    /// `models_root` is where models registered over HTTP must lie.
+    /// The supervisor's settings, this file's values over the defaults:
+    /// `worker` is the worker program and its role arguments, `models_root`
+    /// where models registered over HTTP must lie.
     pub fn supervisor_config(
         &self,
-        worker_binary: Option<PathBuf>,
+        (worker_binary, worker_args): (Option<PathBuf>, Vec<String>),
         models_root: PathBuf,
     ) -> crate::SupervisorConfig {
         let defaults = crate::SupervisorConfig::default();
         crate::SupervisorConfig {
             worker_binary,
+            worker_args,
             load_timeout: self.load_timeout.unwrap_or(defaults.load_timeout),
             drain_timeout: self.drain_timeout.unwrap_or(defaults.drain_timeout),
             default_keep_alive: Some(self.keep_alive.unwrap_or(DEFAULT_KEEP_ALIVE)),

@@ -27,36 +27,61 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// The program a worker for `spec` runs: the spec's own binary (a host's),
-/// else its declared worker kind's, else the supervisor's, else
-/// `berth-worker` next to this executable.
-pub(crate) fn worker_binary(spec: &ModelSpec, config: &SupervisorConfig) -> Result<PathBuf> {
-    let kind = spec.worker.as_ref().and_then(|k| config.workers.get(k));
-    match spec
-        .worker_binary
-        .as_ref()
-        .or(kind.map(|k| &k.binary))
-        .or(config.worker_binary.as_ref())
-    {
-        Some(path) => Ok(path.clone()),
-        None => find_worker_binary(WORKER_BINARY),
+/// A worker program: what to execute, and the arguments that select its
+/// worker role (none for a plain worker binary).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct WorkerProgram {
+    pub path: PathBuf,
+    pub args: Vec<String>,
+}
+
+impl std::fmt::Display for WorkerProgram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.path.display())?;
+        for arg in &self.args {
+            write!(f, " {arg}")?;
+        }
+        Ok(())
     }
 }
 
-/// The backends `binary` offers (`--backends`), asked once per binary and
+/// The program a worker for `spec` runs: the spec's own binary (a host's),
+/// else its declared worker kind's, else the supervisor's (with its role
+/// arguments), else `berth-worker` next to this executable.
+pub(crate) fn worker_program(spec: &ModelSpec, config: &SupervisorConfig) -> Result<WorkerProgram> {
+    let kind = spec.worker.as_ref().and_then(|k| config.workers.get(k));
+    let plain = |path: &PathBuf| WorkerProgram {
+        path: path.clone(),
+        args: Vec::new(),
+    };
+    if let Some(path) = spec.worker_binary.as_ref().or(kind.map(|k| &k.binary)) {
+        return Ok(plain(path));
+    }
+    match &config.worker_binary {
+        Some(path) => Ok(WorkerProgram {
+            path: path.clone(),
+            args: config.worker_args.clone(),
+        }),
+        None => find_worker_binary(WORKER_BINARY).map(|path| plain(&path)),
+    }
+}
+
+/// The backends `program` offers (`--backends`), asked once per program and
 /// remembered; `None` when it cannot say (a wrapper that passes no
 /// arguments on, a program that is not a berth worker): then the load is
 /// what finds out.
-pub(crate) fn offered_backends(binary: &std::path::Path) -> Option<Vec<String>> {
+pub(crate) fn offered_backends(program: &WorkerProgram) -> Option<Vec<String>> {
     use std::collections::HashMap;
     use std::sync::Mutex;
-    static KNOWN: Mutex<Option<HashMap<PathBuf, Option<Vec<String>>>>> = Mutex::new(None);
+    type Known = HashMap<WorkerProgram, Option<Vec<String>>>;
+    static KNOWN: Mutex<Option<Known>> = Mutex::new(None);
     let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
     let known = known.get_or_insert_with(HashMap::new);
-    if let Some(answer) = known.get(binary) {
+    if let Some(answer) = known.get(program) {
         return answer.clone();
     }
-    let answer = std::process::Command::new(binary)
+    let answer = std::process::Command::new(&program.path)
+        .args(&program.args)
         .arg("--backends")
         .env_clear()
         .stdin(std::process::Stdio::null())
@@ -72,7 +97,7 @@ pub(crate) fn offered_backends(binary: &std::path::Path) -> Option<Vec<String>> 
                 .collect::<Vec<_>>()
         })
         .filter(|names| !names.is_empty());
-    known.insert(binary.to_path_buf(), answer.clone());
+    known.insert(program.clone(), answer.clone());
     answer
 }
 
@@ -98,7 +123,7 @@ pub(crate) async fn launch(
     };
 
     let kind = spec.worker.as_ref().and_then(|k| config.workers.get(k));
-    let binary = worker_binary(spec, config)?;
+    let program = worker_program(spec, config)?;
     let mut env: Vec<(String, String)> = kind
         .map(|k| k.env.clone().into_iter().collect())
         .unwrap_or_default();
@@ -112,7 +137,8 @@ pub(crate) async fn launch(
         .map(|limit| MemoryCap::prepare(model, limit));
     let child = spawn(SpawnOptions {
         model,
-        binary: &binary,
+        binary: &program.path,
+        args: &program.args,
         server_name: &server_name,
         extra_env: &env,
         cgroup_procs: cap.as_ref().and_then(MemoryCap::procs_file),
@@ -122,7 +148,7 @@ pub(crate) async fn launch(
     process.spawn_rss_guard();
     let pid = process.pid();
     spawned(pid);
-    tracing::debug!(model, pid, binary = %binary.display(), "worker started");
+    tracing::debug!(model, pid, program = %program, "worker started");
 
     let (events, hello) =
         match handshake::accept(model, pid, server, &server_name, &process, left()).await {
@@ -158,8 +184,7 @@ pub(crate) async fn launch(
         return Err(Error::InvalidSpec {
             model: model.into(),
             reason: format!(
-                "worker `{}` has no backend `{}` (it has: {})",
-                binary.display(),
+                "worker `{program}` has no backend `{}` (it has: {})",
                 spec.backend,
                 backends.join(", ")
             ),

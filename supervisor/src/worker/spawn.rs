@@ -85,6 +85,8 @@ pub fn find_worker_binary(name: &str) -> Result<PathBuf> {
 pub struct SpawnOptions<'a> {
     pub model: &'a str,
     pub binary: &'a Path,
+    /// Arguments selecting the program's worker role (`["worker"]`).
+    pub args: &'a [String],
     pub server_name: &'a str,
     pub extra_env: &'a [(String, String)],
     /// A cgroup's `cgroup.procs` the child writes itself into before exec.
@@ -96,6 +98,7 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
     let supervisor_pid = std::process::id();
     let mut command = Command::new(opts.binary);
     command
+        .args(opts.args)
         .env_clear()
         .envs(
             PASSTHROUGH_ENV
