@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::base::StopGraces;
 use crate::error::{Error, Result};
-use crate::worker::stop::StopGraces;
 
 /// One model: which backend, which weights, which options.
 ///

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use berth_protocol::WireError;
 
+use crate::base::KillCause;
 use crate::report::ExitStatus;
-use crate::worker::process::KillCause;
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -84,15 +84,15 @@ pub enum Error {
     #[error(
         "model `{model}`: worker pid {pid} exceeded its memory limit of {} during {during} (peak {}, \
          enforced by {mechanism}); raise memory_limit or use a smaller model",
-        crate::report::mib(*.limit),
-        crate::report::mib(*.peak)
+        crate::units::mib(*.limit),
+        crate::units::mib(*.peak)
     )]
     MemoryLimitExceeded {
         model: String,
         pid: u32,
         limit: u64,
         peak: u64,
-        mechanism: crate::worker::limits::CapMechanism,
+        mechanism: crate::base::CapMechanism,
         during: &'static str,
     },
 
@@ -135,14 +135,14 @@ pub enum Error {
         queued: usize,
     },
 
-    #[error("model `{model}` needs about {}, {reason}", crate::report::mib(*.needed))]
+    #[error("model `{model}` needs about {}, {reason}", crate::units::mib(*.needed))]
     BudgetExceeded {
         model: String,
         needed: u64,
         reason: String,
     },
 
-    #[error("model `{model}` needs about {} of GPU memory, {reason}", crate::report::mib(*.needed))]
+    #[error("model `{model}` needs about {} of GPU memory, {reason}", crate::units::mib(*.needed))]
     GpuBudgetExceeded {
         model: String,
         needed: u64,

@@ -17,26 +17,27 @@
 //! # Ok(()) }
 //! ```
 
+mod base;
+pub mod child;
 mod config;
 mod error;
 pub mod fetch;
 pub mod gpu;
 mod heap;
-pub mod metrics;
+pub mod orphans;
 mod report;
 pub mod server;
 mod supervisor;
 mod units;
-pub mod worker;
 
+pub use base::StopGraces;
 pub use berth_protocol as protocol;
 pub use berth_protocol::{Body, Bulk};
+pub use child::handle::{Piece, ResponseStream, WorkerHandle};
 pub use config::{ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
 pub use error::{Error, Result};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport};
 pub use supervisor::{
     CatalogueEntry, ModelState, ModelStatus, RequestOptions, RequestStream, Supervisor, SwapReport,
 };
-pub use units::{parse_bytes, parse_duration};
-pub use worker::handle::{Piece, ResponseStream, WorkerHandle};
-pub use worker::stop::StopGraces;
+pub use units::{mib, parse_bytes, parse_duration};

@@ -5,70 +5,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// How a worker process ended.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ExitStatus {
-    /// It exited with this code.
-    Code(i32),
-    /// It was killed by this signal (`SIGKILL`, `SIGSEGV`, ...).
-    Signal(String),
-}
-
-impl ExitStatus {
-    pub fn from_std(status: std::process::ExitStatus) -> Self {
-        use std::os::unix::process::ExitStatusExt;
-        match (status.code(), status.signal()) {
-            (Some(code), _) => ExitStatus::Code(code),
-            (None, Some(sig)) => ExitStatus::Signal(signal_name(sig)),
-            (None, None) => ExitStatus::Code(-1),
-        }
-    }
-
-    pub fn is_success(&self) -> bool {
-        *self == ExitStatus::Code(0)
-    }
-}
-
-pub(crate) fn signal_name(sig: i32) -> String {
-    nix::sys::signal::Signal::try_from(sig)
-        .map(|s| s.as_str().to_string())
-        .unwrap_or_else(|_| format!("signal {sig}"))
-}
-
-impl fmt::Display for ExitStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ExitStatus::Code(code) => write!(f, "exited with code {code}"),
-            ExitStatus::Signal(sig) => write!(f, "was killed by {sig}"),
-        }
-    }
-}
-
-/// How a stop ended: which step of ask → SIGTERM → SIGKILL did it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StopKind {
-    /// The worker exited on the `Shutdown` command.
-    Graceful,
-    /// It ignored `Shutdown` and ended on SIGTERM.
-    Sigterm,
-    /// It ignored both and was killed.
-    Sigkill,
-    /// It had already exited (it crashed) before the stop began.
-    AlreadyExited,
-}
-
-impl fmt::Display for StopKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            StopKind::Graceful => "graceful",
-            StopKind::Sigterm => "sigterm",
-            StopKind::Sigkill => "sigkill",
-            StopKind::AlreadyExited => "already_exited",
-        })
-    }
-}
+pub use crate::base::{ExitStatus, StopKind};
+use crate::units::mib;
 
 /// What a load returns.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -91,7 +29,7 @@ pub struct LoadReport {
     pub peak_rss_bytes: u64,
     /// The worker's memory cap, if it has one, and how it is enforced.
     pub memory_limit_bytes: Option<u64>,
-    pub memory_cap: Option<crate::worker::limits::CapMechanism>,
+    pub memory_cap: Option<crate::base::CapMechanism>,
     /// The GPUs the worker was given (`CUDA_VISIBLE_DEVICES`).
     pub gpus: Option<Vec<u32>>,
     /// Device memory the worker holds after load, as NVML counts it per process.
@@ -138,10 +76,6 @@ pub struct UnloadReport {
     /// counted the worker, and `gpu_reclaimed_bytes` is what was back then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_pid_gone: Option<bool>,
-}
-
-pub(crate) fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
 impl fmt::Display for LoadReport {

@@ -48,6 +48,12 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     Ok((number * factor).round() as u64)
 }
 
+/// Bytes as MiB with one decimal (`1024.0 MiB`): how every report, error
+/// and CLI line writes a size.
+pub fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
 /// Serde for `Option<Duration>` as a human string (or a number of seconds).
 pub(crate) mod duration_opt {
     use std::time::Duration;

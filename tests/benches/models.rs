@@ -22,7 +22,7 @@ fn sentences(n: usize) -> Vec<String> {
 }
 
 fn own_rss() -> u64 {
-    berth::worker::memory::process_memory(std::process::id())
+    berth::child::memory::process_memory(std::process::id())
         .map(|m| m.rss_bytes)
         .unwrap_or(0)
 }
@@ -140,7 +140,7 @@ async fn berth_residue(sup: &Supervisor) -> (u64, u64, u64) {
             .unwrap();
     }
     let report = sup.unload("minilm").await.unwrap();
-    let worker_left = berth::worker::memory::process_memory(report.pid)
+    let worker_left = berth::child::memory::process_memory(report.pid)
         .map(|m| m.rss_bytes)
         .unwrap_or(0);
     (before, own_rss(), worker_left)

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use berth::fetch::{DEFAULT_MODELS, fetch, models_dir};
+use berth::orphans;
 use berth::server::config::{DEFAULT_LISTEN, DEFAULT_MAX_BODY, ServeConfig};
 use berth::server::{Listen, ServeOptions, serve};
-use berth::worker::orphans;
 use berth::{ModelSpec, Supervisor};
 use clap::Args;
 

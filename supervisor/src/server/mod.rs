@@ -17,6 +17,7 @@ mod error;
 mod guard;
 pub mod listen;
 mod management;
+pub mod metrics;
 mod openai;
 
 pub use error::ApiError;
@@ -204,7 +205,7 @@ async fn openai_shaped(response: Response) -> Response {
 async fn metrics(State(app): State<AppState>) -> Response {
     // procfs and NVML reads block for milliseconds.
     let supervisor = app.supervisor.clone();
-    match tokio::task::spawn_blocking(move || crate::metrics::render(&supervisor)).await {
+    match tokio::task::spawn_blocking(move || metrics::render(&supervisor)).await {
         Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -293,7 +294,7 @@ async fn signals(stop: tokio::sync::watch::Sender<bool>) {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-    let killed = crate::worker::orphans::kill_all_now();
+    let killed = crate::orphans::kill_all_now();
     eprintln!("berth: second signal: killed {killed} workers' process groups; exiting now");
     std::process::exit(130);
 }

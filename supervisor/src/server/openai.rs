@@ -17,8 +17,8 @@ use serde_json::{Value, json};
 
 use super::AppState;
 use super::error::{ApiError, parse};
+use crate::child::handle::Piece;
 use crate::supervisor::RequestOptions;
-use crate::worker::handle::Piece;
 use crate::{Body, RequestStream};
 
 fn now_unix() -> u64 {

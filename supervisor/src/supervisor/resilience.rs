@@ -21,12 +21,12 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::{Inner, ModelState, Need, State, Supervisor};
+use crate::base::KillCause;
+use crate::child::handle::{Death, WorkerHandle};
+use crate::child::launch;
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
-use crate::worker::handle::{Death, WorkerHandle};
-use crate::worker::launch;
-use crate::worker::process::KillCause;
 
 /// Defaults of the crash policy.
 pub const DEFAULT_MAX_RESTARTS: u32 = 5;
@@ -280,7 +280,7 @@ impl Supervisor {
                         self.watch_worker(&model, &worker);
                         let _ = done.send(Some(Ok(())));
                     } else {
-                        crate::worker::stop::stop(&worker, self.inner.config.stop_graces).await;
+                        crate::child::stop::stop(&worker, self.inner.config.stop_graces).await;
                         let _ = done.send(Some(Err(Arc::new(
                             Error::ShuttingDown {
                                 model: model.clone(),

@@ -8,17 +8,17 @@ use std::time::{Duration, Instant};
 use berth_protocol::LoadSpec;
 use nix::sys::signal::Signal;
 
+use crate::child::handle::{LoadOutcome, WorkerHandle};
+use crate::child::handshake::{self, HandshakeOutcome};
+use crate::child::limits::MemoryCap;
+use crate::child::memory::system_memory;
+use crate::child::process::ProcessWatch;
+use crate::child::spawn::{SpawnOptions, find_worker_binary, spawn};
+use crate::child::{health, stop};
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
 use crate::report::LoadReport;
-use crate::worker::handle::{LoadOutcome, WorkerHandle};
-use crate::worker::handshake::{self, HandshakeOutcome};
-use crate::worker::limits::MemoryCap;
-use crate::worker::memory::system_memory;
-use crate::worker::process::ProcessWatch;
-use crate::worker::spawn::{SpawnOptions, find_worker_binary, spawn};
-use crate::worker::{health, stop};
 
 /// The worker binary's file name.
 pub const WORKER_BINARY: &str = "berth-worker";

@@ -19,10 +19,11 @@ use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use nix::sys::signal::Signal;
 use tokio::sync::{Notify, mpsc, watch};
 
+use crate::base::KillCause;
+use crate::child::memory::{ProcessMemory, process_memory};
+use crate::child::process::ProcessWatch;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
-use crate::worker::memory::{ProcessMemory, process_memory};
-use crate::worker::process::{KillCause, ProcessWatch};
 
 /// What a dead worker leaves for the requests it could not answer.
 #[derive(Debug, Clone)]

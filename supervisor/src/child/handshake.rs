@@ -12,8 +12,8 @@ use berth_protocol::{Event, Hello, PROTOCOL_VERSION};
 use ipc_channel::ipc::{IpcOneShotServer, IpcReceiver, IpcSender};
 use tokio::sync::oneshot;
 
+use crate::child::process::ProcessWatch;
 use crate::error::{Error, Result};
-use crate::worker::process::ProcessWatch;
 
 pub(crate) type Accepted = (IpcReceiver<Event>, Hello);
 

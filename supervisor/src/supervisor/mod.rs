@@ -24,12 +24,16 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu;
-use crate::metrics::ModelCounters;
-use crate::report::{LoadReport, UnloadReport, mib};
-use crate::worker::handle::{Piece, ResponseStream, WorkerHandle};
-use crate::worker::{launch, stop};
 
+use crate::child::handle::{Piece, ResponseStream, WorkerHandle};
+use crate::child::{launch, stop};
+use crate::report::{LoadReport, UnloadReport};
+use crate::units::mib;
+
+mod counters;
 mod resilience;
+
+pub use counters::{LATENCY_BUCKETS, ModelCounters};
 
 pub use resilience::LastExit;
 
@@ -362,8 +366,8 @@ impl Supervisor {
     /// found and offers its backend.
     fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
         spec.validate_for(&self.inner.config)?;
-        let program = crate::worker::launch::worker_program(spec, &self.inner.config)?;
-        if let Some(offered) = crate::worker::launch::offered_backends(&program)
+        let program = crate::child::launch::worker_program(spec, &self.inner.config)?;
+        if let Some(offered) = crate::child::launch::offered_backends(&program)
             && !offered.contains(&spec.backend)
         {
             return Err(Error::InvalidSpec {
@@ -383,7 +387,7 @@ impl Supervisor {
     /// it is listening, so a missing or broken worker is found at start and
     /// not at the first request.
     pub fn check_workers(&self) -> std::result::Result<(), String> {
-        use crate::worker::launch::{WorkerProgram, offered_backends, worker_program};
+        use crate::child::launch::{WorkerProgram, offered_backends, worker_program};
         let config = &self.inner.config;
         let probe = ModelSpec::new("probe", "any");
         let mut programs = vec![worker_program(&probe, config).map_err(|e| e.to_string())?];
@@ -1187,7 +1191,7 @@ impl Supervisor {
                 }
             })?;
         }
-        let hash = crate::worker::handle::body_hash(&body);
+        let hash = crate::child::handle::body_hash(&body);
         let (permits, queued, max_queue, counters) = {
             let state = self.lock();
             let entry = state

@@ -13,27 +13,7 @@ use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use serde::{Deserialize, Serialize};
-
-/// How a memory cap is enforced.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum CapMechanism {
-    CgroupV2,
-    CgroupV1,
-    /// The supervisor samples RSS and kills the worker past the limit.
-    RssPoll,
-}
-
-impl std::fmt::Display for CapMechanism {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            CapMechanism::CgroupV2 => "cgroup v2 memory.max",
-            CapMechanism::CgroupV1 => "cgroup v1 memory.limit_in_bytes",
-            CapMechanism::RssPoll => "supervisor RSS polling",
-        })
-    }
-}
+use crate::base::CapMechanism;
 
 /// A worker's memory cap and, for the cgroup mechanisms, its cgroup.
 #[derive(Debug)]

@@ -11,8 +11,8 @@
 use std::sync::Weak;
 use std::time::{Duration, Instant};
 
-use crate::worker::handle::WorkerHandle;
-use crate::worker::process::KillCause;
+use crate::base::KillCause;
+use crate::child::handle::WorkerHandle;
 
 /// How a worker is watched.
 #[derive(Debug, Clone, Copy)]

@@ -14,70 +14,11 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::sync::watch;
 
-use crate::report::{ExitStatus, mib};
-use crate::worker::limits::{CapMechanism, MemoryCap};
+use crate::base::{CapMechanism, ExitStatus, KillCause};
+use crate::child::limits::MemoryCap;
 
-/// Why the supervisor (or the kernel, on its behalf) killed a worker.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "reason", rename_all = "snake_case")]
-pub enum KillCause {
-    MemoryLimit {
-        limit_bytes: u64,
-        peak_bytes: u64,
-        mechanism: CapMechanism,
-    },
-    /// A request made no progress for this long.
-    Stalled { no_progress_for_s: f64 },
-    /// The worker stopped answering heartbeats.
-    HeartbeatLost { silent_for_s: f64 },
-    /// It died of a GPU out-of-memory error (read from its stderr).
-    GpuOutOfMemory { line: String },
-}
-
-impl KillCause {
-    /// Recognises a GPU out-of-memory death in the last stderr lines.
-    pub(crate) fn from_stderr(tail: &[String]) -> Option<KillCause> {
-        tail.iter()
-            .rev()
-            .find(|l| {
-                let l = l.to_ascii_lowercase();
-                l.contains("out of memory") && (l.contains("cuda") || l.contains("gpu"))
-            })
-            .map(|line| KillCause::GpuOutOfMemory { line: line.clone() })
-    }
-}
-
-impl std::fmt::Display for KillCause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            KillCause::MemoryLimit {
-                limit_bytes,
-                peak_bytes,
-                mechanism,
-            } => write!(
-                f,
-                "killed by the memory limit ({} reached at {}, {mechanism})",
-                mib(*limit_bytes),
-                mib(*peak_bytes)
-            ),
-            KillCause::Stalled { no_progress_for_s } => {
-                write!(
-                    f,
-                    "killed after its request made no progress for {no_progress_for_s:.1} s (stall_timeout)"
-                )
-            }
-            KillCause::GpuOutOfMemory { line } => {
-                write!(f, "killed by a GPU out-of-memory error ({line})")
-            }
-            KillCause::HeartbeatLost { silent_for_s } => {
-                write!(f, "killed after {silent_for_s:.1} s without a heartbeat")
-            }
-        }
-    }
-}
-
-pub use crate::worker::output::STDERR_TAIL_LINES;
-use crate::worker::output::forward_lines;
+pub use crate::child::output::STDERR_TAIL_LINES;
+use crate::child::output::forward_lines;
 
 #[derive(Debug)]
 pub(crate) struct ProcessWatch {
@@ -113,7 +54,7 @@ impl ProcessWatch {
                 let _ = closed_tx.send(true);
             }
         }
-        crate::worker::orphans::register(pid, model);
+        crate::orphans::register(pid, model);
         let (exit_tx, exit) = watch::channel(None);
         let spawned = std::thread::Builder::new()
             .name(format!("berth-wait-{pid}"))
@@ -122,7 +63,7 @@ impl ProcessWatch {
                     Ok(status) => ExitStatus::from_std(status),
                     Err(_) => ExitStatus::Code(-1),
                 };
-                crate::worker::orphans::unregister(pid);
+                crate::orphans::unregister(pid);
                 let _ = exit_tx.send(Some(status));
             });
         if spawned.is_err() {
@@ -186,7 +127,7 @@ impl ProcessWatch {
             let mut ticker = tokio::time::interval(Duration::from_millis(50));
             while watch.try_exit().is_none() {
                 ticker.tick().await;
-                let rss = crate::worker::memory::process_memory(watch.pid)
+                let rss = crate::child::memory::process_memory(watch.pid)
                     .map(|m| m.rss_bytes)
                     .unwrap_or(0);
                 let peak = watch

@@ -5,30 +5,12 @@
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use serde::{Deserialize, Serialize};
 
+use crate::base::StopGraces;
+use crate::child::handle::WorkerHandle;
+use crate::child::memory::{group_members, system_memory};
 use crate::gpu::{self, Inventory};
 use crate::report::{StopKind, UnloadReport};
-use crate::worker::handle::WorkerHandle;
-use crate::worker::memory::{group_members, system_memory};
-
-/// How long each step of a stop waits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StopGraces {
-    /// After the `Shutdown` command, before SIGTERM.
-    pub shutdown: Duration,
-    /// After SIGTERM, before SIGKILL.
-    pub term: Duration,
-}
-
-impl Default for StopGraces {
-    fn default() -> Self {
-        StopGraces {
-            shutdown: Duration::from_secs(5),
-            term: Duration::from_secs(5),
-        }
-    }
-}
 
 /// Stops `worker` and proves what came back.
 pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadReport {
@@ -168,7 +150,7 @@ async fn sweep_group(pgid: u32) -> u32 {
     loop {
         let members = group_members(pgid);
         // Under a subreaper, killed grandchildren are our children to reap.
-        crate::worker::orphans::reap_strays(crate::worker::orphans::Strays::InGroup(pgid));
+        crate::orphans::reap_strays(crate::orphans::Strays::InGroup(pgid));
         if members.is_empty() {
             return 0;
         }

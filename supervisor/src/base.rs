@@ -1,0 +1,174 @@
+//! The house's lowest floor: small types every layer above shares (how a
+//! worker ended, how a stop went, why a worker was killed, how a memory cap
+//! is enforced, how long a stop waits). They depend on nothing of berth's
+//! but the unit formatting, so config, errors, reports and the process
+//! layer can all use them without importing one another.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::units::mib;
+
+/// How a worker process ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitStatus {
+    /// It exited with this code.
+    Code(i32),
+    /// It was killed by this signal (`SIGKILL`, `SIGSEGV`, ...).
+    Signal(String),
+}
+
+impl ExitStatus {
+    pub fn from_std(status: std::process::ExitStatus) -> Self {
+        use std::os::unix::process::ExitStatusExt;
+        match (status.code(), status.signal()) {
+            (Some(code), _) => ExitStatus::Code(code),
+            (None, Some(sig)) => ExitStatus::Signal(signal_name(sig)),
+            (None, None) => ExitStatus::Code(-1),
+        }
+    }
+
+    pub fn is_success(&self) -> bool {
+        *self == ExitStatus::Code(0)
+    }
+}
+
+pub(crate) fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("signal {sig}"))
+}
+
+impl fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitStatus::Code(code) => write!(f, "exited with code {code}"),
+            ExitStatus::Signal(sig) => write!(f, "was killed by {sig}"),
+        }
+    }
+}
+
+/// How a stop ended: which step of ask → SIGTERM → SIGKILL did it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopKind {
+    /// The worker exited on the `Shutdown` command.
+    Graceful,
+    /// It ignored `Shutdown` and ended on SIGTERM.
+    Sigterm,
+    /// It ignored both and was killed.
+    Sigkill,
+    /// It had already exited (it crashed) before the stop began.
+    AlreadyExited,
+}
+
+impl fmt::Display for StopKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StopKind::Graceful => "graceful",
+            StopKind::Sigterm => "sigterm",
+            StopKind::Sigkill => "sigkill",
+            StopKind::AlreadyExited => "already_exited",
+        })
+    }
+}
+
+/// How long each step of a stop waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopGraces {
+    /// After the `Shutdown` command, before SIGTERM.
+    pub shutdown: Duration,
+    /// After SIGTERM, before SIGKILL.
+    pub term: Duration,
+}
+
+impl Default for StopGraces {
+    fn default() -> Self {
+        StopGraces {
+            shutdown: Duration::from_secs(5),
+            term: Duration::from_secs(5),
+        }
+    }
+}
+
+/// How a memory cap is enforced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CapMechanism {
+    CgroupV2,
+    CgroupV1,
+    /// The supervisor samples RSS and kills the worker past the limit.
+    RssPoll,
+}
+
+impl std::fmt::Display for CapMechanism {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CapMechanism::CgroupV2 => "cgroup v2 memory.max",
+            CapMechanism::CgroupV1 => "cgroup v1 memory.limit_in_bytes",
+            CapMechanism::RssPoll => "supervisor RSS polling",
+        })
+    }
+}
+
+/// Why the supervisor (or the kernel, on its behalf) killed a worker.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum KillCause {
+    MemoryLimit {
+        limit_bytes: u64,
+        peak_bytes: u64,
+        mechanism: CapMechanism,
+    },
+    /// A request made no progress for this long.
+    Stalled { no_progress_for_s: f64 },
+    /// The worker stopped answering heartbeats.
+    HeartbeatLost { silent_for_s: f64 },
+    /// It died of a GPU out-of-memory error (read from its stderr).
+    GpuOutOfMemory { line: String },
+}
+
+impl KillCause {
+    /// Recognises a GPU out-of-memory death in the last stderr lines.
+    pub(crate) fn from_stderr(tail: &[String]) -> Option<KillCause> {
+        tail.iter()
+            .rev()
+            .find(|l| {
+                let l = l.to_ascii_lowercase();
+                l.contains("out of memory") && (l.contains("cuda") || l.contains("gpu"))
+            })
+            .map(|line| KillCause::GpuOutOfMemory { line: line.clone() })
+    }
+}
+
+impl std::fmt::Display for KillCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KillCause::MemoryLimit {
+                limit_bytes,
+                peak_bytes,
+                mechanism,
+            } => write!(
+                f,
+                "killed by the memory limit ({} reached at {}, {mechanism})",
+                mib(*limit_bytes),
+                mib(*peak_bytes)
+            ),
+            KillCause::Stalled { no_progress_for_s } => {
+                write!(
+                    f,
+                    "killed after its request made no progress for {no_progress_for_s:.1} s (stall_timeout)"
+                )
+            }
+            KillCause::GpuOutOfMemory { line } => {
+                write!(f, "killed by a GPU out-of-memory error ({line})")
+            }
+            KillCause::HeartbeatLost { silent_for_s } => {
+                write!(f, "killed after {silent_for_s:.1} s without a heartbeat")
+            }
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! The supervisor's side of one worker process (a *child*; the worker's
+//! own side is the `berth-worker` crate), one concern per file: `spawn`,
+//! `handshake`, `launch` (spawn → hello → load), `handle` (requests and the
+//! reader), `health` (heartbeats, stalls), `stop`, `process` (reaping,
+//! kill causes), `output` (bounded stdout/stderr), `memory` (procfs), and
+//! `limits` (memory caps).
+
+pub mod handle;
+pub(crate) mod handshake;
+pub(crate) mod health;
+pub(crate) mod launch;
+pub mod limits;
+pub mod memory;
+pub(crate) mod output;
+pub mod process;
+pub mod spawn;
+pub mod stop;
