@@ -269,7 +269,7 @@ impl Supervisor {
                             (Some(slot), Some(entry))
                                 if slot.state == ModelState::Loading && ours(slot, &done) =>
                             {
-                                super::install(slot, Some(entry), &worker, &report);
+                                super::slot::install(slot, Some(entry), &worker, &report);
                                 true
                             }
                             _ => false,
@@ -377,7 +377,7 @@ impl Supervisor {
         if let Some(slot) = self.lock().slots.get_mut(model)
             && ours(slot, done)
         {
-            slot.incoming_gpu = super::Incoming::new(gpus.clone(), &need);
+            slot.incoming_gpu = super::slot::Incoming::new(gpus.clone(), &need);
         }
         Ok(gpus)
     }

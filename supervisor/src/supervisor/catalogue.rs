@@ -1,0 +1,126 @@
+//! The catalogue: which models exist, how they are checked when they are
+//! registered, and what a client may learn of them.
+
+use std::sync::Arc;
+
+use super::slot::{Entry, slot_state};
+use super::{CatalogueEntry, ModelState, Supervisor};
+use crate::config::ModelSpec;
+use crate::error::{Error, Result};
+use crate::report::UnloadReport;
+
+impl Supervisor {
+    /// Adds a model to the catalogue (or replaces an unloaded one's spec).
+    /// It loads on its first request, or with [`Supervisor::load_registered`].
+    pub fn register(&self, spec: ModelSpec) -> Result<()> {
+        self.check_spec(&spec)?;
+        let mut state = self.lock();
+        if let Some(slot) = state.slots.get(&spec.name) {
+            let pid = slot.worker.as_ref().map(|w| w.pid()).unwrap_or(0);
+            return Err(Error::AlreadyLoaded {
+                model: spec.name.clone(),
+                pid,
+            });
+        }
+        let name = spec.name.clone();
+        let entry = Entry::new(spec, self.inner.config.default_keep_alive);
+        let counters = state.catalogue.get(&name).map(|e| Arc::clone(&e.counters));
+        let entry = Entry {
+            counters: counters.unwrap_or(entry.counters.clone()),
+            ..entry
+        };
+        state.catalogue.insert(name, entry);
+        Ok(())
+    }
+
+    /// Everything about `spec` that can be checked without loading it: its
+    /// fields and ranges, its worker kind, that its worker program can be
+    /// found and offers its backend.
+    pub(super) fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
+        spec.validate_for(&self.inner.config)?;
+        let program = crate::child::launch::worker_program(spec, &self.inner.config)?;
+        if let Some(offered) = crate::child::launch::offered_backends(&program)
+            && !offered.contains(&spec.backend)
+        {
+            return Err(Error::InvalidSpec {
+                model: spec.name.clone(),
+                reason: format!(
+                    "worker `{program}` has no backend `{}` (it offers: {})",
+                    spec.backend,
+                    offered.join(", ")
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Asks the default worker program, and every declared worker kind,
+    /// which backends it offers: what `berth serve` checks before it says
+    /// it is listening, so a missing or broken worker is found at start and
+    /// not at the first request.
+    pub fn check_workers(&self) -> std::result::Result<(), String> {
+        use crate::child::launch::{WorkerProgram, offered_backends, worker_program};
+        let config = &self.inner.config;
+        let probe = ModelSpec::new("probe", "any");
+        let mut programs = vec![worker_program(&probe, config).map_err(|e| e.to_string())?];
+        programs.extend(config.workers.values().map(|kind| WorkerProgram {
+            path: kind.binary.clone(),
+            args: Vec::new(),
+        }));
+        for program in programs {
+            if offered_backends(&program).is_none() {
+                return Err(format!(
+                    "worker program `{program}` did not answer `--backends` with its backends; \
+                     a worker program is a berth worker (`berth worker`, `berth-worker`, or a \
+                     binary built on the berth-worker library), or a wrapper that execs one \
+                     passing its arguments on"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a model from the catalogue, unloading it first if loaded.
+    pub async fn deregister(&self, model: &str) -> Result<Option<UnloadReport>> {
+        if !self.lock().catalogue.contains_key(model) {
+            return Err(self.unknown(model));
+        }
+        let report = match self.unload(model).await {
+            Ok(report) => Some(report),
+            Err(Error::NotLoaded { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        self.lock().catalogue.remove(model);
+        Ok(report)
+    }
+
+    pub(super) fn unknown(&self, model: &str) -> Error {
+        Error::UnknownModel {
+            model: model.into(),
+            known: self.lock().catalogue.keys().cloned().collect(),
+        }
+    }
+
+    /// Every registered model with its state.
+    pub fn catalogue(&self) -> Vec<CatalogueEntry> {
+        let state = self.lock();
+        state
+            .catalogue
+            .iter()
+            .map(|(name, entry)| {
+                let slot = state.slots.get(name);
+                CatalogueEntry {
+                    spec: entry.spec.clone(),
+                    state: slot.map(slot_state).unwrap_or(ModelState::Unloaded),
+                    pid: slot.and_then(|s| s.worker.as_ref()).map(|w| w.pid()),
+                    last_peak_bytes: entry.last_peak_bytes,
+                }
+            })
+            .collect()
+    }
+
+    /// The spec a model is registered with.
+    pub fn spec(&self, model: &str) -> Option<ModelSpec> {
+        self.lock().catalogue.get(model).map(|e| e.spec.clone())
+    }
+}

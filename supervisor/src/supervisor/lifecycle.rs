@@ -1,0 +1,501 @@
+//! Loading, unloading and swapping a model's worker.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use super::slot::{Entry, Incoming, LoadSignal, Slot, install, slot_state, vram_per_gpu};
+use super::{ModelState, Need, Retiring, State, Supervisor, SwapReport, detached};
+use crate::child::handle::WorkerHandle;
+use crate::child::{launch, stop};
+use crate::config::ModelSpec;
+use crate::error::{Error, Result};
+use crate::report::{LoadReport, UnloadReport};
+
+impl Supervisor {
+    /// Registers `spec` (replacing an unloaded model of that name) and loads it.
+    pub async fn load(&self, spec: ModelSpec) -> Result<LoadReport> {
+        self.check_running(&spec.name)?;
+        let name = spec.name.clone();
+        self.register(spec)?;
+        self.start_load(&name).await
+    }
+
+    /// Loads a registered model.
+    pub async fn load_registered(&self, model: &str) -> Result<LoadReport> {
+        self.check_running(model)?;
+        self.start_load(model).await
+    }
+
+    /// Makes room, reserves the slot, launches the worker.
+    ///
+    /// Runs as a task of its own: a caller that gives up (a deadline, a
+    /// client gone) must not leave a half-made slot behind.
+    pub(super) async fn start_load(&self, model: &str) -> Result<LoadReport> {
+        let (this, model) = (self.clone(), model.to_string());
+        detached(&model.clone(), async move {
+            this.start_load_inner(&model).await
+        })
+        .await
+    }
+
+    pub(super) async fn start_load_inner(&self, model: &str) -> Result<LoadReport> {
+        let gate = self.inner.load_gate.lock().await;
+        let (spec, need) = {
+            let mut state = self.lock();
+            if state
+                .slots
+                .get(model)
+                .is_some_and(|s| s.state == ModelState::Failed && s.worker.is_none())
+            {
+                // Loading by hand is how a failed model comes back.
+                state.slots.remove(model);
+            }
+            if let Some(slot) = state.slots.get(model) {
+                return Err(match &slot.worker {
+                    Some(w) => Error::AlreadyLoaded {
+                        model: model.into(),
+                        pid: w.pid(),
+                    },
+                    None => Error::Busy {
+                        model: model.into(),
+                        reason: format!("it is {}", slot_state(slot)),
+                    },
+                });
+            }
+            let entry = state
+                .catalogue
+                .get(model)
+                .ok_or_else(|| self.unknown_locked(model, &state))?;
+            (
+                entry.spec.clone(),
+                Need::new(&entry.spec, Some(entry), false),
+            )
+        };
+        let gpus = self.make_room(model, &need).await?;
+        let (done, signal) = watch::channel(None);
+        {
+            let mut state = self.lock();
+            self.check_running(model)?;
+            if !state.catalogue.contains_key(model) {
+                // Deregistered while room was being made.
+                return Err(self.unknown_locked(model, &state));
+            }
+            state.slots.insert(
+                model.to_string(),
+                Slot::loading(signal, need.ram, Incoming::new(gpus.clone(), &need)),
+            );
+        }
+        drop(gate);
+        self.inner.changed.notify_waiters();
+
+        let launched = launch::launch(&spec, &self.inner.config, gpus, &|pid| {
+            self.note_incoming_pid(model, pid)
+        })
+        .await;
+        let outcome = {
+            let mut state = self.lock();
+            let State {
+                catalogue, slots, ..
+            } = &mut *state;
+            match (launched, slots.get_mut(model)) {
+                (Ok((worker, report)), Some(slot)) => {
+                    slot.last_used = Instant::now();
+                    install(slot, catalogue.get_mut(model), &worker, &report);
+                    self.watch_worker(model, &worker);
+                    Ok(report)
+                }
+                (Ok((worker, _)), None) => Err(worker),
+                (Err(e), _) => {
+                    slots.remove(model);
+                    let _ = done.send(Some(Err(Arc::new(e.shared()))));
+                    self.inner.changed.notify_waiters();
+                    return Err(e);
+                }
+            }
+        };
+        let result = match outcome {
+            Ok(report) => {
+                let _ = done.send(Some(Ok(())));
+                Ok(report)
+            }
+            Err(orphan) => {
+                // The slot went away while loading (shutdown): stop what we started.
+                stop::stop(&orphan, self.inner.config.stop_graces).await;
+                let err = Error::ShuttingDown {
+                    model: model.into(),
+                };
+                let _ = done.send(Some(Err(Arc::new(err.shared()))));
+                Err(err)
+            }
+        };
+        self.inner.changed.notify_waiters();
+        result
+    }
+
+    /// The worker of a loaded model, loading it first if needed (concurrent
+    /// callers share one load).
+    pub async fn ensure_loaded(&self, model: &str) -> Result<Arc<WorkerHandle>> {
+        loop {
+            self.check_running(model)?;
+            enum Next {
+                Wait(LoadSignal),
+                WaitChange,
+                Load,
+            }
+            let changed = self.inner.changed.notified();
+            let next = {
+                let state = self.lock();
+                if !state.catalogue.contains_key(model) {
+                    return Err(Error::UnknownModel {
+                        model: model.into(),
+                        known: state.catalogue.keys().cloned().collect(),
+                    });
+                }
+                match state.slots.get(model) {
+                    None => Next::Load,
+                    Some(slot) => match (slot_state(slot), &slot.worker, &slot.loading) {
+                        (ModelState::Ready, Some(worker), _) => return Ok(Arc::clone(worker)),
+                        (ModelState::Failed, None, _) => {
+                            return Err(Error::ModelFailed {
+                                model: model.into(),
+                                reason: slot.failure.clone().unwrap_or_default(),
+                            });
+                        }
+                        // A worker that just died: the crash policy decides next.
+                        (ModelState::Failed, Some(_), _) => Next::WaitChange,
+                        // In a crash backoff of more than a moment: say so now
+                        // rather than hold the request for up to a minute.
+                        (ModelState::Loading, None, _)
+                            if slot
+                                .restart_at
+                                .is_some_and(|t| t > Instant::now() + Duration::from_secs(1)) =>
+                        {
+                            let left = slot
+                                .restart_at
+                                .map(|t| t.saturating_duration_since(Instant::now()));
+                            return Err(Error::Restarting {
+                                model: model.into(),
+                                in_s: left.unwrap_or_default().as_secs_f64(),
+                                last_exit: state
+                                    .catalogue
+                                    .get(model)
+                                    .and_then(|e| e.health.last_exit.as_ref())
+                                    .map(|e| e.description.clone())
+                                    .unwrap_or_default(),
+                            });
+                        }
+                        (_, _, Some(signal)) => Next::Wait(signal.clone()),
+                        _ => Next::WaitChange,
+                    },
+                }
+            };
+            match next {
+                Next::Wait(mut signal) => {
+                    let outcome = signal.wait_for(Option::is_some).await.map(|v| v.clone());
+                    if let Ok(Some(Err(e))) = outcome {
+                        return Err(Error::SharedLoad {
+                            kind: e.kind(),
+                            message: e.to_string(),
+                        });
+                    }
+                }
+                Next::WaitChange => {
+                    let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
+                }
+                Next::Load => match self.start_load(model).await {
+                    Ok(_) | Err(Error::AlreadyLoaded { .. } | Error::Busy { .. }) => {}
+                    Err(e) => return Err(e),
+                },
+            }
+        }
+    }
+
+    /// Drains and stops the model's worker, and proves what came back. The
+    /// model stays in the catalogue.
+    pub async fn unload(&self, model: &str) -> Result<UnloadReport> {
+        // A task of its own, so a caller that goes away cannot strand the
+        // slot half-drained.
+        let (this, model) = (self.clone(), model.to_string());
+        detached(
+            &model.clone(),
+            async move { this.unload_inner(&model).await },
+        )
+        .await
+    }
+
+    pub(super) async fn unload_inner(&self, model: &str) -> Result<UnloadReport> {
+        let worker = {
+            let mut state = self.lock();
+            let known = state.catalogue.contains_key(model);
+            let Some(slot) = state.slots.get_mut(model) else {
+                return Err(if known {
+                    Error::NotLoaded {
+                        model: model.into(),
+                    }
+                } else {
+                    self.unknown_locked(model, &state)
+                });
+            };
+            if slot.worker.is_none() && slot.restart_at.is_some() {
+                // Waiting out a crash backoff: unloading cancels the restart
+                // (the restart task finds its slot gone and stops).
+                state.slots.remove(model);
+                self.inner.changed.notify_waiters();
+                return Err(Error::NotLoaded {
+                    model: model.into(),
+                });
+            }
+            if slot.state == ModelState::Failed && slot.worker.is_none() {
+                // Nothing runs; clearing the failure is all there is to do.
+                state.slots.remove(model);
+                return Err(Error::NotLoaded {
+                    model: model.into(),
+                });
+            }
+            let Some(worker) = slot.worker.clone() else {
+                return Err(Error::Busy {
+                    model: model.into(),
+                    reason: "it is still loading".into(),
+                });
+            };
+            if slot.swapping {
+                return Err(Error::Busy {
+                    model: model.into(),
+                    reason: "a swap is in progress".into(),
+                });
+            }
+            if matches!(slot.state, ModelState::Draining | ModelState::Stopping) {
+                return Err(Error::Busy {
+                    model: model.into(),
+                    reason: format!("it is already {}", slot.state),
+                });
+            }
+            slot.state = ModelState::Draining;
+            worker
+        };
+        self.inner.changed.notify_waiters();
+        if !worker.drain(self.inner.config.drain_timeout).await {
+            tracing::warn!(
+                model,
+                in_flight = worker.in_flight(),
+                "drain deadline passed; stopping with requests in flight"
+            );
+        }
+        self.set_state(model, ModelState::Stopping);
+        let report = stop::stop(&worker, self.inner.config.stop_graces).await;
+        {
+            let mut state = self.lock();
+            state.slots.remove(model);
+            if let Some(entry) = state.catalogue.get(model) {
+                entry.counters.record_unload(&report);
+            }
+        }
+        self.inner.changed.notify_waiters();
+        tracing::info!(model, "{report}");
+        Ok(report)
+    }
+
+    pub(super) fn unknown_locked(&self, model: &str, state: &State) -> Error {
+        Error::UnknownModel {
+            model: model.into(),
+            known: state.catalogue.keys().cloned().collect(),
+        }
+    }
+
+    /// A worker for `model` was spawned: NVML's reading for its pid now
+    /// stands for part of its GPU reservation.
+    pub(super) fn note_incoming_pid(&self, model: &str, pid: u32) {
+        if let Some(incoming) = self
+            .lock()
+            .slots
+            .get_mut(model)
+            .and_then(|s| s.incoming_gpu.as_mut())
+            .filter(|i| i.pid.is_none())
+        {
+            incoming.pid = Some(pid);
+        }
+    }
+
+    pub(super) fn set_state(&self, model: &str, new: ModelState) {
+        if let Some(slot) = self.lock().slots.get_mut(model) {
+            slot.state = new;
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    /// Replaces a loaded model's worker with one for `spec` without dropping
+    /// a request: the new worker loads while the old one serves, routing
+    /// switches atomically, the old one drains and stops. If the new worker
+    /// fails to load, the old one keeps serving and the error is returned.
+    pub async fn swap(&self, spec: ModelSpec) -> Result<SwapReport> {
+        let model = spec.name.clone();
+        self.check_running(&model)?;
+        self.check_spec(&spec)?;
+        {
+            let mut state = self.lock();
+            if !state.catalogue.contains_key(&model) {
+                return Err(self.unknown_locked(&model, &state));
+            }
+            let slot = state
+                .slots
+                .get_mut(&model)
+                .ok_or_else(|| Error::NotLoaded {
+                    model: model.clone(),
+                })?;
+            if slot.swapping || slot_state(slot) != ModelState::Ready {
+                return Err(Error::Busy {
+                    model: model.clone(),
+                    reason: format!("it is {}", slot_state(slot)),
+                });
+            }
+            slot.swapping = true;
+        }
+        // A task of its own: a caller that goes away must not leave the slot
+        // marked `swapping` forever.
+        let this = self.clone();
+        detached(&model, async move { this.replace_worker(spec).await }).await
+    }
+
+    /// The body of a swap (and of a recycle): the slot is already marked
+    /// `swapping` by the caller; this clears it whatever happens.
+    pub(super) async fn replace_worker(&self, spec: ModelSpec) -> Result<SwapReport> {
+        let started = Instant::now();
+        let model = spec.name.clone();
+        let clear = |this: &Self| {
+            if let Some(slot) = this.lock().slots.get_mut(&model) {
+                slot.swapping = false;
+                slot.hold = false;
+                slot.reserved_bytes = 0;
+                slot.incoming_gpu = None;
+            }
+            this.inner.changed.notify_waiters();
+        };
+        let need = {
+            let state = self.lock();
+            Need::new(&spec, state.catalogue.get(&model), true)
+        };
+        let gate = self.inner.load_gate.lock().await;
+        let gpus = match self.make_room(&model, &need).await {
+            Ok(gpus) => gpus,
+            Err(e) => {
+                clear(self);
+                return Err(e);
+            }
+        };
+        if let Some(slot) = self.lock().slots.get_mut(&model) {
+            // Counted until the new worker is in: a concurrent load cannot
+            // take the memory it is about to use.
+            slot.reserved_bytes = need.ram;
+            slot.incoming_gpu = Incoming::new(gpus.clone(), &need);
+        }
+        drop(gate);
+        let launched = if self.is_shutting_down() {
+            Err(Error::ShuttingDown {
+                model: model.clone(),
+            })
+        } else {
+            launch::launch(&spec, &self.inner.config, gpus, &|pid| {
+                self.note_incoming_pid(&model, pid)
+            })
+            .await
+        };
+        let launched = match launched {
+            Ok((worker, _)) if self.is_shutting_down() => {
+                // Shutdown began while it loaded: the old worker is stopped by
+                // shutdown; the new one must not outlive it.
+                stop::stop(&worker, self.inner.config.stop_graces).await;
+                Err(Error::ShuttingDown {
+                    model: model.clone(),
+                })
+            }
+            other => other,
+        };
+        let (new_worker, load) = match launched {
+            Ok(launched) => launched,
+            Err(e) => {
+                clear(self);
+                // An old worker that died during the swap goes to the crash
+                // policy now that the swap no longer covers it.
+                let current = self.lock().slots.get(&model).and_then(|s| s.worker.clone());
+                if let Some(old) = current.filter(|w| !w.is_alive()) {
+                    let death = old.death().await;
+                    self.on_death(&model, &old, &death);
+                }
+                return Err(e);
+            }
+        };
+        let old = {
+            let mut state = self.lock();
+            let State {
+                catalogue,
+                slots,
+                retiring,
+            } = &mut *state;
+            let slot = slots
+                .get_mut(&model)
+                .expect("a swapping slot is never removed");
+            let old = slot
+                .worker
+                .replace(Arc::clone(&new_worker))
+                .expect("a ready slot has a worker");
+            retiring.insert(
+                old.pid(),
+                Retiring {
+                    model: model.clone(),
+                    worker: Arc::clone(&old),
+                    gpus: std::mem::take(&mut slot.gpus),
+                },
+            );
+            slot.swapping = false;
+            slot.hold = false;
+            slot.state = ModelState::Ready;
+            slot.reserved_bytes = 0;
+            slot.incoming_gpu = None;
+            slot.gpus = load.gpus.clone().unwrap_or_default();
+            if let Some(entry) = catalogue.get_mut(&model) {
+                let counters = Arc::clone(&entry.counters);
+                let mut replacement =
+                    Entry::new(spec.clone(), self.inner.config.default_keep_alive);
+                replacement.counters = counters;
+                replacement.permits = Arc::clone(&entry.permits);
+                replacement.queued = Arc::clone(&entry.queued);
+                replacement.last_peak_bytes = Some(load.peak_rss_bytes);
+                replacement.last_vram_bytes = vram_per_gpu(&load);
+                *entry = replacement;
+                entry.counters.loads.fetch_add(1, Ordering::Relaxed);
+            }
+            old
+        };
+        self.watch_worker(&model, &new_worker);
+        let switch_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.inner.changed.notify_waiters();
+        if !old.drain(self.inner.config.drain_timeout).await {
+            tracing::warn!(
+                model,
+                in_flight = old.in_flight(),
+                "old worker missed the drain deadline"
+            );
+        }
+        let unload = stop::stop(&old, self.inner.config.stop_graces).await;
+        {
+            let mut state = self.lock();
+            state.retiring.remove(&old.pid());
+            if let Some(entry) = state.catalogue.get(&model) {
+                entry.counters.record_unload(&unload);
+            }
+        }
+        self.inner.changed.notify_waiters();
+        Ok(SwapReport {
+            model,
+            old_pid: old.pid(),
+            new_pid: new_worker.pid(),
+            switch_ms,
+            took_ms: started.elapsed().as_secs_f64() * 1e3,
+            load,
+            unload,
+        })
+    }
+}

@@ -1,0 +1,299 @@
+//! Requests: concurrency permits and the bounded queue, routing to the
+//! current worker, deadlines, and the bookkeeping when a request ends.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use berth_protocol::Body;
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::slot::{expiry, slot_state};
+use super::{
+    DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_QUEUE, Inner, ModelCounters, ModelState, RequestOptions,
+    State, Supervisor,
+};
+use crate::child::handle::{Piece, ResponseStream, WorkerHandle};
+use crate::error::{Error, Result};
+
+impl Supervisor {
+    /// The worker serving `model`, if it is loaded and ready (no loading).
+    pub fn worker(&self, model: &str) -> Result<Arc<WorkerHandle>> {
+        let state = self.lock();
+        match state.slots.get(model) {
+            Some(slot) if slot_state(slot) == ModelState::Ready => Ok(Arc::clone(
+                slot.worker.as_ref().expect("ready slots have a worker"),
+            )),
+            Some(slot) => Err(Error::Busy {
+                model: model.into(),
+                reason: format!("it is {}", slot_state(slot)),
+            }),
+            None if state.catalogue.contains_key(model) => Err(Error::NotLoaded {
+                model: model.into(),
+            }),
+            None => Err(self.unknown_locked(model, &state)),
+        }
+    }
+
+    /// Sends one request and waits for the answer, loading the model first
+    /// if it is registered but not loaded.
+    pub async fn request(&self, model: &str, body: Body) -> Result<Body> {
+        self.request_with(model, body, RequestOptions::default())
+            .await
+    }
+
+    pub async fn request_with(
+        &self,
+        model: &str,
+        body: Body,
+        options: RequestOptions,
+    ) -> Result<Body> {
+        let mut stream = self.request_stream_with(model, body, options).await?;
+        loop {
+            match stream.next().await {
+                Some(Ok(Piece::Done(body))) => return Ok(body),
+                Some(Ok(Piece::Chunk(_))) => {}
+                Some(Err(e)) => return Err(e),
+                None => {
+                    return Err(Error::NotLoaded {
+                        model: model.into(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Sends one request; its chunks and final body arrive on the stream.
+    /// Dropping the stream cancels the request in the worker.
+    pub async fn request_stream(&self, model: &str, body: Body) -> Result<RequestStream> {
+        self.request_stream_with(model, body, RequestOptions::default())
+            .await
+    }
+
+    pub async fn request_stream_with(
+        &self,
+        model: &str,
+        body: Body,
+        options: RequestOptions,
+    ) -> Result<RequestStream> {
+        self.check_running(model)?;
+        for (field, value) in [
+            ("keep_alive", options.keep_alive),
+            ("timeout", options.deadline),
+        ] {
+            crate::config::check_duration(field, value).map_err(|reason| {
+                Error::InvalidRequest {
+                    model: model.into(),
+                    reason,
+                }
+            })?;
+        }
+        let hash = crate::child::handle::body_hash(&body);
+        let (permits, queued, max_queue, counters) = {
+            let state = self.lock();
+            let entry = state
+                .catalogue
+                .get(model)
+                .ok_or_else(|| self.unknown_locked(model, &state))?;
+            if entry.health.is_quarantined(hash) {
+                entry.counters.errors.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::Quarantined {
+                    model: model.into(),
+                });
+            }
+            (
+                Arc::clone(&entry.permits),
+                Arc::clone(&entry.queued),
+                entry.spec.max_queue.unwrap_or(DEFAULT_MAX_QUEUE),
+                Arc::clone(&entry.counters),
+            )
+        };
+        // The deadline covers the whole request: queueing, loading, answering.
+        let started = Instant::now();
+        let deadline = options
+            .deadline
+            .and_then(|d| tokio::time::Instant::now().checked_add(d));
+        let permit = match Arc::clone(&permits).try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                // Count ourselves in the queue first, so the bound holds under a burst.
+                if queued.fetch_add(1, Ordering::SeqCst) >= max_queue {
+                    queued.fetch_sub(1, Ordering::SeqCst);
+                    counters.errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(Error::QueueFull {
+                        model: model.into(),
+                        max_concurrency: self
+                            .spec(model)
+                            .and_then(|s| s.max_concurrency)
+                            .unwrap_or(DEFAULT_MAX_CONCURRENCY),
+                        queued: max_queue,
+                    });
+                }
+                // Leaves the queue however the wait ends, a dropped caller included.
+                let _in_queue = LeaveQueue(Arc::clone(&queued));
+                let permit = within(deadline, model, started, permits.acquire_owned()).await;
+                permit?.map_err(|_| Error::ShuttingDown {
+                    model: model.into(),
+                })?
+            }
+        };
+        let give_up = started
+            .checked_add(self.inner.config.load_timeout.saturating_mul(2))
+            .unwrap_or(started + Duration::from_secs(3600));
+        let mut body = Some(body);
+        while Instant::now() < give_up {
+            within(deadline, model, started, self.ensure_loaded(model))
+                .await
+                .and_then(|loaded| loaded)
+                .inspect_err(|_| {
+                    counters.errors.fetch_add(1, Ordering::Relaxed);
+                })?;
+            let changed = self.inner.changed.notified();
+            // Pick the current worker and register the call under one lock,
+            // so a swap or unload that starts now sees this request in flight.
+            let routed = {
+                let state = self.lock();
+                match state.slots.get(model) {
+                    Some(slot) if slot_state(slot) == ModelState::Ready && !slot.hold => {
+                        let worker = slot.worker.as_ref().expect("ready slots have a worker");
+                        Some(worker.call_stream(body.take().expect("sent once"))?)
+                    }
+                    _ => None,
+                }
+            };
+            let Some(inner) = routed else {
+                // Changing state (a recycle holding requests, a restart): wait for it.
+                let _ = tokio::time::timeout(Duration::from_millis(50), changed).await;
+                continue;
+            };
+            counters.requests.fetch_add(1, Ordering::Relaxed);
+            return Ok(RequestStream {
+                inner,
+                model: model.to_string(),
+                supervisor: Arc::downgrade(&self.inner),
+                counters,
+                started,
+                keep_alive: options.keep_alive,
+                deadline,
+                failed: false,
+                _permit: permit,
+            });
+        }
+        Err(Error::Busy {
+            model: model.into(),
+            reason: "it kept changing state; retry".into(),
+        })
+    }
+
+    /// Called when a request ends: the model was just used.
+    /// Returns whether the model has a recycling policy to check.
+    pub(super) fn request_finished(
+        inner: &Inner,
+        model: &str,
+        keep_alive: Option<Duration>,
+    ) -> bool {
+        let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        let State {
+            catalogue, slots, ..
+        } = &mut *state;
+        let Some(entry) = catalogue.get_mut(model) else {
+            return false;
+        };
+        if let Some(k) = keep_alive {
+            entry.keep_alive = Some(k);
+        }
+        if let Some(slot) = slots.get_mut(model) {
+            slot.last_used = Instant::now();
+            slot.expires_at = expiry(entry.keep_alive);
+        }
+        entry.spec.max_rss.is_some() || entry.spec.max_requests.is_some()
+    }
+}
+
+/// Counts a request out of its model's queue when dropped.
+pub(super) struct LeaveQueue(Arc<AtomicUsize>);
+
+impl Drop for LeaveQueue {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Runs `fut` until the request's deadline, if it has one.
+pub(super) async fn within<T>(
+    deadline: Option<tokio::time::Instant>,
+    model: &str,
+    started: Instant,
+    fut: impl std::future::Future<Output = T>,
+) -> Result<T> {
+    match deadline {
+        None => Ok(fut.await),
+        Some(at) => tokio::time::timeout_at(at, fut)
+            .await
+            .map_err(|_| Error::DeadlineExceeded {
+                model: model.into(),
+                after: started.elapsed(),
+            }),
+    }
+}
+
+/// A request's answer, piece by piece, with the model's bookkeeping
+/// (concurrency slot, keep-alive, metrics) done when it ends.
+pub struct RequestStream {
+    inner: ResponseStream,
+    model: String,
+    supervisor: Weak<Inner>,
+    counters: Arc<ModelCounters>,
+    started: Instant,
+    keep_alive: Option<Duration>,
+    deadline: Option<tokio::time::Instant>,
+    failed: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl fmt::Debug for RequestStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestStream")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RequestStream {
+    /// The next piece; `None` after the final one.
+    pub async fn next(&mut self) -> Option<Result<Piece>> {
+        let piece = match self.deadline {
+            None => self.inner.next().await,
+            Some(deadline) => match tokio::time::timeout_at(deadline, self.inner.next()).await {
+                Ok(piece) => piece,
+                Err(_) => {
+                    self.inner.cancel();
+                    Some(Err(Error::DeadlineExceeded {
+                        model: self.model.clone(),
+                        after: self.started.elapsed(),
+                    }))
+                }
+            },
+        };
+        if matches!(piece, Some(Err(_))) {
+            self.failed = true;
+        }
+        piece
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if self.failed {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        self.counters.observe_latency(self.started.elapsed());
+        if let Some(inner) = self.supervisor.upgrade() {
+            // One lock per request; a second only for models that recycle.
+            if Supervisor::request_finished(&inner, &self.model, self.keep_alive) {
+                Supervisor::maybe_recycle(&inner, &self.model);
+            }
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Status views: `ps` rows with memory readings taken outside the state
+//! lock, GPU views naming berth's workers, counters for metrics.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::slot::slot_state;
+use super::{ModelCounters, ModelStatus, Supervisor};
+use crate::child::handle::WorkerHandle;
+
+impl Supervisor {
+    /// Every loaded (or loading) model, with memory readings at most a
+    /// second old (the heartbeat's, or read now).
+    pub fn stats(&self) -> Vec<ModelStatus> {
+        self.stats_on(&crate::gpu::inventory())
+    }
+
+    /// [`Supervisor::stats`] with VRAM read from `inventory`, so one NVML
+    /// reading can serve several views (a metrics scrape).
+    pub(crate) fn stats_on(&self, inventory: &crate::gpu::Inventory) -> Vec<ModelStatus> {
+        let devices: &[crate::gpu::DeviceReading] = match inventory {
+            crate::gpu::Inventory::Devices(devices) => devices,
+            crate::gpu::Inventory::NoGpu(_) => &[],
+        };
+        // What the state holds is copied under the lock; procfs is read
+        // after it is released, so a status poll never holds up a request.
+        let rows: Vec<(ModelStatus, Option<Arc<WorkerHandle>>)> = {
+            let state = self.lock();
+            let now = Instant::now();
+            state
+                .slots
+                .iter()
+                .map(|(name, slot)| {
+                    let entry = state.catalogue.get(name);
+                    let worker = slot.worker.clone();
+                    let status = ModelStatus {
+                        name: name.clone(),
+                        backend: entry.map(|e| e.spec.backend.clone()).unwrap_or_default(),
+                        state: slot_state(slot),
+                        pid: worker.as_ref().map(|w| w.pid()),
+                        rss_bytes: 0,
+                        pss_bytes: 0,
+                        peak_rss_bytes: 0,
+                        uptime_s: 0.0,
+                        requests: 0,
+                        in_flight: 0,
+                        queued: entry.map(|e| e.queued.load(Ordering::SeqCst)).unwrap_or(0),
+                        keep_alive_left_s: slot
+                            .expires_at
+                            .map(|t| t.saturating_duration_since(now).as_secs_f64()),
+                        restarts: entry
+                            .map(|e| e.counters.restarts.load(Ordering::Relaxed))
+                            .unwrap_or(0),
+                        recycles: entry
+                            .map(|e| e.counters.recycles.load(Ordering::Relaxed))
+                            .unwrap_or(0),
+                        last_exit: entry.and_then(|e| e.health.last_exit.clone()),
+                        rss_growth_per_request_bytes: 0.0,
+                        vram_bytes: None,
+                        gpus: slot.gpus.clone(),
+                    };
+                    (status, worker)
+                })
+                .collect()
+        };
+        let mut out: Vec<ModelStatus> = rows
+            .into_iter()
+            .map(|(mut status, worker)| {
+                if let Some(w) = worker {
+                    // Heartbeats sample every worker each second; a status
+                    // view reuses that reading rather than walking procfs
+                    // again for each poll.
+                    let memory = w.recent_memory(Duration::from_secs(1)).unwrap_or_default();
+                    status.rss_bytes = memory.rss_bytes;
+                    status.pss_bytes = memory.pss_bytes;
+                    status.peak_rss_bytes = memory.peak_rss_bytes;
+                    status.uptime_s = w.uptime().as_secs_f64();
+                    status.requests = w.requests();
+                    status.in_flight = w.in_flight();
+                    status.rss_growth_per_request_bytes = w.rss_growth_per_request();
+                    status.vram_bytes = crate::gpu::process_vram(devices, w.pid());
+                }
+                status
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// Each GPU's memory, with berth's workers on it named (a worker being
+    /// replaced is named too). Reads NVML; creates no CUDA context.
+    pub fn gpus(&self) -> crate::gpu::GpuStatus {
+        self.gpus_on(crate::gpu::inventory())
+    }
+
+    /// [`Supervisor::gpus`] from an NVML reading already taken.
+    pub(crate) fn gpus_on(&self, inventory: crate::gpu::Inventory) -> crate::gpu::GpuStatus {
+        let workers: Vec<(u32, String)> = {
+            let state = self.lock();
+            state
+                .slots
+                .iter()
+                .filter_map(|(name, slot)| slot.worker.as_ref().map(|w| (w.pid(), name.clone())))
+                .chain(
+                    state
+                        .retiring
+                        .values()
+                        .map(|r| (r.worker.pid(), r.model.clone())),
+                )
+                .collect()
+        };
+        crate::gpu::GpuStatus::new(inventory, &workers)
+    }
+
+    /// Counters per registered model, for metrics.
+    pub fn counters(&self) -> Vec<(String, Arc<ModelCounters>)> {
+        self.lock()
+            .catalogue
+            .iter()
+            .map(|(n, e)| (n.clone(), Arc::clone(&e.counters)))
+            .collect()
+    }
+}

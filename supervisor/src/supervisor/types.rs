@@ -1,0 +1,121 @@
+//! What the supervisor shows of its models: states, `ps` rows, catalogue
+//! entries, swap reports, and the options a request may carry.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::ModelSpec;
+use crate::report::{LoadReport, UnloadReport};
+
+use super::LastExit;
+
+/// Where a model is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelState {
+    /// Registered, no worker.
+    Unloaded,
+    /// The worker process is starting or loading the model.
+    Loading,
+    Ready,
+    /// No new requests; in-flight ones finish.
+    Draining,
+    Stopping,
+    /// The worker died on its own; requests fail until it is loaded again.
+    /// A worker that has only just died shows this, with its pid, for the
+    /// moment before the crash policy restarts it (`loading`) or gives up
+    /// (`failed`, no pid).
+    Failed,
+}
+
+impl fmt::Display for ModelState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ModelState::Unloaded => "unloaded",
+            ModelState::Loading => "loading",
+            ModelState::Ready => "ready",
+            ModelState::Draining => "draining",
+            ModelState::Stopping => "stopping",
+            ModelState::Failed => "failed",
+        })
+    }
+}
+
+/// A loaded (or loading) model, as `ps` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelStatus {
+    pub name: String,
+    pub backend: String,
+    pub state: ModelState,
+    pub pid: Option<u32>,
+    pub rss_bytes: u64,
+    pub pss_bytes: u64,
+    pub peak_rss_bytes: u64,
+    pub uptime_s: f64,
+    pub requests: u64,
+    pub in_flight: u32,
+    /// Requests waiting for a concurrency slot.
+    pub queued: usize,
+    /// Seconds until an idle model is unloaded; `None`: never.
+    pub keep_alive_left_s: Option<f64>,
+    /// Crash restarts of this model.
+    pub restarts: u64,
+    /// Workers replaced for crossing `max_rss` or `max_requests`.
+    pub recycles: u64,
+    /// The last unexpected exit: cause and stderr tail.
+    pub last_exit: Option<LastExit>,
+    /// Resident memory growth per request since load: a leak shows here
+    /// before it matters.
+    pub rss_growth_per_request_bytes: f64,
+    /// Device memory the worker holds (NVML, per process); `None` without a GPU.
+    pub vram_bytes: Option<u64>,
+    /// The GPUs (NVML indices) the worker was placed on; empty: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<u32>,
+}
+
+/// A registered model, as the catalogue shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CatalogueEntry {
+    pub spec: ModelSpec,
+    pub state: ModelState,
+    pub pid: Option<u32>,
+    /// Peak memory of its last load, used to plan the next one.
+    pub last_peak_bytes: Option<u64>,
+}
+
+/// What a swap returns: both workers and the old one's unload report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SwapReport {
+    pub model: String,
+    pub old_pid: u32,
+    pub new_pid: u32,
+    /// From the swap call to the new worker taking requests.
+    pub switch_ms: f64,
+    pub took_ms: f64,
+    pub load: LoadReport,
+    pub unload: UnloadReport,
+}
+
+impl fmt::Display for SwapReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "swapped `{}`: worker pid {} -> pid {}, serving after {:.1} ms, done after {:.1} ms",
+            self.model, self.old_pid, self.new_pid, self.switch_ms, self.took_ms
+        )?;
+        writeln!(f, "{}", self.load)?;
+        write!(f, "{}", self.unload)
+    }
+}
+
+/// Per-request settings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestOptions {
+    /// Overrides the model's keep-alive from this request on.
+    pub keep_alive: Option<Duration>,
+    /// The request fails (and is cancelled in the worker) past this.
+    pub deadline: Option<Duration>,
+}
