@@ -1,39 +1,12 @@
-//! GPUs, as NVML sees them: each device's memory and each process's share
-//! of it, read without the supervisor ever creating a CUDA context (a context
-//! alone costs hundreds of MiB of VRAM). NVML is loaded at run time; on a
-//! machine without the NVIDIA driver everything here says "no GPU" and the
-//! rest of berth works as before.
+//! Where a model's worker goes: the `gpus` a model asks for, the plan that
+//! places it on devices with room (within the per-GPU VRAM budget, evicting
+//! the least recently used idle model when that makes room), and the
+//! environment that puts the worker on the chosen devices. It decides on
+//! NVML readings it is given and reads nothing itself.
 
-use std::sync::OnceLock;
-
-use nvml_wrapper::Nvml;
-use nvml_wrapper::enums::device::UsedGpuMemory;
 use serde::{Deserialize, Serialize};
 
-/// One device at one moment.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceReading {
-    /// NVML's index: the order of the devices' PCI bus ids.
-    pub index: u32,
-    pub name: String,
-    /// The device's UUID (`GPU-…`), which names it to CUDA whatever order
-    /// CUDA enumerates devices in.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub uuid: Option<String>,
-    pub total_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-    /// `(pid, bytes)` of the compute processes on it.
-    pub processes: Vec<(u32, u64)>,
-}
-
-/// What the machine has.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Inventory {
-    /// No usable NVIDIA driver; the reason says why.
-    NoGpu(String),
-    Devices(Vec<DeviceReading>),
-}
+use super::nvml::DeviceReading;
 
 /// Which GPUs a model asks for: `gpus = [0, 1]` or `gpus = "auto"`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,59 +23,6 @@ pub enum AutoWord {
     Auto,
 }
 
-fn nvml() -> Result<&'static Nvml, String> {
-    static NVML: OnceLock<Result<Nvml, String>> = OnceLock::new();
-    NVML.get_or_init(|| {
-        Nvml::init().map_err(|e| format!("no NVIDIA driver found (NVML could not be loaded: {e})"))
-    })
-    .as_ref()
-    .map_err(Clone::clone)
-}
-
-/// Reads every device now.
-pub fn inventory() -> Inventory {
-    let nvml = match nvml() {
-        Ok(nvml) => nvml,
-        Err(reason) => return Inventory::NoGpu(reason),
-    };
-    let count = match nvml.device_count() {
-        Ok(0) => return Inventory::NoGpu("the NVIDIA driver reports no GPU".into()),
-        Ok(n) => n,
-        Err(e) => return Inventory::NoGpu(format!("NVML cannot count devices: {e}")),
-    };
-    let mut devices = Vec::new();
-    for index in 0..count {
-        let Ok(device) = nvml.device_by_index(index) else {
-            continue;
-        };
-        let Ok(memory) = device.memory_info() else {
-            continue;
-        };
-        let processes = device
-            .running_compute_processes()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|p| {
-                let bytes = match p.used_gpu_memory {
-                    UsedGpuMemory::Used(bytes) => bytes,
-                    UsedGpuMemory::Unavailable => 0,
-                };
-                (p.pid, bytes)
-            })
-            .collect();
-        devices.push(DeviceReading {
-            index,
-            name: device.name().unwrap_or_default(),
-            uuid: device.uuid().ok(),
-            total_bytes: memory.total,
-            used_bytes: memory.used,
-            free_bytes: memory.free,
-            processes,
-        });
-    }
-    Inventory::Devices(devices)
-}
-
 /// The environment that puts a worker on NVML's devices `gpus`.
 ///
 /// CUDA numbers devices fastest first unless told otherwise, NVML by PCI
@@ -110,7 +30,8 @@ pub fn inventory() -> Inventory {
 /// another device than NVML's 1. So each device is named by its UUID where
 /// NVML gives one, and `CUDA_DEVICE_ORDER=PCI_BUS_ID` makes any plain index
 /// mean what it means to NVML.
-/// `uuid_of` gives a device's UUID by NVML index ([`uuid`] in production).
+/// `uuid_of` gives a device's UUID by NVML index ([`uuid`](super::uuid) in
+/// production).
 pub fn worker_env(gpus: &[u32], uuid_of: impl Fn(u32) -> Option<String>) -> Vec<(String, String)> {
     let visible: Vec<String> = gpus
         .iter()
@@ -122,111 +43,6 @@ pub fn worker_env(gpus: &[u32], uuid_of: impl Fn(u32) -> Option<String>) -> Vec<
         ("CUDA_VISIBLE_DEVICES".into(), visible.join(",")),
         (berth_protocol::ENV_GPUS.into(), indices.join(",")),
     ]
-}
-
-/// The UUID of NVML's device `index`, without reading every device's
-/// memory and processes as [`inventory`] does; `None` without a driver.
-pub fn uuid(index: u32) -> Option<String> {
-    nvml().ok()?.device_by_index(index).ok()?.uuid().ok()
-}
-
-/// VRAM held by `pid` across `devices`; `None` when it holds none.
-pub fn process_vram(devices: &[DeviceReading], pid: u32) -> Option<u64> {
-    let bytes: u64 = devices
-        .iter()
-        .flat_map(|d| &d.processes)
-        .filter(|(p, _)| *p == pid)
-        .map(|(_, b)| b)
-        .sum();
-    (bytes > 0).then_some(bytes)
-}
-
-/// The GPUs as `berth gpus` and `GET /api/gpus` show them: each device's
-/// memory, and which of its processes are berth's workers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuStatus {
-    /// Why no device is listed (no driver, or the driver sees none).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub unavailable: Option<String>,
-    pub devices: Vec<DeviceStatus>,
-}
-
-/// One device, with berth's share of it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceStatus {
-    pub index: u32,
-    pub name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub uuid: Option<String>,
-    pub total_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-    /// What berth's workers hold here together.
-    pub berth_bytes: u64,
-    pub processes: Vec<GpuProcess>,
-}
-
-/// A compute process on a device.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuProcess {
-    pub pid: u32,
-    pub bytes: u64,
-    /// The model whose worker it is; `None`: not one of berth's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-}
-
-impl GpuStatus {
-    /// `inventory` with each process that is one of `workers` (`(pid,
-    /// model)`) named.
-    pub fn new(inventory: Inventory, workers: &[(u32, String)]) -> GpuStatus {
-        let devices = match inventory {
-            Inventory::NoGpu(reason) => {
-                return GpuStatus {
-                    unavailable: Some(reason),
-                    devices: Vec::new(),
-                };
-            }
-            Inventory::Devices(devices) => devices,
-        };
-        let model_of = |pid: u32| {
-            workers
-                .iter()
-                .find(|(p, _)| *p == pid)
-                .map(|(_, m)| m.clone())
-        };
-        GpuStatus {
-            unavailable: None,
-            devices: devices
-                .into_iter()
-                .map(|d| {
-                    let processes: Vec<GpuProcess> = d
-                        .processes
-                        .iter()
-                        .map(|&(pid, bytes)| GpuProcess {
-                            pid,
-                            bytes,
-                            model: model_of(pid),
-                        })
-                        .collect();
-                    DeviceStatus {
-                        index: d.index,
-                        name: d.name,
-                        uuid: d.uuid,
-                        total_bytes: d.total_bytes,
-                        used_bytes: d.used_bytes,
-                        free_bytes: d.free_bytes,
-                        berth_bytes: processes
-                            .iter()
-                            .filter(|p| p.model.is_some())
-                            .map(|p| p.bytes)
-                            .sum(),
-                        processes,
-                    }
-                })
-                .collect(),
-        }
-    }
 }
 
 fn gib(bytes: u64) -> String {
@@ -442,32 +258,7 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const GIB: u64 = 1 << 30;
-
-    /// Two H100-class devices as NVML reported them on a shared host.
-    fn recorded() -> Vec<DeviceReading> {
-        vec![
-            DeviceReading {
-                index: 0,
-                name: "NVIDIA H100 80GB HBM3".into(),
-                uuid: Some("GPU-5a1c3e7b-93f0-2d4e-8c61-0b7d9e2f4a10".into()),
-                total_bytes: 80 * GIB,
-                used_bytes: 60 * GIB,
-                free_bytes: 20 * GIB,
-                processes: vec![(4121, 30 * GIB), (777, 30 * GIB)],
-            },
-            DeviceReading {
-                index: 1,
-                name: "NVIDIA H100 80GB HBM3".into(),
-                uuid: None,
-                total_bytes: 80 * GIB,
-                used_bytes: 10 * GIB,
-                free_bytes: 70 * GIB,
-                processes: vec![(4188, 10 * GIB)],
-            },
-        ]
-    }
+    use crate::gpu::{GIB, recorded};
 
     const AUTO: GpuRequest = GpuRequest::Auto(AutoWord::Auto);
 
@@ -681,53 +472,11 @@ mod tests {
     }
 
     #[test]
-    fn the_gpu_status_names_berths_workers() {
-        let status = GpuStatus::new(Inventory::Devices(recorded()), &[(4188, "smollm2".into())]);
-        assert_eq!(status.unavailable, None);
-        assert_eq!(status.devices[0].berth_bytes, 0);
-        assert_eq!(status.devices[1].berth_bytes, 10 * GIB);
-        assert_eq!(
-            status.devices[1].processes,
-            vec![GpuProcess {
-                pid: 4188,
-                bytes: 10 * GIB,
-                model: Some("smollm2".into())
-            }]
-        );
-        assert_eq!(status.devices[0].processes[1].model, None);
-        let none = GpuStatus::new(Inventory::NoGpu("no NVIDIA driver found".into()), &[]);
-        assert_eq!(
-            serde_json::to_value(&none).unwrap(),
-            serde_json::json!({"unavailable": "no NVIDIA driver found", "devices": []})
-        );
-    }
-
-    #[test]
-    fn per_process_vram_sums_across_devices() {
-        let devices = recorded();
-        assert_eq!(process_vram(&devices, 4121), Some(30 * GIB));
-        assert_eq!(process_vram(&devices, 1), None);
-    }
-
-    #[test]
     fn gpus_parse_as_a_list_or_auto() {
         let list: GpuRequest = serde_json::from_str("[0, 1]").unwrap();
         assert_eq!(list, GpuRequest::Devices(vec![0, 1]));
         let auto: GpuRequest = serde_json::from_str("\"auto\"").unwrap();
         assert_eq!(auto, GpuRequest::Auto(AutoWord::Auto));
         assert!(serde_json::from_str::<GpuRequest>("\"all\"").is_err());
-    }
-
-    #[test]
-    fn without_a_driver_the_inventory_says_no_gpu() {
-        // On a machine with a driver this reads real devices; either way it
-        // answers instead of panicking.
-        match inventory() {
-            Inventory::NoGpu(reason) => assert!(
-                reason.contains("NVIDIA") || reason.contains("GPU"),
-                "{reason}"
-            ),
-            Inventory::Devices(devices) => assert!(devices.iter().all(|d| d.total_bytes > 0)),
-        }
     }
 }
