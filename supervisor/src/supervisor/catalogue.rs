@@ -1,9 +1,7 @@
 //! The catalogue: which models exist, how they are checked when they are
 //! registered, and what a client may learn of them.
 
-use std::sync::Arc;
-
-use super::slot::{Entry, slot_state};
+use super::slot::{Change, Entry, slot_state};
 use super::{CatalogueEntry, ModelState, Supervisor};
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
@@ -23,12 +21,13 @@ impl Supervisor {
             });
         }
         let name = spec.name.clone();
-        let entry = Entry::new(spec, self.inner.config.default_keep_alive);
-        let counters = state.catalogue.get(&name).map(|e| Arc::clone(&e.counters));
-        let entry = Entry {
-            counters: counters.unwrap_or(entry.counters.clone()),
-            ..entry
-        };
+        let old = state.catalogue.remove(&name);
+        let entry = Entry::carry_over(
+            old,
+            spec,
+            self.inner.config.default_keep_alive,
+            Change::Register,
+        );
         state.catalogue.insert(name, entry);
         Ok(())
     }

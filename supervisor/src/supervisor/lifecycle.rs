@@ -1,12 +1,11 @@
 //! Loading, unloading and swapping a model's worker.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::slot::{Entry, Incoming, LoadSignal, Slot, install, slot_state, vram_per_gpu};
+use super::slot::{Change, Entry, Incoming, LoadSignal, Slot, Unload, slot_state};
 use super::{ModelState, Need, Retiring, State, Supervisor, SwapReport, detached};
 use crate::child::handle::WorkerHandle;
 use crate::child::{launch, stop};
@@ -102,8 +101,8 @@ impl Supervisor {
             } = &mut *state;
             match (launched, slots.get_mut(model)) {
                 (Ok((worker, report)), Some(slot)) => {
-                    slot.last_used = Instant::now();
-                    install(slot, catalogue.get_mut(model), &worker, &report);
+                    slot.used(None);
+                    slot.install(catalogue.get_mut(model), &worker, &report);
                     self.watch_worker(model, &worker);
                     Ok(report)
                 }
@@ -239,42 +238,24 @@ impl Supervisor {
                     self.unknown_locked(model, &state)
                 });
             };
-            if slot.worker.is_none() && slot.restart_at.is_some() {
-                // Waiting out a crash backoff: unloading cancels the restart
-                // (the restart task finds its slot gone and stops).
-                state.slots.remove(model);
-                self.inner.changed.notify_waiters();
-                return Err(Error::NotLoaded {
-                    model: model.into(),
-                });
+            match slot.begin_unload() {
+                Unload::Drain(worker) => worker,
+                Unload::CancelRestart | Unload::ClearFailure => {
+                    // Nothing runs: a crash backoff is cancelled (the restart
+                    // task finds its slot gone and stops), or a failure cleared.
+                    state.slots.remove(model);
+                    self.inner.changed.notify_waiters();
+                    return Err(Error::NotLoaded {
+                        model: model.into(),
+                    });
+                }
+                Unload::Busy(reason) => {
+                    return Err(Error::Busy {
+                        model: model.into(),
+                        reason,
+                    });
+                }
             }
-            if slot.state == ModelState::Failed && slot.worker.is_none() {
-                // Nothing runs; clearing the failure is all there is to do.
-                state.slots.remove(model);
-                return Err(Error::NotLoaded {
-                    model: model.into(),
-                });
-            }
-            let Some(worker) = slot.worker.clone() else {
-                return Err(Error::Busy {
-                    model: model.into(),
-                    reason: "it is still loading".into(),
-                });
-            };
-            if slot.swapping {
-                return Err(Error::Busy {
-                    model: model.into(),
-                    reason: "a swap is in progress".into(),
-                });
-            }
-            if matches!(slot.state, ModelState::Draining | ModelState::Stopping) {
-                return Err(Error::Busy {
-                    model: model.into(),
-                    reason: format!("it is already {}", slot.state),
-                });
-            }
-            slot.state = ModelState::Draining;
-            worker
         };
         self.inner.changed.notify_waiters();
         if !worker.drain(self.inner.config.drain_timeout).await {
@@ -284,7 +265,10 @@ impl Supervisor {
                 "drain deadline passed; stopping with requests in flight"
             );
         }
-        self.set_state(model, ModelState::Stopping);
+        if let Some(slot) = self.lock().slots.get_mut(model) {
+            slot.stopping();
+        }
+        self.inner.changed.notify_waiters();
         let report = stop::stop(&worker, self.inner.config.stop_graces).await;
         {
             let mut state = self.lock();
@@ -308,22 +292,9 @@ impl Supervisor {
     /// A worker for `model` was spawned: NVML's reading for its pid now
     /// stands for part of its GPU reservation.
     pub(super) fn note_incoming_pid(&self, model: &str, pid: u32) {
-        if let Some(incoming) = self
-            .lock()
-            .slots
-            .get_mut(model)
-            .and_then(|s| s.incoming_gpu.as_mut())
-            .filter(|i| i.pid.is_none())
-        {
-            incoming.pid = Some(pid);
-        }
-    }
-
-    pub(super) fn set_state(&self, model: &str, new: ModelState) {
         if let Some(slot) = self.lock().slots.get_mut(model) {
-            slot.state = new;
+            slot.note_incoming_pid(pid);
         }
-        self.inner.changed.notify_waiters();
     }
 
     /// Replaces a loaded model's worker with one for `spec` without dropping
@@ -345,13 +316,12 @@ impl Supervisor {
                 .ok_or_else(|| Error::NotLoaded {
                     model: model.clone(),
                 })?;
-            if slot.swapping || slot_state(slot) != ModelState::Ready {
+            if let Err(now) = slot.begin_swap() {
                 return Err(Error::Busy {
                     model: model.clone(),
-                    reason: format!("it is {}", slot_state(slot)),
+                    reason: format!("it is {now}"),
                 });
             }
-            slot.swapping = true;
         }
         // A task of its own: a caller that goes away must not leave the slot
         // marked `swapping` forever.
@@ -366,10 +336,7 @@ impl Supervisor {
         let model = spec.name.clone();
         let clear = |this: &Self| {
             if let Some(slot) = this.lock().slots.get_mut(&model) {
-                slot.swapping = false;
-                slot.hold = false;
-                slot.reserved_bytes = 0;
-                slot.incoming_gpu = None;
+                slot.end_swap();
             }
             this.inner.changed.notify_waiters();
         };
@@ -388,8 +355,7 @@ impl Supervisor {
         if let Some(slot) = self.lock().slots.get_mut(&model) {
             // Counted until the new worker is in: a concurrent load cannot
             // take the memory it is about to use.
-            slot.reserved_bytes = need.ram;
-            slot.incoming_gpu = Incoming::new(gpus.clone(), &need);
+            slot.reserve(Some(need.ram), Incoming::new(gpus.clone(), &need));
         }
         drop(gate);
         let launched = if self.is_shutting_down() {
@@ -437,35 +403,24 @@ impl Supervisor {
             let slot = slots
                 .get_mut(&model)
                 .expect("a swapping slot is never removed");
-            let old = slot
-                .worker
-                .replace(Arc::clone(&new_worker))
-                .expect("a ready slot has a worker");
+            let (old, old_gpus) = slot.switch_to(&new_worker, &load);
             retiring.insert(
                 old.pid(),
                 Retiring {
                     model: model.clone(),
                     worker: Arc::clone(&old),
-                    gpus: std::mem::take(&mut slot.gpus),
+                    gpus: old_gpus,
                 },
             );
-            slot.swapping = false;
-            slot.hold = false;
-            slot.state = ModelState::Ready;
-            slot.reserved_bytes = 0;
-            slot.incoming_gpu = None;
-            slot.gpus = load.gpus.clone().unwrap_or_default();
-            if let Some(entry) = catalogue.get_mut(&model) {
-                let counters = Arc::clone(&entry.counters);
-                let mut replacement =
-                    Entry::new(spec.clone(), self.inner.config.default_keep_alive);
-                replacement.counters = counters;
-                replacement.permits = Arc::clone(&entry.permits);
-                replacement.queued = Arc::clone(&entry.queued);
-                replacement.last_peak_bytes = Some(load.peak_rss_bytes);
-                replacement.last_vram_bytes = vram_per_gpu(&load);
-                *entry = replacement;
-                entry.counters.loads.fetch_add(1, Ordering::Relaxed);
+            if let Some(entry) = catalogue.remove(&model) {
+                let mut entry = Entry::carry_over(
+                    Some(entry),
+                    spec.clone(),
+                    self.inner.config.default_keep_alive,
+                    Change::Swap,
+                );
+                entry.loaded(&load);
+                catalogue.insert(model.clone(), entry);
             }
             old
         };

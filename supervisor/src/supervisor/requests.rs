@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use berth_protocol::Body;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::slot::{expiry, slot_state};
+use super::slot::slot_state;
 use super::{
     DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_QUEUE, Inner, ModelCounters, ModelState, RequestOptions,
     State, Supervisor,
@@ -204,8 +204,7 @@ impl Supervisor {
             entry.keep_alive = Some(k);
         }
         if let Some(slot) = slots.get_mut(model) {
-            slot.last_used = Instant::now();
-            slot.expires_at = expiry(entry.keep_alive);
+            slot.used(entry.keep_alive);
         }
         entry.spec.max_rss.is_some() || entry.spec.max_requests.is_some()
     }

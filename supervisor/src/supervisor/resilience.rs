@@ -63,6 +63,12 @@ impl CrashHistory {
         self.quarantine.contains(&hash)
     }
 
+    /// Forgets quarantined requests: they were poison for other weights.
+    pub(super) fn clear_quarantine(&mut self) {
+        self.quarantine.clear();
+        self.last_in_flight.clear();
+    }
+
     /// Records how a worker died and quarantines the requests that were in
     /// flight at this death and the one before.
     fn note_death(&mut self, model: &str, pid: u32, death: &Death) {
@@ -181,7 +187,7 @@ impl Supervisor {
                 // and let the swap install the new worker (or, if the swap
                 // fails, hand this death back to the crash policy).
                 entry.health.note_death(model, worker.pid(), death);
-                slot.hold = true;
+                slot.hold();
                 return;
             }
             if !current || slot.state != ModelState::Ready || self.is_shutting_down() {
@@ -195,8 +201,6 @@ impl Supervisor {
                 .map(|e| e.description.clone())
                 .unwrap_or_default();
             tracing::warn!(model, "{last}");
-            slot.worker = None;
-            slot.hold = false;
             match entry
                 .health
                 .next_restart(worker.uptime(), &entry.spec, base)
@@ -204,16 +208,12 @@ impl Supervisor {
                 None => {
                     let failure = entry.health.failure(&entry.spec);
                     tracing::error!(model, "model failed: {failure}");
-                    slot.state = ModelState::Failed;
-                    slot.failure = Some(failure);
+                    slot.fail(failure);
                     None
                 }
                 Some(delay) => {
                     let (done, signal) = watch::channel(None);
-                    slot.state = ModelState::Loading;
-                    slot.loading = Some(signal);
-                    slot.restart_at = Some(Instant::now() + delay);
-                    slot.reserved_bytes = entry.last_peak_bytes.unwrap_or(0);
+                    slot.begin_restart(signal, delay, entry.last_peak_bytes.unwrap_or(0));
                     Some((delay, done, entry.spec.clone()))
                 }
             }
@@ -232,7 +232,7 @@ impl Supervisor {
             tokio::time::sleep(delay).await;
             let wanted = match self.lock().slots.get_mut(&model) {
                 Some(slot) if slot.state == ModelState::Loading && ours(slot, &done) => {
-                    slot.restart_at = None; // starting now: callers wait for it
+                    slot.restart_starting(); // callers wait for it now
                     true
                 }
                 _ => false,
@@ -269,7 +269,7 @@ impl Supervisor {
                             (Some(slot), Some(entry))
                                 if slot.state == ModelState::Loading && ours(slot, &done) =>
                             {
-                                super::slot::install(slot, Some(entry), &worker, &report);
+                                slot.install(Some(entry), &worker, &report);
                                 true
                             }
                             _ => false,
@@ -306,8 +306,6 @@ impl Supervisor {
                         if !ours(slot, &done) {
                             return; // cancelled by an unload
                         }
-                        // The next attempt places afresh.
-                        slot.incoming_gpu = None;
                         entry.health.last_exit = Some(LastExit {
                             pid: 0,
                             exit: ExitStatus::Code(-1),
@@ -325,17 +323,14 @@ impl Supervisor {
                             self.inner.config.restart_backoff,
                         ) {
                             Some(d) => {
-                                slot.restart_at = Some(Instant::now() + d);
+                                // The next attempt places afresh.
+                                slot.retry_restart(d);
                                 Some(d)
                             }
                             None => {
                                 let failure = entry.health.failure(&entry.spec);
                                 tracing::error!(model, "model failed: {failure}");
-                                slot.state = ModelState::Failed;
-                                slot.loading = None;
-                                slot.failure = Some(failure);
-                                // A failed model holds nothing.
-                                slot.reserved_bytes = 0;
+                                slot.fail(failure);
                                 None
                             }
                         }
@@ -377,7 +372,7 @@ impl Supervisor {
         if let Some(slot) = self.lock().slots.get_mut(model)
             && ours(slot, done)
         {
-            slot.incoming_gpu = super::slot::Incoming::new(gpus.clone(), &need);
+            slot.reserve(None, super::slot::Incoming::new(gpus.clone(), &need));
         }
         Ok(gpus)
     }
@@ -406,7 +401,7 @@ impl Supervisor {
             let over = max_rss.is_some_and(|m| rss >= m);
             if over {
                 // Not one more request for this worker: they wait for its replacement.
-                slot.hold = true;
+                slot.hold();
             }
             if slot.swapping {
                 return;
@@ -423,7 +418,9 @@ impl Supervisor {
             if !(over || soon || worn) {
                 return;
             }
-            slot.swapping = true;
+            if slot.begin_swap().is_err() {
+                return;
+            }
             entry.counters.recycles.fetch_add(1, Ordering::Relaxed);
             tracing::info!(
                 model,

@@ -1,5 +1,27 @@
-//! A model's slot: the state a loaded (or loading) model is in, and the
-//! catalogue entry that outlives its workers.
+//! A model's slot and its catalogue entry.
+//!
+//! The slot is the state machine of a loaded (or loading) model; every
+//! change of its state is one of the transitions below, each a method here,
+//! so the rules live in one place:
+//!
+//! | event | from | to |
+//! |---|---|---|
+//! | begin load ([`Slot::loading`]) | (no slot) | Loading |
+//! | [`Slot::install`]: a load or restart is done | Loading | Ready |
+//! | [`Slot::begin_swap`]: a swap or recycle starts | Ready | Ready, swapping |
+//! | [`Slot::reserve`]: the incoming worker is placed | swapping or Loading | same, its memory counted |
+//! | [`Slot::switch_to`]: the new worker is ready | Ready, swapping | Ready, new worker (the old one retires) |
+//! | [`Slot::end_swap`]: the new worker failed | Ready, swapping | Ready |
+//! | [`Slot::hold`]: past `max_rss`, or died while swapping | Ready | Ready, taking no request |
+//! | [`Slot::begin_restart`]: the worker died | Ready (dead) | Loading, in backoff |
+//! | [`Slot::restart_starting`] / [`Slot::retry_restart`] | Loading | Loading (now / after another backoff) |
+//! | [`Slot::fail`]: too many crashes | Ready (dead) or Loading | Failed, no worker |
+//! | [`Slot::begin_unload`]: an unload | Ready | Draining (or the slot goes: a backoff cancelled, a failure cleared) |
+//! | [`Slot::stopping`] | Draining | Stopping |
+//! | [`Slot::used`]: a request ended | any | last used now, keep-alive restarted |
+//!
+//! The entry outlives its workers: what carries over when the spec or the
+//! worker changes is decided by [`Entry::carry_over`], in one place.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,6 +39,8 @@ use crate::report::LoadReport;
 pub(super) type LoadSignal = watch::Receiver<Option<std::result::Result<(), Arc<Error>>>>;
 
 impl Slot {
+    /// A load begins: callers wait on `signal`; `reserved_bytes` and
+    /// `incoming_gpu` count the worker until it is in.
     pub(super) fn loading(
         signal: LoadSignal,
         reserved_bytes: u64,
@@ -37,6 +61,171 @@ impl Slot {
             failure: None,
         }
     }
+
+    /// What the slot is in, as callers see it: a ready worker that has died
+    /// is `Failed` until the crash policy acts.
+    pub(super) fn state(&self) -> ModelState {
+        slot_state(self)
+    }
+
+    /// A load or restart is done: `worker` serves from now on, and the
+    /// entry records what its load measured.
+    pub(super) fn install(
+        &mut self,
+        entry: Option<&mut Entry>,
+        worker: &Arc<WorkerHandle>,
+        report: &LoadReport,
+    ) {
+        self.state = ModelState::Ready;
+        self.worker = Some(Arc::clone(worker));
+        self.loading = None;
+        self.restart_at = None;
+        self.clear_reservation();
+        self.gpus = report.gpus.clone().unwrap_or_default();
+        if let Some(entry) = entry {
+            entry.loaded(report);
+            self.expires_at = expiry(entry.keep_alive);
+        }
+    }
+
+    /// A swap or recycle starts; refused unless the model is ready and no
+    /// other replacement is under way.
+    pub(super) fn begin_swap(&mut self) -> std::result::Result<(), ModelState> {
+        if self.swapping || self.state() != ModelState::Ready {
+            return Err(self.state());
+        }
+        self.swapping = true;
+        Ok(())
+    }
+
+    /// The incoming worker (a swap's or a restart's) is placed: count its
+    /// memory until it is in, so no concurrent load takes it.
+    pub(super) fn reserve(&mut self, ram: Option<u64>, incoming: Option<Incoming>) {
+        if let Some(ram) = ram {
+            self.reserved_bytes = ram;
+        }
+        self.incoming_gpu = incoming;
+    }
+
+    /// Its spawned pid: NVML's reading for it now stands for part of the
+    /// GPU reservation.
+    pub(super) fn note_incoming_pid(&mut self, pid: u32) {
+        if let Some(incoming) = self.incoming_gpu.as_mut().filter(|i| i.pid.is_none()) {
+            incoming.pid = Some(pid);
+        }
+    }
+
+    /// The swap's new worker is ready: routing switches to it; the old
+    /// worker and the GPUs it holds are returned to be retired.
+    pub(super) fn switch_to(
+        &mut self,
+        new: &Arc<WorkerHandle>,
+        report: &LoadReport,
+    ) -> (Arc<WorkerHandle>, Vec<u32>) {
+        let old = self
+            .worker
+            .replace(Arc::clone(new))
+            .expect("a ready slot has a worker");
+        let old_gpus = std::mem::replace(&mut self.gpus, report.gpus.clone().unwrap_or_default());
+        self.state = ModelState::Ready;
+        self.end_swap();
+        (old, old_gpus)
+    }
+
+    /// A swap or recycle is over (or failed): the current worker serves on.
+    pub(super) fn end_swap(&mut self) {
+        self.swapping = false;
+        self.hold = false;
+        self.clear_reservation();
+    }
+
+    /// No new request for the current worker: they wait for its replacement.
+    pub(super) fn hold(&mut self) {
+        self.hold = true;
+    }
+
+    /// The worker died: a restart is due after `delay`; callers wait on
+    /// `signal`; the model's last peak stays counted.
+    pub(super) fn begin_restart(&mut self, signal: LoadSignal, delay: Duration, reserved: u64) {
+        self.worker = None;
+        self.hold = false;
+        self.state = ModelState::Loading;
+        self.loading = Some(signal);
+        self.restart_at = Instant::now().checked_add(delay);
+        self.reserved_bytes = reserved;
+    }
+
+    /// The backoff is over and the restart begins: callers wait for it.
+    pub(super) fn restart_starting(&mut self) {
+        self.restart_at = None;
+    }
+
+    /// A restart failed: another attempt after `delay`, placed afresh.
+    pub(super) fn retry_restart(&mut self, delay: Duration) {
+        self.incoming_gpu = None;
+        self.restart_at = Instant::now().checked_add(delay);
+    }
+
+    /// Too many crashes: the model takes no request until loaded by hand,
+    /// and holds nothing.
+    pub(super) fn fail(&mut self, reason: String) {
+        self.worker = None;
+        self.hold = false;
+        self.state = ModelState::Failed;
+        self.loading = None;
+        self.failure = Some(reason);
+        self.clear_reservation();
+    }
+
+    /// An unload: what it means in the slot's state.
+    pub(super) fn begin_unload(&mut self) -> Unload {
+        if self.worker.is_none() && self.restart_at.is_some() {
+            return Unload::CancelRestart;
+        }
+        if self.state == ModelState::Failed && self.worker.is_none() {
+            return Unload::ClearFailure;
+        }
+        let Some(worker) = self.worker.clone() else {
+            return Unload::Busy("it is still loading".into());
+        };
+        if self.swapping {
+            return Unload::Busy("a swap is in progress".into());
+        }
+        if matches!(self.state, ModelState::Draining | ModelState::Stopping) {
+            return Unload::Busy(format!("it is already {}", self.state));
+        }
+        self.state = ModelState::Draining;
+        Unload::Drain(worker)
+    }
+
+    /// Drained: the worker is being stopped.
+    pub(super) fn stopping(&mut self) {
+        self.state = ModelState::Stopping;
+    }
+
+    /// A request ended: the model was just used, and its keep-alive starts
+    /// again.
+    pub(super) fn used(&mut self, keep_alive: Option<Duration>) {
+        self.last_used = Instant::now();
+        self.expires_at = expiry(keep_alive);
+    }
+
+    fn clear_reservation(&mut self) {
+        self.reserved_bytes = 0;
+        self.incoming_gpu = None;
+    }
+}
+
+/// What an unload does, given the slot's state.
+pub(super) enum Unload {
+    /// Drain and stop this worker.
+    Drain(Arc<WorkerHandle>),
+    /// A crashed model waiting out its backoff: the restart is cancelled.
+    CancelRestart,
+    /// A failed model: nothing runs; its failure is cleared.
+    ClearFailure,
+    /// Not now, and why.
+    Busy(String),
 }
 
 pub(super) struct Slot {
@@ -92,6 +281,8 @@ pub(super) struct Entry {
     /// saw it.
     pub(super) last_vram_bytes: Option<u64>,
     pub(super) permits: Arc<Semaphore>,
+    /// The permits `permits` was sized to (the spec's `max_concurrency`).
+    pub(super) concurrency: usize,
     pub(super) queued: Arc<AtomicUsize>,
     pub(super) keep_alive: Option<Duration>,
     pub(super) counters: Arc<ModelCounters>,
@@ -104,6 +295,7 @@ impl Entry {
         let concurrency = spec.max_concurrency.unwrap_or(DEFAULT_MAX_CONCURRENCY);
         Entry {
             keep_alive: spec.keep_alive.or(default_keep_alive),
+            concurrency,
             spec,
             last_peak_bytes: None,
             last_vram_bytes: None,
@@ -113,34 +305,87 @@ impl Entry {
             health: resilience::CrashHistory::default(),
         }
     }
+
+    /// The entry for `spec` where `old` was: what carries over, decided
+    /// here and nowhere else.
+    ///
+    /// | | registered anew (the model was unloaded) | swapped (a new worker for the same name) |
+    /// |---|---|---|
+    /// | counters | kept | kept |
+    /// | permits and queue | new, sized to the spec | kept, resized to the spec's `max_concurrency` |
+    /// | keep-alive | the spec's, else the default | the spec's, else the current one (a request's survives) |
+    /// | crash history, quarantine | new | kept; quarantine cleared if backend, weights or options changed |
+    /// | measured peak and VRAM | new | set by the new worker's load |
+    pub(super) fn carry_over(
+        old: Option<Entry>,
+        spec: ModelSpec,
+        default_keep_alive: Option<Duration>,
+        change: Change,
+    ) -> Entry {
+        let mut new = Entry::new(spec, default_keep_alive);
+        let Some(old) = old else { return new };
+        new.counters = old.counters;
+        if change == Change::Swap {
+            let same_model = old.spec.backend == new.spec.backend
+                && old.spec.model == new.spec.model
+                && old.spec.options == new.spec.options;
+            new.health = old.health;
+            if !same_model {
+                new.health.clear_quarantine();
+            }
+            if new.spec.keep_alive.is_none() {
+                new.keep_alive = old.keep_alive;
+            }
+            resize(&old.permits, old.concurrency, new.concurrency);
+            new.permits = old.permits;
+            new.queued = old.queued;
+            new.last_peak_bytes = old.last_peak_bytes;
+            new.last_vram_bytes = old.last_vram_bytes;
+        }
+        new
+    }
+
+    /// A worker of this model finished loading: what it measured plans the
+    /// next load.
+    pub(super) fn loaded(&mut self, report: &LoadReport) {
+        self.last_peak_bytes = Some(report.peak_rss_bytes);
+        self.last_vram_bytes = vram_per_gpu(report).or(self.last_vram_bytes);
+        self.counters.loads.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Why an entry is rebuilt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Change {
+    /// Registered again while unloaded.
+    Register,
+    /// Swapped: a new worker with a new spec for the same name.
+    Swap,
+}
+
+/// Resizes a semaphore of `from` permits to `to`. Requests in flight keep
+/// the permits they hold; a shrink takes the missing ones as they come
+/// back, so the new bound holds once the old requests are done.
+fn resize(permits: &Arc<Semaphore>, from: usize, to: usize) {
+    if to > from {
+        permits.add_permits(to - from);
+    } else if from > to {
+        let short = (from - to) - permits.forget_permits(from - to);
+        if short > 0 {
+            let permits = Arc::clone(permits);
+            tokio::spawn(async move {
+                if let Ok(taken) = permits.acquire_many_owned(short as u32).await {
+                    taken.forget();
+                }
+            });
+        }
+    }
 }
 
 pub(super) fn slot_state(slot: &Slot) -> ModelState {
     match &slot.worker {
         Some(w) if !w.is_alive() && slot.state == ModelState::Ready => ModelState::Failed,
         _ => slot.state,
-    }
-}
-
-/// Puts a freshly loaded worker into its slot (a load or a restart) and
-/// records what its load measured.
-pub(super) fn install(
-    slot: &mut Slot,
-    entry: Option<&mut Entry>,
-    worker: &Arc<WorkerHandle>,
-    report: &LoadReport,
-) {
-    slot.state = ModelState::Ready;
-    slot.worker = Some(Arc::clone(worker));
-    slot.loading = None;
-    slot.reserved_bytes = 0;
-    slot.gpus = report.gpus.clone().unwrap_or_default();
-    slot.incoming_gpu = None;
-    if let Some(entry) = entry {
-        entry.last_peak_bytes = Some(report.peak_rss_bytes);
-        entry.last_vram_bytes = vram_per_gpu(report).or(entry.last_vram_bytes);
-        entry.counters.loads.fetch_add(1, Ordering::Relaxed);
-        slot.expires_at = expiry(entry.keep_alive);
     }
 }
 
