@@ -174,9 +174,10 @@ fn a_placed_worker_allocates_on_its_gpu_and_the_unload_proves_it_came_back() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
+    let vram = berth::mib(4 * GIB + CONTEXT);
     assert!(
         text.lines()
-            .any(|l| l.starts_with("1 ") && l.contains(&format!("{pid} vram (4.5 GiB)"))),
+            .any(|l| l.starts_with("1 ") && l.contains(&format!("{pid} vram ({vram})"))),
         "{text}"
     );
     let out = Command::new(berth_bin())
@@ -184,7 +185,7 @@ fn a_placed_worker_allocates_on_its_gpu_and_the_unload_proves_it_came_back() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("VRAM") && text.contains("4.5 GiB"), "{text}");
+    assert!(text.contains("VRAM") && text.contains(&vram), "{text}");
 
     let report = unload(&server, "vram");
     assert_eq!(u(&report["vram_at_stop_bytes"]), 4 * GIB + CONTEXT);

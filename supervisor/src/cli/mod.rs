@@ -5,10 +5,17 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-mod client;
+mod embed;
 mod fetch;
+mod generate;
+mod gpus;
+mod http;
+mod load;
+mod output;
+mod ps;
 mod run;
 mod serve;
+mod swap;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -31,19 +38,19 @@ enum Commands {
     /// Run the sidecar: an OpenAI-compatible and management HTTP API.
     Serve(serve::ServeArgs),
     /// Show the models a running `berth serve` has loaded.
-    Ps(client::Remote),
+    Ps(http::Remote),
     /// Show each GPU's memory and which of its processes are berth's workers.
-    Gpus(client::Remote),
+    Gpus(http::Remote),
     /// Load a registered model in a running `berth serve`.
-    Load(client::NameArgs),
+    Load(load::NameArgs),
     /// Unload a model and print the proof of what came back.
-    Unload(client::NameArgs),
+    Unload(load::NameArgs),
     /// Replace a model's worker (new weights or options) without dropping requests.
-    Swap(client::SwapArgs),
+    Swap(swap::SwapArgs),
     /// Embed texts with a model of a running `berth serve`.
-    Embed(client::EmbedArgs),
+    Embed(embed::EmbedArgs),
     /// Chat with a model of a running `berth serve`, streaming the answer.
-    Generate(client::GenerateArgs),
+    Generate(generate::GenerateArgs),
 }
 
 /// The argument that runs this executable as a worker: `berth worker`.
@@ -105,13 +112,13 @@ pub fn main() -> ExitCode {
             Commands::Run(args) => run::run(args).await,
             Commands::Fetch(args) => fetch::run(args),
             Commands::Serve(args) => serve::run(args).await,
-            Commands::Ps(remote) => client::ps(remote),
-            Commands::Gpus(remote) => client::gpus(remote),
-            Commands::Load(args) => client::load(args),
-            Commands::Unload(args) => client::unload(args),
-            Commands::Swap(args) => client::swap(args),
-            Commands::Embed(args) => client::embed(args),
-            Commands::Generate(args) => client::generate(args),
+            Commands::Ps(remote) => ps::run(remote),
+            Commands::Gpus(remote) => gpus::run(remote),
+            Commands::Load(args) => load::load(args),
+            Commands::Unload(args) => load::unload(args),
+            Commands::Swap(args) => swap::run(args),
+            Commands::Embed(args) => embed::run(args),
+            Commands::Generate(args) => generate::run(args),
         }
     });
     // A blocking task still reading procfs or NVML must not hold the exit.

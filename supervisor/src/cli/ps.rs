@@ -1,0 +1,74 @@
+//! `berth ps`: the models a running `berth serve` has loaded, as a table.
+//! Its own file so the table's columns live with the command that prints
+//! them.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use berth::{ModelStatus, mib};
+
+use super::http::{Client, Remote};
+use super::output::{SIZE_WIDTH as W, done, list_or_dash};
+
+pub fn run(remote: Remote) -> ExitCode {
+    let json = remote.json;
+    done(
+        Client::new(&remote).get("/api/ps").map(|value| {
+            if json {
+                println!("{value}");
+                return ExitCode::SUCCESS;
+            }
+            let models: Vec<ModelStatus> =
+                serde_json::from_value(value["models"].clone()).unwrap_or_default();
+            // GPU columns only where a model is on one.
+            let gpu = models
+                .iter()
+                .any(|m| m.vram_bytes.is_some() || !m.gpus.is_empty());
+            let mut header = format!(
+                "{:<16} {:<10} {:>8} {:<9} {:>W$} {:>W$}",
+                "NAME", "BACKEND", "PID", "STATE", "RSS", "PEAK"
+            );
+            if gpu {
+                header += &format!(" {:>W$} {:<5}", "VRAM", "GPU");
+            }
+            println!(
+                "{header} {:>9} {:>9} {:>9}  UNTIL",
+                "UPTIME", "REQUESTS", "IN FLIGHT"
+            );
+            for m in models {
+                let until = match m.keep_alive_left_s {
+                    None => "forever".to_string(),
+                    Some(s) => format!(
+                        "{} from now",
+                        humantime::format_duration(Duration::from_secs(s as u64))
+                    ),
+                };
+                let mut line = format!(
+                    "{:<16} {:<10} {:>8} {:<9} {:>W$} {:>W$}",
+                    m.name,
+                    m.backend,
+                    m.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+                    m.state.to_string(),
+                    mib(m.rss_bytes),
+                    mib(m.peak_rss_bytes),
+                );
+                if gpu {
+                    let gpus: Vec<String> = m.gpus.iter().map(u32::to_string).collect();
+                    line += &format!(
+                        " {:>W$} {:<5}",
+                        m.vram_bytes.map(mib).unwrap_or_else(|| "-".into()),
+                        list_or_dash(&gpus, ","),
+                    );
+                }
+                println!(
+                    "{line} {:>9} {:>9} {:>9}  {until}",
+                    humantime::format_duration(Duration::from_secs(m.uptime_s as u64)).to_string(),
+                    m.requests,
+                    m.in_flight,
+                );
+            }
+            ExitCode::SUCCESS
+        }),
+        json,
+    )
+}
