@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use berth_protocol::WireError;
+use berth_protocol::{ErrorKind, WireError};
 
 use crate::base::KillCause;
 use crate::report::ExitStatus;
@@ -176,9 +176,42 @@ pub enum Error {
         last_exit: String,
     },
 
-    /// A load another caller started failed; every caller waiting on it gets this.
+    /// A load another caller started failed; every caller waiting on it gets
+    /// this copy (errors are not `Clone`): the original's code, class and message.
     #[error("{message}")]
-    SharedLoad { kind: &'static str, message: String },
+    SharedLoad {
+        kind: &'static str,
+        class: ErrorClass,
+        message: String,
+    },
+}
+
+/// What sort of failure an [`Error`] is, whatever the transport: the HTTP
+/// server turns it into a status, and a copy of an error made for the callers
+/// waiting on someone else's load ([`Error::SharedLoad`]) keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// No such model is registered.
+    NotFound,
+    /// The request or spec is wrong; sent again unchanged, it fails again.
+    Invalid,
+    /// The model's state does not allow it now (not loaded, already loaded, busy).
+    Conflict,
+    /// Too many requests are already waiting; retry shortly.
+    Overloaded,
+    /// The model takes no work for now (memory budget, shutdown, failed, restarting).
+    Unavailable,
+    /// Something took too long: a load, a request's deadline, a stalled worker.
+    TimedOut,
+    /// The worker misbehaved or died (handshake, protocol, crash, memory limit).
+    WorkerFailed,
+    /// The request was cancelled.
+    Cancelled,
+    /// This request is refused for what it did before (quarantined).
+    Refused,
+    /// A fault in the supervisor, its environment or a backend.
+    Internal,
 }
 
 fn known_suffix(known: &[String]) -> String {
@@ -256,6 +289,62 @@ impl Error {
             Error::SharedLoad { kind, .. } => kind,
         }
     }
+
+    /// What sort of failure this is. Exhaustive on purpose (no wildcard for
+    /// `Error`): a new variant must be classified before it compiles.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Error::WorkerBinaryNotFound { .. } | Error::Spawn { .. } | Error::Io { .. } => {
+                ErrorClass::Internal
+            }
+            Error::Handshake { .. }
+            | Error::ProtocolMismatch { .. }
+            | Error::UnexpectedMessage { .. }
+            | Error::MemoryLimitExceeded { .. } => ErrorClass::WorkerFailed,
+            Error::LoadTimeout { .. } | Error::DeadlineExceeded { .. } => ErrorClass::TimedOut,
+            Error::LoadFailed { source, .. } | Error::Request { source, .. } => {
+                wire_class(source.kind)
+            }
+            Error::WorkerDied { cause, .. } => match cause {
+                Some(KillCause::Stalled { .. }) => ErrorClass::TimedOut,
+                Some(
+                    KillCause::HeartbeatLost { .. }
+                    | KillCause::GpuOutOfMemory { .. }
+                    | KillCause::MemoryLimit { .. },
+                )
+                | None => ErrorClass::WorkerFailed,
+            },
+            Error::NotLoaded { .. } | Error::AlreadyLoaded { .. } | Error::Busy { .. } => {
+                ErrorClass::Conflict
+            }
+            Error::InvalidSpec { .. } | Error::InvalidRequest { .. } => ErrorClass::Invalid,
+            Error::UnknownModel { .. } => ErrorClass::NotFound,
+            Error::QueueFull { .. } => ErrorClass::Overloaded,
+            Error::ShuttingDown { .. }
+            | Error::BudgetExceeded { .. }
+            | Error::GpuBudgetExceeded { .. }
+            | Error::ModelFailed { .. }
+            | Error::Restarting { .. } => ErrorClass::Unavailable,
+            Error::Quarantined { .. } => ErrorClass::Refused,
+            Error::SharedLoad { class, .. } => *class,
+        }
+    }
+}
+
+/// The class of an error a worker reported.
+fn wire_class(kind: ErrorKind) -> ErrorClass {
+    match kind {
+        ErrorKind::BadRequest | ErrorKind::UnknownBackend | ErrorKind::InputTooLarge => {
+            ErrorClass::Invalid
+        }
+        ErrorKind::NotLoaded => ErrorClass::Conflict,
+        ErrorKind::Cancelled => ErrorClass::Cancelled,
+        ErrorKind::LoadFailed | ErrorKind::Backend | ErrorKind::Internal => ErrorClass::Internal,
+        // `ErrorKind` is `#[non_exhaustive]` and lives in another crate
+        // (berth-protocol), so a wildcard is required here; a kind added there
+        // is an internal error until it is classified above.
+        _ => ErrorClass::Internal,
+    }
 }
 
 impl Error {
@@ -264,6 +353,7 @@ impl Error {
     pub(crate) fn shared(&self) -> Error {
         Error::SharedLoad {
             kind: self.kind(),
+            class: self.class(),
             message: self.to_string(),
         }
     }

@@ -423,13 +423,7 @@ fn sse_events(
                         Some((Ok(data(&first)), Phase::Tail(tail)))
                     }
                     Some(Err(e)) => {
-                        let e = ApiError::from(e);
-                        let kind = if e.status.is_client_error() {
-                            "invalid_request_error"
-                        } else {
-                            "server_error"
-                        };
-                        let err = json!({ "error": { "message": e.message, "type": kind, "code": e.code } });
+                        let err = ApiError::from(e).body();
                         Some((Ok(data(&err)), Phase::Tail(Vec::new())))
                     }
                     None => Some((Ok(Event::default().data("[DONE]")), Phase::Done)),

@@ -195,10 +195,7 @@ impl Supervisor {
                 Next::Wait(mut signal) => {
                     let outcome = signal.wait_for(Option::is_some).await.map(|v| v.clone());
                     if let Ok(Some(Err(e))) = outcome {
-                        return Err(Error::SharedLoad {
-                            kind: e.kind(),
-                            message: e.to_string(),
-                        });
+                        return Err(e.shared());
                     }
                 }
                 Next::WaitChange => {
