@@ -4,7 +4,8 @@ use std::sync::Weak;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::{Inner, ModelState, Supervisor};
+use super::admission::is_idle;
+use super::{Inner, Supervisor};
 
 /// Unloads idle models whose keep-alive ran out.
 pub(super) async fn keep_alive_reaper(inner: Weak<Inner>) {
@@ -24,14 +25,7 @@ pub(super) async fn keep_alive_reaper(inner: Weak<Inner>) {
                 .slots
                 .iter()
                 .filter(|(name, slot)| {
-                    slot.state == ModelState::Ready
-                        && !slot.swapping
-                        && slot.expires_at.is_some_and(|t| t <= now)
-                        && slot.worker.as_ref().is_some_and(|w| w.in_flight() == 0)
-                        && state
-                            .catalogue
-                            .get(*name)
-                            .is_none_or(|e| e.queued.load(Ordering::SeqCst) == 0)
+                    slot.expires_at.is_some_and(|t| t <= now) && is_idle(&state, name, slot)
                 })
                 .map(|(name, _)| name.clone())
                 .collect()
