@@ -40,6 +40,37 @@ impl Supervisor {
         .await
     }
 
+    /// The one way a worker gets into a slot, for a load, a swap, a recycle
+    /// and a crash restart alike: launch it for `spec` on `gpus`, then let
+    /// `install` put it in under the state lock (a transition of the slot).
+    /// `install` answers `None` when the slot no longer waits for it (an
+    /// unload or shutdown came first): the worker is stopped here. An
+    /// installed worker is handed to the crash policy. `Ok(None)`: stopped.
+    pub(super) async fn launch_into_slot<T>(
+        &self,
+        model: &str,
+        spec: &ModelSpec,
+        gpus: Option<Vec<u32>>,
+        install: impl FnOnce(&mut State, &Arc<WorkerHandle>, &LoadReport) -> Option<T>,
+    ) -> Result<Option<(Arc<WorkerHandle>, LoadReport, T)>> {
+        let (worker, report) = launch::launch(spec, &self.inner.config, gpus, &|pid| {
+            self.note_incoming_pid(model, pid)
+        })
+        .await?;
+        let installed = install(&mut self.lock(), &worker, &report);
+        self.inner.changed.notify_waiters();
+        match installed {
+            Some(value) => {
+                self.watch_worker(model, &worker);
+                Ok(Some((worker, report, value)))
+            }
+            None => {
+                stop::stop(&worker, self.inner.config.stop_graces).await;
+                Ok(None)
+            }
+        }
+    }
+
     pub(super) async fn start_load_inner(&self, model: &str) -> Result<LoadReport> {
         let gate = self.inner.load_gate.lock().await;
         let (spec, need) = {
@@ -90,44 +121,36 @@ impl Supervisor {
         drop(gate);
         self.inner.changed.notify_waiters();
 
-        let launched = launch::launch(&spec, &self.inner.config, gpus, &|pid| {
-            self.note_incoming_pid(model, pid)
-        })
-        .await;
-        let outcome = {
-            let mut state = self.lock();
-            let State {
-                catalogue, slots, ..
-            } = &mut *state;
-            match (launched, slots.get_mut(model)) {
-                (Ok((worker, report)), Some(slot)) => {
-                    slot.used(None);
-                    slot.install(catalogue.get_mut(model), &worker, &report);
-                    self.watch_worker(model, &worker);
-                    Ok(report)
-                }
-                (Ok((worker, _)), None) => Err(worker),
-                (Err(e), _) => {
-                    slots.remove(model);
-                    let _ = done.send(Some(Err(Arc::new(e.shared()))));
-                    self.inner.changed.notify_waiters();
-                    return Err(e);
-                }
-            }
-        };
-        let result = match outcome {
-            Ok(report) => {
+        let launched = self
+            .launch_into_slot(model, &spec, gpus, |state, worker, report| {
+                let State {
+                    catalogue, slots, ..
+                } = state;
+                let slot = slots.get_mut(model)?;
+                slot.used(None);
+                slot.install(catalogue.get_mut(model), worker, report);
+                Some(())
+            })
+            .await;
+        let result = match launched {
+            Ok(Some((_, report, ()))) => {
                 let _ = done.send(Some(Ok(())));
                 Ok(report)
             }
-            Err(orphan) => {
-                // The slot went away while loading (shutdown): stop what we started.
-                stop::stop(&orphan, self.inner.config.stop_graces).await;
+            Ok(None) => {
+                // The slot went away while loading (shutdown); what was
+                // started is stopped.
                 let err = Error::ShuttingDown {
                     model: model.into(),
                 };
                 let _ = done.send(Some(Err(Arc::new(err.shared()))));
                 Err(err)
+            }
+            Err(e) => {
+                self.lock().slots.remove(model);
+                let _ = done.send(Some(Err(Arc::new(e.shared()))));
+                self.inner.changed.notify_waiters();
+                Err(e)
             }
         };
         self.inner.changed.notify_waiters();
@@ -360,23 +383,49 @@ impl Supervisor {
                 model: model.clone(),
             })
         } else {
-            launch::launch(&spec, &self.inner.config, gpus, &|pid| {
-                self.note_incoming_pid(&model, pid)
+            self.launch_into_slot(&model, &spec, gpus, |state, new_worker, load| {
+                if self.is_shutting_down() {
+                    // Shutdown began while it loaded: the old worker is
+                    // stopped by shutdown; the new one must not outlive it.
+                    return None;
+                }
+                let State {
+                    catalogue,
+                    slots,
+                    retiring,
+                } = state;
+                let slot = slots
+                    .get_mut(&model)
+                    .expect("a swapping slot is never removed");
+                let (old, old_gpus) = slot.switch_to(new_worker, load);
+                retiring.insert(
+                    old.pid(),
+                    Retiring {
+                        model: model.clone(),
+                        worker: Arc::clone(&old),
+                        gpus: old_gpus,
+                    },
+                );
+                if let Some(entry) = catalogue.remove(&model) {
+                    let mut entry = Entry::carry_over(
+                        Some(entry),
+                        spec.clone(),
+                        self.inner.config.default_keep_alive,
+                        Change::Swap,
+                    );
+                    entry.loaded(load);
+                    catalogue.insert(model.clone(), entry);
+                }
+                Some(old)
             })
             .await
-        };
-        let launched = match launched {
-            Ok((worker, _)) if self.is_shutting_down() => {
-                // Shutdown began while it loaded: the old worker is stopped by
-                // shutdown; the new one must not outlive it.
-                stop::stop(&worker, self.inner.config.stop_graces).await;
-                Err(Error::ShuttingDown {
+            .and_then(|installed| {
+                installed.ok_or_else(|| Error::ShuttingDown {
                     model: model.clone(),
                 })
-            }
-            other => other,
+            })
         };
-        let (new_worker, load) = match launched {
+        let (new_worker, load, old) = match launched {
             Ok(launched) => launched,
             Err(e) => {
                 clear(self);
@@ -390,38 +439,6 @@ impl Supervisor {
                 return Err(e);
             }
         };
-        let old = {
-            let mut state = self.lock();
-            let State {
-                catalogue,
-                slots,
-                retiring,
-            } = &mut *state;
-            let slot = slots
-                .get_mut(&model)
-                .expect("a swapping slot is never removed");
-            let (old, old_gpus) = slot.switch_to(&new_worker, &load);
-            retiring.insert(
-                old.pid(),
-                Retiring {
-                    model: model.clone(),
-                    worker: Arc::clone(&old),
-                    gpus: old_gpus,
-                },
-            );
-            if let Some(entry) = catalogue.remove(&model) {
-                let mut entry = Entry::carry_over(
-                    Some(entry),
-                    spec.clone(),
-                    self.inner.config.default_keep_alive,
-                    Change::Swap,
-                );
-                entry.loaded(&load);
-                catalogue.insert(model.clone(), entry);
-            }
-            old
-        };
-        self.watch_worker(&model, &new_worker);
         let switch_ms = started.elapsed().as_secs_f64() * 1e3;
         self.inner.changed.notify_waiters();
         if !old.drain(self.inner.config.drain_timeout).await {

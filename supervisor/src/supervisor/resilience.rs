@@ -23,7 +23,6 @@ use tokio::sync::watch;
 use super::{Inner, ModelState, Need, State, Supervisor};
 use crate::base::KillCause;
 use crate::child::handle::{Death, WorkerHandle};
-use crate::child::launch;
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
@@ -251,44 +250,38 @@ impl Supervisor {
             }
             let launched = match self.place_restart(&model, &spec, &done).await {
                 Ok(gpus) => {
-                    launch::launch(&spec, &self.inner.config, gpus, &|pid| {
-                        self.note_incoming_pid(&model, pid)
+                    self.launch_into_slot(&model, &spec, gpus, |state, worker, report| {
+                        let State {
+                            catalogue, slots, ..
+                        } = state;
+                        match (slots.get_mut(&model), catalogue.get_mut(&model)) {
+                            (Some(slot), Some(entry))
+                                if slot.state == ModelState::Loading && ours(slot, &done) =>
+                            {
+                                slot.install(Some(entry), worker, report);
+                                Some(())
+                            }
+                            _ => None,
+                        }
                     })
                     .await
                 }
                 Err(e) => Err(e),
             };
             match launched {
-                Ok((worker, report)) => {
-                    let installed = {
-                        let mut state = self.lock();
-                        let State {
-                            catalogue, slots, ..
-                        } = &mut *state;
-                        match (slots.get_mut(&model), catalogue.get_mut(&model)) {
-                            (Some(slot), Some(entry))
-                                if slot.state == ModelState::Loading && ours(slot, &done) =>
-                            {
-                                slot.install(Some(entry), &worker, &report);
-                                true
-                            }
-                            _ => false,
+                Ok(Some((_, report, ()))) => {
+                    tracing::info!(model, pid = report.pid, "restarted");
+                    let _ = done.send(Some(Ok(())));
+                    return;
+                }
+                Ok(None) => {
+                    // Unloaded or shut down meanwhile: the worker was stopped.
+                    let _ = done.send(Some(Err(Arc::new(
+                        Error::ShuttingDown {
+                            model: model.clone(),
                         }
-                    };
-                    if installed {
-                        tracing::info!(model, pid = report.pid, "restarted");
-                        self.watch_worker(&model, &worker);
-                        let _ = done.send(Some(Ok(())));
-                    } else {
-                        crate::child::stop::stop(&worker, self.inner.config.stop_graces).await;
-                        let _ = done.send(Some(Err(Arc::new(
-                            Error::ShuttingDown {
-                                model: model.clone(),
-                            }
-                            .shared(),
-                        ))));
-                    }
-                    self.inner.changed.notify_waiters();
+                        .shared(),
+                    ))));
                     return;
                 }
                 Err(e) => {
