@@ -1,7 +1,7 @@
 //! The supervisor's side of one worker process (a *child*; the worker's
 //! own side is the `berth-worker` crate), one concern per file: `spawn`,
 //! `handshake`, `launch` (spawn → hello → load), `handle` (requests and the
-//! reader), `health` (heartbeats, stalls), `stop`, `process` (reaping,
+//! reader), `routes` (a worker's events to the requests waiting), `health` (heartbeats, stalls), `stop`, `process` (reaping,
 //! kill causes), `output` (bounded stdout/stderr), `memory` (procfs), and
 //! `limits` (memory caps).
 
@@ -13,5 +13,6 @@ pub mod limits;
 pub mod memory;
 pub(crate) mod output;
 pub mod process;
+mod routes;
 pub mod spawn;
 pub mod stop;
