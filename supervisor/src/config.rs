@@ -351,6 +351,11 @@ pub fn is_dangerous_env(name: &str) -> bool {
         "LUA_PATH",
         "LUA_CPATH",
         "TCLLIBPATH",
+        "CUDA_INJECTION64_PATH",
+        "OPENSSL_CONF",
+        "OPENSSL_ENGINES",
+        "OCL_ICD_FILENAMES",
+        "HSA_TOOLS_LIB",
     ];
     let upper = name.to_ascii_uppercase();
     upper.starts_with("LD_")

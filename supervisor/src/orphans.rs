@@ -32,6 +32,35 @@ pub struct WorkerRecord {
     /// Start time in clock ticks since boot (`/proc/<pid>/stat` field 22).
     pub start_time: u64,
     pub model: String,
+    /// A value unique to this worker, in its environment as
+    /// [`ENV_WORKER_MARK`] and inherited by what it starts: where the
+    /// worker itself is gone, a process of its group is only taken for its
+    /// descendant when it carries the mark.
+    #[serde(default)]
+    pub mark: String,
+}
+
+/// The environment variable that carries a worker's mark.
+pub const ENV_WORKER_MARK: &str = "BERTH_WORKER_MARK";
+
+/// A fresh mark for a worker about to start.
+pub(crate) fn new_mark() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    format!("{:016x}", h.finish())
+}
+
+fn carries_mark(pid: u32, mark: &str) -> bool {
+    let wanted = format!("{ENV_WORKER_MARK}={mark}");
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == wanted.as_bytes()))
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -66,12 +95,13 @@ fn boot_id() -> String {
 }
 
 /// Called when a worker starts.
-pub(crate) fn register(pid: u32, model: &str) {
+pub(crate) fn register(pid: u32, model: &str, mark: &str) {
     let record = WorkerRecord {
         pid,
         pgid: pid,
         start_time: start_time(pid).unwrap_or(0),
         model: model.into(),
+        mark: mark.into(),
     };
     live().insert(pid, record);
     persist();
@@ -174,8 +204,11 @@ pub fn become_subreaper() -> std::io::Result<()> {
 /// Which exited children [`reap_strays`] may reap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strays {
-    /// Every child that is not a worker: only for a process whose children
-    /// are all berth's (the `berth serve` daemon, a subreaper).
+    /// Every child outside this process's own group that is not a worker:
+    /// orphans of workers, re-parented to a subreaper, are always in a
+    /// worker's group; children this process ran itself (a `--backends`
+    /// probe, pip) are in its own group and are left to whoever waits for
+    /// them. Only for the `berth serve` daemon.
     All,
     /// Only those in this process group (a worker's, after a sweep). An
     /// embedding host's own children are never touched: reaping them would
@@ -187,6 +220,7 @@ pub enum Strays {
 /// subreaper). Workers are left to their own waiter threads.
 pub fn reap_strays(which: Strays) -> usize {
     let me = std::process::id() as i32;
+    let own_group = nix::unistd::getpgrp().as_raw();
     let Ok(all) = procfs::process::all_processes() else {
         return 0;
     };
@@ -195,7 +229,7 @@ pub fn reap_strays(which: Strays) -> usize {
         .filter_map(|p| p.stat().ok())
         .filter(|s| s.ppid == me && s.state == 'Z' && !is_worker(s.pid as u32))
         .filter(|s| match which {
-            Strays::All => true,
+            Strays::All => s.pgrp != own_group,
             Strays::InGroup(pgid) => s.pgrp == pgid as i32,
         })
         .map(|s| s.pid as u32)
@@ -260,17 +294,19 @@ fn stop_leftovers(previous: &StateFile) -> usize {
         .collect();
     let own_group = nix::unistd::getpgrp().as_raw() as u32;
     for record in &previous.workers {
-        if !is_provably_ours(record, own_group, &stats) {
+        let Some(leader_alive) = is_provably_ours(record, own_group, &stats) else {
             continue;
-        }
-        // What is still in the worker's group and started no earlier than the
-        // worker: the worker and its descendants.
+        };
+        // What is still in the worker's group and started no earlier than
+        // the worker: with the worker alive (same pid, same start time) its
+        // whole group; with it gone, only processes that carry its mark.
         let members: Vec<u32> = stats
             .iter()
             .filter(|s| {
                 s.pgrp == record.pgid as i32 && s.starttime >= record.start_time && s.state != 'Z'
             })
             .map(|s| s.pid as u32)
+            .filter(|pid| leader_alive || carries_mark(*pid, &record.mark))
             .collect();
         if members.is_empty() {
             continue;
@@ -281,33 +317,44 @@ fn stop_leftovers(previous: &StateFile) -> usize {
             ?members,
             "stopping processes left by a previous supervisor"
         );
-        let _ = killpg(Pid::from_raw(record.pgid as i32), Signal::SIGKILL);
+        if leader_alive {
+            let _ = killpg(Pid::from_raw(record.pgid as i32), Signal::SIGKILL);
+        } else {
+            for pid in &members {
+                let _ = nix::sys::signal::kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+            }
+        }
         stopped += members.len();
     }
     stopped
 }
 
-/// Whether a recorded worker's group is provably the one the previous
-/// supervisor started (the boot id was checked by the caller):
+/// Whether a recorded worker's group may be acted on (the boot id was
+/// checked by the caller), and whether its leader, the worker, still lives:
 /// - never group 0 or 1, and never this process's own group;
-/// - a start time was recorded (0 proves nothing);
+/// - a start time and a mark were recorded (without them nothing is proven);
 /// - the group's leader, where it still lives, is the recorded worker: same
-///   pid and same start time. Where it is gone, the kernel has not reused
-///   its pid, since a pid is never handed out while a group of that id still
-///   has members, so the members are the worker's descendants.
+///   pid and same start time (`Some(true)`). Where it is gone (`Some(false)`)
+///   the caller takes only processes carrying the worker's mark, since the
+///   pid may since have led another group.
 fn is_provably_ours(
     record: &WorkerRecord,
     own_group: u32,
     stats: &[procfs::process::Stat],
-) -> bool {
+) -> Option<bool> {
     if record.pgid <= 1 || record.pgid == own_group || record.pgid != record.pid {
-        return false;
+        return None;
     }
-    if record.start_time == 0 {
-        return false;
+    if record.start_time == 0 || record.mark.is_empty() {
+        return None;
     }
     match stats.iter().find(|s| s.pid == record.pid as i32) {
-        Some(leader) => leader.starttime == record.start_time && leader.pgrp == record.pgid as i32,
-        None => true,
+        Some(leader)
+            if leader.starttime == record.start_time && leader.pgrp == record.pgid as i32 =>
+        {
+            Some(true)
+        }
+        Some(_) => None,
+        None => Some(false),
     }
 }

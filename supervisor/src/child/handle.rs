@@ -528,6 +528,13 @@ impl ResponseStream {
         let reply = self.rx.recv().await;
         match reply {
             Some(Reply::Chunk(body)) => Some(Ok(Piece::Chunk(body))),
+            Some(Reply::Refused(source)) => {
+                self.cancel();
+                Some(Err(Error::Request {
+                    model: self.model.clone(),
+                    source,
+                }))
+            }
             Some(Reply::Done(result)) => {
                 self.finish();
                 Some(result.map(Piece::Done).map_err(|source| Error::Request {

@@ -67,38 +67,65 @@ pub(crate) fn worker_program(spec: &ModelSpec, config: &SupervisorConfig) -> Res
 }
 
 /// The backends `program` offers (`--backends`), asked once per program and
-/// remembered; `None` when it cannot say (a wrapper that passes no
-/// arguments on, a program that is not a berth worker): then the load is
-/// what finds out.
+/// remembered; `None` when it cannot say within 10 s (a wrapper that passes
+/// no arguments on, a program that is not a berth worker, one that hangs):
+/// then the load is what finds out. Blocks while it asks; the cache's lock is
+/// not held meanwhile.
 pub(crate) fn offered_backends(program: &WorkerProgram) -> Option<Vec<String>> {
     use std::collections::HashMap;
     use std::sync::Mutex;
     type Known = HashMap<WorkerProgram, Option<Vec<String>>>;
     static KNOWN: Mutex<Option<Known>> = Mutex::new(None);
-    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
-    let known = known.get_or_insert_with(HashMap::new);
-    if let Some(answer) = known.get(program) {
-        return answer.clone();
+    let known = |f: &mut dyn FnMut(&mut Known)| {
+        let mut guard = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+        f(guard.get_or_insert_with(HashMap::new));
+    };
+    let mut cached = None;
+    known(&mut |k| cached = k.get(program).cloned());
+    if let Some(answer) = cached {
+        return answer;
     }
-    let answer = std::process::Command::new(&program.path)
+    let answer = ask_backends(program, Duration::from_secs(10));
+    known(&mut |k| {
+        k.insert(program.clone(), answer.clone());
+    });
+    answer
+}
+
+/// Runs `program --backends`, killing it past `timeout`.
+fn ask_backends(program: &WorkerProgram, timeout: Duration) -> Option<Vec<String>> {
+    use std::io::Read;
+    let mut child = std::process::Command::new(&program.path)
         .args(&program.args)
         .arg("--backends")
         .env_clear()
         .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
-        .output()
-        .ok()
-        .filter(|out| out.status.success())
-        .and_then(|out| String::from_utf8(out.stdout).ok())
-        .map(|text| {
-            text.lines()
-                .map(|l| l.trim().to_string())
-                .filter(|l| !l.is_empty())
-                .collect::<Vec<_>>()
-        })
-        .filter(|names| !names.is_empty());
-    known.insert(program.clone(), answer.clone());
-    answer
+        .spawn()
+        .ok()?;
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    };
+    let mut text = String::new();
+    child.stdout.take()?.read_to_string(&mut text).ok()?;
+    let names: Vec<String> = text
+        .lines()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect();
+    (status.success() && !names.is_empty()).then_some(names)
 }
 
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
@@ -135,16 +162,18 @@ pub(crate) async fn launch(
     let cap = spec
         .memory_limit
         .map(|limit| MemoryCap::prepare(model, limit));
+    let mark = crate::orphans::new_mark();
     let child = spawn(SpawnOptions {
         model,
         binary: &program.path,
         args: &program.args,
         server_name: &server_name,
+        mark: &mark,
         extra_env: &env,
         cgroup_procs: cap.as_ref().and_then(MemoryCap::procs_file),
     })
     .await?;
-    let process = Arc::new(ProcessWatch::start(model, child, cap));
+    let process = Arc::new(ProcessWatch::start(model, child, cap, &mark));
     process.spawn_rss_guard();
     let pid = process.pid();
     spawned(pid);

@@ -6,11 +6,12 @@
 //! and split into lines here:
 //! - a line is cut at [`MAX_LINE`] bytes (the rest is skipped up to its
 //!   newline, never buffered), with a note of how much was cut;
-//! - lines are logged and kept at most [`RATE_BYTES`] per second (a token
-//!   bucket with a burst of [`BURST_BYTES`]); the rest are counted and
-//!   dropped, and the count is logged once the stream is within its rate
+//! - lines are logged at most [`RATE_BYTES`] per second (a token bucket
+//!   with a burst of [`BURST_BYTES`]); the rest are counted and dropped from
+//!   the log, and the count is logged once the stream is within its rate
 //!   again;
-//! - the last [`STDERR_TAIL_LINES`] stderr lines are kept for error messages.
+//! - the last [`STDERR_TAIL_LINES`] stderr lines are kept for error
+//!   messages, whatever the rate (the line before a crash matters most).
 //!
 //! The pipe is always drained, so a chatty worker never blocks on a write.
 
@@ -54,6 +55,16 @@ pub(crate) fn forward_lines(
                 if line.is_empty() {
                     continue;
                 }
+                // The tail is bounded (20 lines of at most 4 KiB) and keeps
+                // every line, so the one before a crash is never lost to the
+                // rate limit; the log takes what the rate allows.
+                if let Some(tail) = &tail {
+                    let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
+                    if tail.len() == STDERR_TAIL_LINES {
+                        tail.pop_front();
+                    }
+                    tail.push_back(line.clone());
+                }
                 if !bucket.take(line.len()) {
                     dropped_lines += 1;
                     dropped_bytes += line.len() as u64;
@@ -65,13 +76,6 @@ pub(crate) fn forward_lines(
                     (dropped_lines, dropped_bytes) = (0, 0);
                 }
                 tracing::info!(target: "berth::worker", model = %model, pid, stream, "{line}");
-                if let Some(tail) = &tail {
-                    let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
-                    if tail.len() == STDERR_TAIL_LINES {
-                        tail.pop_front();
-                    }
-                    tail.push_back(line);
-                }
             }
             if dropped_lines > 0 {
                 tracing::warn!(target: "berth::worker", model = %model, pid, stream,

@@ -34,7 +34,9 @@ pub(crate) struct ProcessWatch {
 
 impl ProcessWatch {
     /// Takes ownership of the child: from here on, this watch reaps it.
-    pub fn start(model: &str, mut child: Child, cap: Option<MemoryCap>) -> Self {
+    /// `mark` is the one the worker was started with (its environment's
+    /// `BERTH_WORKER_MARK`), kept in the state file.
+    pub fn start(model: &str, mut child: Child, cap: Option<MemoryCap>, mark: &str) -> Self {
         let pid = child.id();
         let stderr = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
         let (closed_tx, stderr_closed) = watch::channel(false);
@@ -54,7 +56,7 @@ impl ProcessWatch {
                 let _ = closed_tx.send(true);
             }
         }
-        crate::orphans::register(pid, model);
+        crate::orphans::register(pid, model, mark);
         let (exit_tx, exit) = watch::channel(None);
         let spawned = std::thread::Builder::new()
             .name(format!("berth-wait-{pid}"))

@@ -14,6 +14,9 @@ use super::handle::Death;
 
 pub(super) enum Reply {
     Chunk(Body),
+    /// A streamed piece refused on arrival (past `max_response`): the
+    /// request is cancelled in the worker, which would otherwise go on.
+    Refused(WireError),
     Done(Result<Body, WireError>),
     Died(Arc<Death>),
 }
@@ -69,6 +72,7 @@ impl std::fmt::Debug for Reply {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Reply::Chunk(_) => "Chunk",
+            Reply::Refused(_) => "Refused",
             Reply::Done(_) => "Done",
             Reply::Died(_) => "Died",
         })
@@ -93,7 +97,7 @@ pub(super) fn read_events(
         match events.recv() {
             Ok(Event::Chunk { id, body }) => match bounded(model, body, max_response) {
                 Ok(body) => routes.route(id, Reply::Chunk(body)),
-                Err(e) => routes.route(id, Reply::Done(Err(e))),
+                Err(e) => routes.route(id, Reply::Refused(e)),
             },
             Ok(Event::Done { id, result }) => {
                 let result = result.and_then(|body| bounded(model, body, max_response));

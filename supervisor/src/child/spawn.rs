@@ -88,6 +88,8 @@ pub struct SpawnOptions<'a> {
     /// Arguments selecting the program's worker role (`["worker"]`).
     pub args: &'a [String],
     pub server_name: &'a str,
+    /// The worker's mark (see `orphans::ENV_WORKER_MARK`).
+    pub mark: &'a str,
     pub extra_env: &'a [(String, String)],
     /// A cgroup's `cgroup.procs` the child writes itself into before exec.
     pub cgroup_procs: Option<&'a std::ffi::CString>,
@@ -107,6 +109,7 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
         )
         .envs(opts.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .env(ENV_BOOTSTRAP, opts.server_name)
+        .env(crate::orphans::ENV_WORKER_MARK, opts.mark)
         .env(ENV_PARENT_PID, supervisor_pid.to_string())
         .env(ENV_MODEL_NAME, opts.model)
         .stdin(Stdio::null())

@@ -71,10 +71,13 @@ pub(crate) fn worker_program(
 }
 
 pub fn main() -> ExitCode {
-    let mut args = std::env::args();
-    if args.nth(1).as_deref() == Some(WORKER_ROLE) {
+    let mut args = std::env::args_os();
+    if args.nth(1).is_some_and(|a| a == WORKER_ROLE) {
         #[cfg(feature = "worker-role")]
-        berth_worker::serve_with_args(berth_worker::Registry::builtin(), args);
+        berth_worker::serve_with_args(
+            berth_worker::Registry::builtin(),
+            args.map(|a| a.to_string_lossy().into_owned()),
+        );
         #[cfg(not(feature = "worker-role"))]
         {
             eprintln!(
@@ -84,9 +87,12 @@ pub fn main() -> ExitCode {
         }
     }
     let cli = Cli::parse();
-    if !matches!(cli.command, Commands::Serve(_)) {
-        // A command writing to a pipe that closed (`berth embed ... | head`)
-        // ends quietly, as Unix tools do, instead of panicking in println!.
+    if !matches!(cli.command, Commands::Serve(_) | Commands::Run(_)) {
+        // A client command writing to a pipe that closed (`berth embed ... |
+        // head`) ends quietly, as Unix tools do, instead of panicking in
+        // println!. Not `serve` and `run`: they hold workers, whose IPC
+        // sockets must see EPIPE as an error, not a signal; `run` ends
+        // quietly through `output::say` instead.
         // SAFETY: restoring a signal's default disposition is always sound.
         unsafe {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
@@ -150,10 +156,7 @@ pub(crate) fn parse_key_value(text: &str) -> Result<(String, String), String> {
 /// with `--json` an `{"error": ...}` object on stdout.
 pub(crate) fn fail(kind: &str, message: &str, json: bool) -> ExitCode {
     if json {
-        println!(
-            "{}",
-            serde_json::json!({ "error": { "kind": kind, "message": message } })
-        );
+        output::say(serde_json::json!({ "error": { "kind": kind, "message": message } }));
     }
     eprintln!("berth: {}", message.replace('\n', " "));
     ExitCode::FAILURE

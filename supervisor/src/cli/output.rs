@@ -86,3 +86,16 @@ pub(super) fn report<T: serde::de::DeserializeOwned + std::fmt::Display>(
 pub(super) fn done(result: Result<ExitCode, Failure>, json: bool) -> ExitCode {
     result.unwrap_or_else(|(code, message)| super::fail(&code, &message, json))
 }
+
+/// Prints `text` and a newline on stdout; a reader that went away
+/// (`berth run ... | head`) ends the command quietly, its workers with it
+/// (they die with their parent), rather than panicking in `println!`.
+pub(super) fn say(text: impl std::fmt::Display) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{text}").and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+    }
+}

@@ -62,7 +62,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
         Err(e) => return fail(e.kind(), &e.to_string(), args.json),
     };
     if !args.json {
-        println!("{load}");
+        super::output::say(&load);
     }
     let mut responses = Vec::new();
     let mut failure = None;
@@ -72,7 +72,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
             Ok(body) => {
                 let value = response_value(&body);
                 if !args.json {
-                    println!("response {}: {}", i + 1, value);
+                    super::output::say(format!("response {}: {}", i + 1, value));
                 }
                 responses.push(value);
             }
@@ -91,12 +91,11 @@ pub async fn run(args: RunArgs) -> ExitCode {
         Err(e) => return fail(e.kind(), &e.to_string(), args.json),
     };
     if args.json {
-        println!(
-            "{}",
-            serde_json::json!({ "load": load, "responses": responses, "unload": unload })
+        super::output::say(
+            serde_json::json!({ "load": load, "responses": responses, "unload": unload }),
         );
     } else {
-        println!("{unload}");
+        super::output::say(&unload);
     }
     ExitCode::SUCCESS
 }

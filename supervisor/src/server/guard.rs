@@ -54,6 +54,10 @@ impl Guard {
                     format!("127.0.0.1:{port}"),
                     format!("[::1]:{port}"),
                 ]);
+                if port == 80 {
+                    // Browsers leave the default port out.
+                    hosts.extend(["localhost".into(), "127.0.0.1".into(), "[::1]".into()]);
+                }
                 true
             }
             Listen::Tcp(addr) => {
@@ -81,9 +85,10 @@ impl Guard {
                 .get(name)
                 .and_then(|v: &header::HeaderValue| v.to_str().ok())
         };
+        // A missing or unreadable Host fails the check too.
         if path != "/healthz"
             && let Some(hosts) = &self.hosts
-            && let Some(host) = text(header::HOST)
+            && let host = text(header::HOST).unwrap_or("")
             && !hosts.contains(&host.to_ascii_lowercase())
         {
             return Some(ApiError::new(

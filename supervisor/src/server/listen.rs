@@ -131,7 +131,14 @@ fn bind_unix(path: &Path) -> Result<Bound, String> {
             Err(e) => return Err(format!("cannot tell whether the socket is in use: {e}")),
         }
     }
-    let listener = tokio::net::UnixListener::bind(path).map_err(|e| e.to_string())?;
+    // Created 0600 from the start: a chmod after bind would leave a moment
+    // in which anyone could connect (and stay connected).
+    // SAFETY: umask only swaps the process's file-creation mask.
+    let previous = unsafe { libc::umask(0o177) };
+    let bound = tokio::net::UnixListener::bind(path);
+    // SAFETY: as above, restoring the mask.
+    unsafe { libc::umask(previous) };
+    let listener = bound.map_err(|e| e.to_string())?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| format!("cannot restrict it to mode 0600: {e}"))?;
     let meta = std::fs::symlink_metadata(path).map_err(|e| e.to_string())?;

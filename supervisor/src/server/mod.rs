@@ -283,6 +283,8 @@ async fn signals(stop: tokio::sync::watch::Sender<bool>) {
         signal(SignalKind::interrupt()),
     ) else {
         tracing::error!("cannot install the SIGTERM/SIGINT handlers; stop berth with SIGKILL");
+        // Keep the sender: dropping it would read as a stop.
+        std::future::pending::<()>().await;
         return;
     };
     tokio::select! {
