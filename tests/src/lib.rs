@@ -406,3 +406,11 @@ impl Drop for Server {
         let _ = std::fs::remove_file(&self.config);
     }
 }
+
+/// The pid of `model`'s worker when it is ready.
+pub fn ready_pid(sup: &berth::Supervisor, model: &str) -> Option<u32> {
+    sup.stats()
+        .into_iter()
+        .find(|s| s.name == model && s.state == berth::ModelState::Ready)
+        .and_then(|s| s.pid)
+}

@@ -29,6 +29,18 @@ fn raw(port: u16, request: &str) -> (u16, String) {
     (status, out)
 }
 
+/// A JSON POST on a connection of its own, as any client sends it.
+fn post_json(port: u16, path: &str, body: &str) -> (u16, String) {
+    raw(
+        port,
+        &format!(
+            "POST {path} HTTP/1.1\r\nHost: localhost:{port}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+}
+
 fn port_of(server: &Server) -> u16 {
     server.url.rsplit(':').next().unwrap().parse().unwrap()
 }
@@ -306,13 +318,8 @@ fn extreme_durations_and_sizes_are_400s_and_nothing_sticks() {
     ];
     for value in extremes {
         for field in ["keep_alive", "timeout"] {
-            let (status, out) = raw(
-                port,
-                &format!(
-                    "POST /api/models/e/infer?{field}={value} HTTP/1.1\r\nHost: localhost:{port}\r\n\
-                     Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
-                ),
-            );
+            let (status, out) =
+                post_json(port, &format!("/api/models/e/infer?{field}={value}"), "{}");
             assert_eq!(status, 400, "{field}={value}: {out}");
             assert!(
                 out.contains(field),
@@ -504,15 +511,7 @@ fn sigterm_ends_despite_a_hung_request_and_a_half_sent_head() {
         &["--listen", &format!("127.0.0.1:{port}")],
     );
     assert!(wait_healthy(port));
-    let hung = std::thread::spawn(move || {
-        raw(
-            port,
-            &format!(
-                "POST /api/models/hang/infer HTTP/1.1\r\nHost: localhost:{port}\r\nContent-Type: application/json\r\n\
-                 Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
-            ),
-        )
-    });
+    let hung = std::thread::spawn(move || post_json(port, "/api/models/hang/infer", "{}"));
     let workers = || {
         children_of(daemon.child.id())
             .into_iter()
@@ -559,12 +558,7 @@ fn a_second_signal_stops_at_once() {
         &["--listen", &format!("127.0.0.1:{port}")],
     );
     assert!(wait_healthy(port));
-    let (status, out) = raw(
-        port,
-        &format!(
-            "POST /api/models/hang/load HTTP/1.1\r\nHost: localhost:{port}\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
-        ),
-    );
+    let (status, out) = post_json(port, "/api/models/hang/load", "{}");
     assert_eq!(status, 200, "{out}");
     let worker: u32 = children_of(daemon.child.id())[0].0;
     daemon.signal(nix::sys::signal::Signal::SIGTERM);
@@ -655,12 +649,7 @@ fn a_second_server_on_the_same_state_file_refuses_and_touches_nothing() {
         &["--listen", &format!("127.0.0.1:{first_port}")],
     );
     assert!(wait_healthy(first_port));
-    let (status, out) = raw(
-        first_port,
-        &format!(
-            "POST /api/models/e/load HTTP/1.1\r\nHost: localhost:{first_port}\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
-        ),
-    );
+    let (status, out) = post_json(first_port, "/api/models/e/load", "{}");
     assert_eq!(status, 200, "{out}");
     let before = std::fs::read_to_string(&state).unwrap();
     assert!(before.contains("\"model\": \"e\""), "{before}");
@@ -813,9 +802,7 @@ fn concurrent_workers_leave_a_consistent_state_file() {
     assert!(wait_healthy(port));
     let loads: Vec<_> = (0..32)
         .map(|i| {
-            std::thread::spawn(move || {
-                raw(port, &format!("POST /api/models/e{i}/load HTTP/1.1\r\nHost: localhost:{port}\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}")).0
-            })
+            std::thread::spawn(move || post_json(port, &format!("/api/models/e{i}/load"), "{}").0)
         })
         .collect();
     for load in loads {

@@ -38,13 +38,6 @@ async fn crash_in_a_row(sup: &Supervisor, model: &str, n: usize) {
     }
 }
 
-fn ready_pid(sup: &Supervisor, model: &str) -> Option<u32> {
-    sup.stats()
-        .into_iter()
-        .find(|s| s.name == model && s.state == ModelState::Ready)
-        .and_then(|s| s.pid)
-}
-
 #[test]
 fn killed_workers_fail_requests_at_once_and_are_restarted() {
     let server = Server::start(

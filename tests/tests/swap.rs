@@ -3,15 +3,8 @@
 
 use std::time::Duration;
 
-use berth::{Body, ModelSpec, ModelState, RequestOptions, Supervisor};
+use berth::{Body, ModelSpec, RequestOptions, Supervisor};
 use berth_tests::*;
-
-fn ready_pid(sup: &Supervisor, model: &str) -> Option<u32> {
-    sup.stats()
-        .into_iter()
-        .find(|s| s.name == model && s.state == ModelState::Ready)
-        .and_then(|s| s.pid)
-}
 
 fn in_flight(sup: &Supervisor, model: &str) -> u32 {
     sup.stats()

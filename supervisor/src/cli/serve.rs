@@ -6,8 +6,8 @@ use std::process::ExitCode;
 
 use berth::fetch::{DEFAULT_MODELS, fetch, models_dir};
 use berth::orphans;
-use berth::server::config::{DEFAULT_LISTEN, DEFAULT_MAX_BODY, ServeConfig};
-use berth::server::{Listen, ServeOptions, serve};
+use berth::server::config::{DEFAULT_LISTEN, ServeConfig};
+use berth::server::{Listen, serve};
 use berth::{ModelSpec, Supervisor};
 use clap::Args;
 
@@ -80,19 +80,7 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
     }
     raise_descriptor_limit();
-    let mut options = ServeOptions::new(listen);
-    options.token = token;
-    options.max_body = config.max_body.unwrap_or(DEFAULT_MAX_BODY) as usize;
-    options.body_timeout = config.body_timeout.unwrap_or(options.body_timeout);
-    options.max_inputs = config.max_inputs.unwrap_or(options.max_inputs);
-    options.allowed_hosts = config.allowed_hosts.clone();
-    options.allowed_origins = config.allowed_origins.clone();
-    options.connections.header_timeout = config
-        .header_timeout
-        .unwrap_or(options.connections.header_timeout);
-    options.connections.max_connections = config
-        .max_connections
-        .unwrap_or(options.connections.max_connections);
+    let options = config.serve_options(listen, token);
     serve(supervisor, options).await
 }
 

@@ -26,6 +26,7 @@ use serde::Deserialize;
 use std::collections::BTreeMap;
 
 use crate::config::{ModelSpec, WorkerKind, check_bytes, check_duration};
+use crate::server::{Listen, ServeOptions};
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7733";
 pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(300);
@@ -187,6 +188,24 @@ impl ServeConfig {
             model.validate().map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    /// How the sidecar serves, this file's values over the defaults.
+    pub fn serve_options(&self, listen: Listen, token: Option<String>) -> ServeOptions {
+        let mut options = ServeOptions::new(listen);
+        options.token = token;
+        options.max_body = self.max_body.unwrap_or(DEFAULT_MAX_BODY) as usize;
+        options.body_timeout = self.body_timeout.unwrap_or(options.body_timeout);
+        options.max_inputs = self.max_inputs.unwrap_or(options.max_inputs);
+        options.allowed_hosts = self.allowed_hosts.clone();
+        options.allowed_origins = self.allowed_origins.clone();
+        options.connections.header_timeout = self
+            .header_timeout
+            .unwrap_or(options.connections.header_timeout);
+        options.connections.max_connections = self
+            .max_connections
+            .unwrap_or(options.connections.max_connections);
+        options
     }
 
     /// The supervisor's settings, this file's values over the defaults:
