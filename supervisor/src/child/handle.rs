@@ -284,6 +284,16 @@ impl WorkerHandle {
         Some(m.last)
     }
 
+    /// Reads just the worker's resident memory now (`statm`: cheap, unlike
+    /// a full sample) and records it; `None` once the process is gone.
+    pub fn sample_rss(&self) -> Option<u64> {
+        let rss = crate::child::memory::resident_bytes(self.pid)?;
+        let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
+        m.last.rss_bytes = rss;
+        m.last.peak_rss_bytes = m.last.peak_rss_bytes.max(rss);
+        Some(rss)
+    }
+
     /// The last reading if it is younger than `max_age`, else a new one:
     /// status views polled in a loop then cost at most one procfs read per
     /// worker per `max_age`, however many clients poll.

@@ -18,6 +18,14 @@ pub struct ProcessMemory {
     pub peak_rss_bytes: u64,
 }
 
+/// A process's resident memory from `/proc/<pid>/statm`: one small read,
+/// for checks made after every request; `None` once it is gone.
+pub fn resident_bytes(pid: u32) -> Option<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * procfs::page_size())
+}
+
 /// Reads a process's memory; `None` once it is gone.
 pub fn process_memory(pid: u32) -> Option<ProcessMemory> {
     let process = procfs::process::Process::new(pid as i32).ok()?;

@@ -371,7 +371,29 @@ impl Supervisor {
     }
 
     /// After each request: replace a worker past `max_rss` or `max_requests`.
+    ///
+    /// The worker's RSS is read (from `/proc/<pid>/statm`, microseconds)
+    /// only for a model with `max_rss`, and outside the state lock. It used
+    /// to be a full memory sample (`smaps_rollup`, which walks the worker's
+    /// page tables: milliseconds for a large worker) after every request of
+    /// any model that recycles, under the lock: that was the latency that
+    /// recycling by `max_requests` showed.
     pub(super) fn maybe_recycle(inner: &Arc<Inner>, model: &str) {
+        let (worker, max_rss) = {
+            let state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
+            let (Some(entry), Some(slot)) = (state.catalogue.get(model), state.slots.get(model))
+            else {
+                return;
+            };
+            let Some(worker) = slot.worker.clone() else {
+                return;
+            };
+            (worker, entry.spec.max_rss)
+        };
+        let rss = match max_rss {
+            Some(_) => worker.sample_rss().unwrap_or(0),
+            None => 0,
+        };
         let spec = {
             let mut state = inner.state.lock().unwrap_or_else(|e| e.into_inner());
             let State {
@@ -384,13 +406,13 @@ impl Supervisor {
             if (max_rss.is_none() && max_requests.is_none())
                 || slot.state != ModelState::Ready
                 || inner.shutting_down.load(Ordering::SeqCst)
+                || !slot
+                    .worker
+                    .as_ref()
+                    .is_some_and(|w| Arc::ptr_eq(w, &worker))
             {
                 return;
             }
-            let Some(worker) = slot.worker.clone() else {
-                return;
-            };
-            let rss = worker.sample_memory().map(|m| m.rss_bytes).unwrap_or(0);
             let over = max_rss.is_some_and(|m| rss >= m);
             if over {
                 // Not one more request for this worker: they wait for its replacement.
