@@ -6,6 +6,9 @@
 //! supervisor's RSS would stay at its peak for good. A trim after large
 //! answers gives it back; nothing is trimmed while nothing large passed.
 
+/// Answers this large (bytes inside the message) are followed by a trim.
+pub const LARGE: u64 = 1 << 20;
+
 static TRIM_PENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Hands the heap's free pages back to the kernel now (glibc's

@@ -13,16 +13,7 @@ use berth_tests::{Server, default_model};
 use serde_json::json;
 
 fn rss_mib(pid: u32) -> f64 {
-    procfs::process::Process::new(pid as i32)
-        .and_then(|p| p.status())
-        .ok()
-        .and_then(|s| s.vmrss)
-        .unwrap_or(0) as f64
-        / 1024.0
-}
-
-fn port_of(server: &Server) -> u16 {
-    server.url.rsplit(':').next().unwrap().parse().unwrap()
+    berth::child::memory::resident_bytes(pid).unwrap_or(0) as f64 / (1u64 << 20) as f64
 }
 
 fn pct(samples: &mut [Duration], p: f64) -> f64 {
@@ -30,25 +21,11 @@ fn pct(samples: &mut [Duration], p: f64) -> f64 {
     samples[((samples.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
 }
 
-fn raise_own_descriptor_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write the struct given.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-        }
-    }
-}
-
 /// 1,000 clients each send half a request head and stop.
 fn slow_headers() {
     const SLOW: usize = 1000;
     let server = Server::start("[[model]]\nname = \"e\"\nbackend = \"echo\"\n");
-    let port = port_of(&server);
+    let port = server.port();
     std::thread::sleep(Duration::from_millis(100));
     let opened = Instant::now();
     let mut slow = Vec::new();
@@ -153,7 +130,7 @@ fn large_answer() {
             }
         });
         let body = json!({ "model": "minilm", "input": texts }).to_string();
-        let port = port_of(&server);
+        let port = server.port();
         let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
         let head = format!(
             "POST /v1/embeddings HTTP/1.1\r\nHost: localhost:{port}\r\nContent-Type: application/json\r\n\
@@ -277,7 +254,7 @@ fn ps_polling() {
 }
 
 fn main() {
-    raise_own_descriptor_limit();
+    berth::server::listen::raise_descriptor_limit();
     let which = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
     let run = |name: &str| which.as_deref().is_none_or(|w| w == name);
     if run("connections") {

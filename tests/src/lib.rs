@@ -285,6 +285,11 @@ impl Server {
         self.child.id()
     }
 
+    /// The TCP port it listens on.
+    pub fn port(&self) -> u16 {
+        self.url.rsplit(':').next().unwrap().parse().unwrap()
+    }
+
     fn finish(
         &self,
         result: Result<ureq::http::Response<ureq::Body>, ureq::Error>,

@@ -41,10 +41,6 @@ fn post_json(port: u16, path: &str, body: &str) -> (u16, String) {
     )
 }
 
-fn port_of(server: &Server) -> u16 {
-    server.url.rsplit(':').next().unwrap().parse().unwrap()
-}
-
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("berth-hardening-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -125,12 +121,7 @@ fn wait_healthy(port: u16) -> bool {
 }
 
 fn rss_of(pid: u32) -> u64 {
-    procfs::process::Process::new(pid as i32)
-        .and_then(|p| p.status())
-        .ok()
-        .and_then(|s| s.vmrss)
-        .unwrap_or(0)
-        * 1024
+    berth::child::memory::resident_bytes(pid).unwrap_or(0)
 }
 
 // ----- 1. what runs is the operator's decision -----
@@ -257,7 +248,7 @@ fn loader_and_interpreter_variables_are_refused_in_a_model_but_allowed_on_a_work
 #[test]
 fn a_web_page_cannot_reach_the_api() {
     let server = Server::start("[[model]]\nname = \"e\"\nbackend = \"echo\"\n");
-    let port = port_of(&server);
+    let port = server.port();
     let post = |headers: &str, body: &str| {
         raw(
             port,
@@ -305,7 +296,7 @@ fn a_web_page_cannot_reach_the_api() {
 #[test]
 fn extreme_durations_and_sizes_are_400s_and_nothing_sticks() {
     let server = Server::start("[[model]]\nname = \"e\"\nbackend = \"echo\"\n");
-    let port = port_of(&server);
+    let port = server.port();
     let extremes = [
         "1e19",
         "1e20",
@@ -371,7 +362,7 @@ fn extreme_durations_and_sizes_are_400s_and_nothing_sticks() {
 #[test]
 fn bad_option_values_and_names_are_400s() {
     let server = Server::start("");
-    let port = port_of(&server);
+    let port = server.port();
     for value in [json!(-5), json!(1e308), json!("lots")] {
         let (status, reply) = server.put(
             "/api/models/h",
@@ -455,7 +446,7 @@ fn the_token_is_never_blank_and_the_bearer_scheme_is_any_case() {
     assert!(blank.stderr().contains("blank"), "{}", blank.stderr());
 
     let server = Server::start_with("", &["--token", "s3cret"]);
-    let port = port_of(&server);
+    let port = server.port();
     for scheme in ["Bearer", "bearer", "BEARER"] {
         let (status, out) = raw(
             port,
@@ -583,7 +574,7 @@ fn slow_header_connections_are_capped_and_shed() {
     let server = Server::start(
         "header_timeout = \"1s\"\nmax_connections = 8\n[[model]]\nname = \"e\"\nbackend = \"echo\"\n",
     );
-    let port = port_of(&server);
+    let port = server.port();
     // The start-up probe's kept-alive connection is shed first.
     std::thread::sleep(Duration::from_millis(1500));
     let slow: Vec<TcpStream> = (0..8)

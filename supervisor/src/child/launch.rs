@@ -54,15 +54,24 @@ pub(crate) fn worker_program(spec: &ModelSpec, config: &SupervisorConfig) -> Res
         path: path.clone(),
         args: Vec::new(),
     };
-    if let Some(path) = spec.worker_binary.as_ref().or(kind.map(|k| &k.binary)) {
-        return Ok(plain(path));
+    match spec.worker_binary.as_ref().or(kind.map(|k| &k.binary)) {
+        Some(path) => Ok(plain(path)),
+        None => default_program(config),
     }
+}
+
+/// The supervisor's own worker program (with its role arguments), else
+/// `berth-worker` next to this executable.
+pub(crate) fn default_program(config: &SupervisorConfig) -> Result<WorkerProgram> {
     match &config.worker_binary {
         Some(path) => Ok(WorkerProgram {
             path: path.clone(),
             args: config.worker_args.clone(),
         }),
-        None => find_worker_binary(WORKER_BINARY).map(|path| plain(&path)),
+        None => find_worker_binary(WORKER_BINARY).map(|path| WorkerProgram {
+            path,
+            args: Vec::new(),
+        }),
     }
 }
 

@@ -118,7 +118,8 @@ pub(super) fn read_events(
     }
 }
 
-/// A body the worker sent, refused (and dropped at once) past
+/// A body the worker sent: a large one asks for a heap trim once it is
+/// through (whatever front door passes it on); one past
 /// `max_response` bytes inside the message: the supervisor would otherwise
 /// parse and copy it several times over on its way to the client. Bulk bytes
 /// in shared memory are the worker's mapping, not the supervisor's heap, and
@@ -130,6 +131,10 @@ fn bounded(model: &str, body: Body, max_response: u64) -> std::result::Result<Bo
     };
     let size = (body.json.len() + inline) as u64;
     if size <= max_response {
+        if size >= crate::heap::LARGE {
+            // Its copies on the way to the client will be freed shortly.
+            crate::heap::trim_soon();
+        }
         return Ok(body);
     }
     drop(body);

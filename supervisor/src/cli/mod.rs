@@ -58,7 +58,7 @@ pub(crate) const WORKER_ROLE: &str = "worker";
 
 /// The worker program `berth serve` and `berth run` start: the one given
 /// (`--worker`, `BERTH_WORKER`), else this executable in its worker role.
-pub(crate) fn worker_program(
+pub(crate) fn default_worker(
     given: Option<std::path::PathBuf>,
 ) -> (Option<std::path::PathBuf>, Vec<String>) {
     match given {

@@ -43,7 +43,7 @@ pub struct RunArgs {
 }
 
 pub async fn run(args: RunArgs) -> ExitCode {
-    let (worker_binary, worker_args) = super::worker_program(args.worker.clone());
+    let (worker_binary, worker_args) = super::default_worker(args.worker.clone());
     let config = SupervisorConfig {
         worker_binary,
         worker_args,

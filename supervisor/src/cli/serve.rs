@@ -62,7 +62,7 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .unwrap_or_else(|| default_state_file(&listen)),
     )?;
     let supervisor = Supervisor::new(config.supervisor_config(
-        super::worker_program(args.worker.clone()),
+        super::default_worker(args.worker.clone()),
         models_root.clone(),
     ));
     supervisor
@@ -79,27 +79,9 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .register(spec)
             .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
     }
-    raise_descriptor_limit();
+    berth::server::listen::raise_descriptor_limit();
     let options = config.serve_options(listen, token);
     serve(supervisor, options).await
-}
-
-/// Raises the soft limit on open descriptors to the hard one, as servers
-/// do: each connection and each worker (pipes, IPC) takes descriptors, and
-/// the usual soft limit of 1024 is below what `max_connections` allows.
-fn raise_descriptor_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write the struct given, nothing else.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
-        {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-        }
-    }
 }
 
 /// Reaps what workers fork, and stops what a killed predecessor left.

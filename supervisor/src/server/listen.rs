@@ -283,3 +283,21 @@ async fn serve_one<S>(
     connection.as_mut().graceful_shutdown();
     let _ = connection.await;
 }
+
+/// Raises the soft limit on open descriptors to the hard one, as servers
+/// do: each connection and each worker (pipes, IPC) takes descriptors, and
+/// the usual soft limit of 1024 is below what `max_connections` allows.
+pub fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct given, nothing else.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}

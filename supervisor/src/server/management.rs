@@ -142,9 +142,6 @@ pub async fn infer(
         .supervisor
         .request_with(&name, Body::json(json), options)
         .await?;
-    if reply.json.len() >= 1 << 20 {
-        crate::heap::trim_soon();
-    }
     Ok(([(header::CONTENT_TYPE, "application/json")], reply.json).into_response())
 }
 

@@ -80,10 +80,6 @@ fn refuse_other_kind(app: &AppState, model: &str, endpoint: &str) -> Result<(), 
     Ok(())
 }
 
-/// Answers this large are followed by a heap trim (see
-/// [`crate::heap::trim_soon`]).
-const LARGE_ANSWER: usize = 1 << 20;
-
 pub async fn models(State(app): State<AppState>) -> Json<Value> {
     let data: Vec<Value> = app
         .supervisor
@@ -147,9 +143,6 @@ pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Json
         .supervisor
         .request_with(&req.model, body, options)
         .await?;
-    if reply.json.len() >= LARGE_ANSWER {
-        crate::heap::trim_soon();
-    }
     let mut out: Value = serde_json::from_str(&reply.json).map_err(|e| {
         ApiError::new(
             axum::http::StatusCode::BAD_GATEWAY,

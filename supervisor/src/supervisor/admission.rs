@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::slot::{Entry, Slot, slot_state};
+use super::slot::{Entry, Slot};
 use super::{ModelState, State, Supervisor};
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
@@ -176,7 +176,7 @@ fn room(state: &State, model: &str) -> Room {
                     "`{name}` {} ({} in flight, {})",
                     mib(rss(s)),
                     busy,
-                    slot_state(s)
+                    s.state()
                 )
             })
             .collect(),

@@ -1,7 +1,7 @@
 //! The catalogue: which models exist, how they are checked when they are
 //! registered, and what a client may learn of them.
 
-use super::slot::{Change, Entry, slot_state};
+use super::slot::{Change, Entry, Slot};
 use super::{CatalogueEntry, ModelState, Supervisor};
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
@@ -58,10 +58,9 @@ impl Supervisor {
     /// it is listening, so a missing or broken worker is found at start and
     /// not at the first request.
     pub fn check_workers(&self) -> std::result::Result<(), String> {
-        use crate::child::launch::{WorkerProgram, offered_backends, worker_program};
+        use crate::child::launch::{WorkerProgram, default_program, offered_backends};
         let config = &self.inner.config;
-        let probe = ModelSpec::new("probe", "any");
-        let mut programs = vec![worker_program(&probe, config).map_err(|e| e.to_string())?];
+        let mut programs = vec![default_program(config).map_err(|e| e.to_string())?];
         programs.extend(config.workers.values().map(|kind| WorkerProgram {
             path: kind.binary.clone(),
             args: Vec::new(),
@@ -110,7 +109,7 @@ impl Supervisor {
                 let slot = state.slots.get(name);
                 CatalogueEntry {
                     spec: entry.spec.clone(),
-                    state: slot.map(slot_state).unwrap_or(ModelState::Unloaded),
+                    state: slot.map(Slot::state).unwrap_or(ModelState::Unloaded),
                     pid: slot.and_then(|s| s.worker.as_ref()).map(|w| w.pid()),
                     last_peak_bytes: entry.last_peak_bytes,
                 }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::slot::{Change, Entry, Incoming, LoadSignal, Slot, Unload, slot_state};
+use super::slot::{Change, Entry, Incoming, LoadSignal, Slot, Unload};
 use super::{ModelState, Need, Retiring, State, Supervisor, SwapReport, detached};
 use crate::child::handle::WorkerHandle;
 use crate::child::{launch, stop};
@@ -91,7 +91,7 @@ impl Supervisor {
                     },
                     None => Error::Busy {
                         model: model.into(),
-                        reason: format!("it is {}", slot_state(slot)),
+                        reason: format!("it is {}", slot.state()),
                     },
                 });
             }
@@ -178,7 +178,7 @@ impl Supervisor {
                 }
                 match state.slots.get(model) {
                     None => Next::Load,
-                    Some(slot) => match (slot_state(slot), &slot.worker, &slot.loading) {
+                    Some(slot) => match (slot.state(), &slot.worker, &slot.loading) {
                         (ModelState::Ready, Some(worker), _) => return Ok(Arc::clone(worker)),
                         (ModelState::Failed, None, _) => {
                             return Err(Error::ModelFailed {

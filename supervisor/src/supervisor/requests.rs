@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use berth_protocol::Body;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::slot::slot_state;
 use super::{
     DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_QUEUE, Inner, ModelCounters, ModelState, RequestOptions,
     State, Supervisor,
@@ -22,12 +21,12 @@ impl Supervisor {
     pub fn worker(&self, model: &str) -> Result<Arc<WorkerHandle>> {
         let state = self.lock();
         match state.slots.get(model) {
-            Some(slot) if slot_state(slot) == ModelState::Ready => Ok(Arc::clone(
+            Some(slot) if slot.state() == ModelState::Ready => Ok(Arc::clone(
                 slot.worker.as_ref().expect("ready slots have a worker"),
             )),
             Some(slot) => Err(Error::Busy {
                 model: model.into(),
-                reason: format!("it is {}", slot_state(slot)),
+                reason: format!("it is {}", slot.state()),
             }),
             None if state.catalogue.contains_key(model) => Err(Error::NotLoaded {
                 model: model.into(),
@@ -155,7 +154,7 @@ impl Supervisor {
             let routed = {
                 let state = self.lock();
                 match state.slots.get(model) {
-                    Some(slot) if slot_state(slot) == ModelState::Ready && !slot.hold => {
+                    Some(slot) if slot.state() == ModelState::Ready && !slot.hold => {
                         let worker = slot.worker.as_ref().expect("ready slots have a worker");
                         Some(worker.call_stream(body.take().expect("sent once"))?)
                     }

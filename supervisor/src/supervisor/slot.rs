@@ -65,7 +65,10 @@ impl Slot {
     /// What the slot is in, as callers see it: a ready worker that has died
     /// is `Failed` until the crash policy acts.
     pub(super) fn state(&self) -> ModelState {
-        slot_state(self)
+        match &self.worker {
+            Some(w) if !w.is_alive() && self.state == ModelState::Ready => ModelState::Failed,
+            _ => self.state,
+        }
     }
 
     /// A load or restart is done: `worker` serves from now on, and the
@@ -379,13 +382,6 @@ fn resize(permits: &Arc<Semaphore>, from: usize, to: usize) {
                 }
             });
         }
-    }
-}
-
-pub(super) fn slot_state(slot: &Slot) -> ModelState {
-    match &slot.worker {
-        Some(w) if !w.is_alive() && slot.state == ModelState::Ready => ModelState::Failed,
-        _ => slot.state,
     }
 }
 

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::slot::slot_state;
 use super::{ModelCounters, ModelStatus, Supervisor};
 use crate::child::handle::WorkerHandle;
 
@@ -37,7 +36,7 @@ impl Supervisor {
                     let status = ModelStatus {
                         name: name.clone(),
                         backend: entry.map(|e| e.spec.backend.clone()).unwrap_or_default(),
-                        state: slot_state(slot),
+                        state: slot.state(),
                         pid: worker.as_ref().map(|w| w.pid()),
                         rss_bytes: 0,
                         pss_bytes: 0,
