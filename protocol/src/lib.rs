@@ -25,6 +25,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 use ipc_channel::ipc::{IpcSender, IpcSharedMemory};
 use serde::{Deserialize, Serialize};
@@ -34,6 +35,8 @@ use serde::{Deserialize, Serialize};
 /// Fixtures of each released version live in `tests/fixtures/` and are
 /// decoded by the tests, so an accidental change is caught.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+pub mod stream;
 
 /// Environment variable holding the one-shot server name the worker connects to.
 pub const ENV_BOOTSTRAP: &str = "BERTH_BOOTSTRAP";
@@ -165,9 +168,14 @@ impl Body {
             Bulk::None => &[],
             Bulk::Inline(bytes) => bytes,
             Bulk::Shared(shm) => shm,
+            Bulk::Mapped(bytes) => bytes.as_ref().as_ref(),
         }
     }
 }
+
+/// Bytes mapped from somewhere else (a memfd a worker sent on the stream
+/// wire), read in place.
+pub type MappedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
 /// The bulk part of a [`Body`].
 #[derive(Clone, Default, Serialize, Deserialize)]
@@ -179,6 +187,11 @@ pub enum Bulk {
     Inline(#[serde(with = "serde_bytes")] Vec<u8>),
     /// Bytes in a shared-memory region mapped by both processes.
     Shared(IpcSharedMemory),
+    /// Bytes mapped read-only from a sealed memfd a stream-wire worker sent
+    /// (`docs/wire.md`). Never crosses `ipc-channel`: a body holding one is
+    /// turned into [`Bulk::Shared`] before it is sent to a Rust worker.
+    #[serde(skip)]
+    Mapped(MappedBytes),
 }
 
 impl fmt::Debug for Bulk {
@@ -187,6 +200,7 @@ impl fmt::Debug for Bulk {
             Bulk::None => f.write_str("None"),
             Bulk::Inline(b) => write!(f, "Inline({} bytes)", b.len()),
             Bulk::Shared(s) => write!(f, "Shared({} bytes)", s.len()),
+            Bulk::Mapped(m) => write!(f, "Mapped({} bytes)", m.as_ref().as_ref().len()),
         }
     }
 }
@@ -255,6 +269,24 @@ impl ErrorKind {
             ErrorKind::Backend => "backend_error",
             ErrorKind::Internal => "internal",
         }
+    }
+}
+
+impl ErrorKind {
+    /// The kind whose [`ErrorKind::code`] this is.
+    pub fn from_code(code: &str) -> Option<ErrorKind> {
+        [
+            ErrorKind::BadRequest,
+            ErrorKind::UnknownBackend,
+            ErrorKind::LoadFailed,
+            ErrorKind::NotLoaded,
+            ErrorKind::Cancelled,
+            ErrorKind::InputTooLarge,
+            ErrorKind::Backend,
+            ErrorKind::Internal,
+        ]
+        .into_iter()
+        .find(|k| k.code() == code)
     }
 }
 
