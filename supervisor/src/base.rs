@@ -129,6 +129,10 @@ pub enum KillCause {
     HeartbeatLost { silent_for_s: f64 },
     /// It died of a GPU out-of-memory error (read from its stderr).
     GpuOutOfMemory { line: String },
+    /// It broke the wire: sent a malformed frame, an unknown message, a
+    /// reply to a request that does not exist, a descriptor it was not asked
+    /// for. `sent` says what.
+    ProtocolViolation { sent: String },
 }
 
 impl KillCause {
@@ -168,6 +172,9 @@ impl std::fmt::Display for KillCause {
             }
             KillCause::HeartbeatLost { silent_for_s } => {
                 write!(f, "killed after {silent_for_s:.1} s without a heartbeat")
+            }
+            KillCause::ProtocolViolation { sent } => {
+                write!(f, "killed for breaking the wire (it sent {sent})")
             }
         }
     }

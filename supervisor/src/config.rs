@@ -44,6 +44,17 @@ pub struct ModelSpec {
     /// here; an operator sets those on a worker kind. The HTTP API refuses it.
     #[serde(default)]
     pub env: Vec<(String, String)>,
+    /// A worker that speaks the stream wire (`docs/wire.md`: a Python
+    /// worker, or any language), by its command line:
+    /// `["python3", "-m", "berth_worker"]`. The program is looked up on the
+    /// supervisor's `PATH`. Set by the operator; the HTTP API refuses it (an
+    /// operator declares a worker kind with `command`, which a client names).
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
+    /// The worker's working directory (default: the supervisor's). Set by
+    /// the operator; the HTTP API refuses it.
+    #[serde(default)]
+    pub cwd: Option<PathBuf>,
     /// `mmap` or `read`; passed to the backend as its `load_mode` option.
     #[serde(default)]
     pub load_mode: Option<String>,
@@ -101,6 +112,8 @@ impl ModelSpec {
             worker_binary: None,
             worker: None,
             env: Vec::new(),
+            command: None,
+            cwd: None,
             load_mode: None,
             keep_alive: None,
             memory_limit: None,
@@ -133,6 +146,12 @@ impl ModelSpec {
 
     pub fn worker_binary(mut self, path: impl Into<PathBuf>) -> Self {
         self.worker_binary = Some(path.into());
+        self
+    }
+
+    /// A stream-wire worker by its command line (see [`ModelSpec::command`]).
+    pub fn command<S: Into<String>>(mut self, argv: impl IntoIterator<Item = S>) -> Self {
+        self.command = Some(argv.into_iter().map(Into::into).collect());
         self
     }
 
@@ -220,6 +239,24 @@ impl ModelSpec {
         {
             return invalid(format!("worker binary `{}` does not exist", path.display()));
         }
+        if let Some(argv) = &self.command {
+            check_command(argv).map_err(|reason| Error::InvalidSpec {
+                model: self.name.clone(),
+                reason,
+            })?;
+            if self.worker_binary.is_some() || self.worker.is_some() {
+                return invalid(
+                    "`command` names the worker program, so `worker_binary` and `worker` \
+                     cannot be given with it; keep one"
+                        .into(),
+                );
+            }
+        }
+        if let Some(dir) = &self.cwd
+            && !dir.is_dir()
+        {
+            return invalid(format!("cwd `{}` is not a directory", dir.display()));
+        }
         Ok(())
     }
 
@@ -227,6 +264,14 @@ impl ModelSpec {
     /// declares.
     pub fn validate_for(&self, config: &SupervisorConfig) -> Result<()> {
         self.validate()?;
+        if let Some(declared) = self.worker.as_ref().and_then(|k| config.workers.get(k)) {
+            declared
+                .check(self.worker.as_deref().unwrap_or_default())
+                .map_err(|reason| Error::InvalidSpec {
+                    model: self.name.clone(),
+                    reason,
+                })?;
+        }
         if let Some(kind) = &self.worker
             && !config.workers.contains_key(kind)
         {
@@ -364,18 +409,82 @@ pub fn is_dangerous_env(name: &str) -> bool {
         || EXACT.contains(&upper.as_str())
 }
 
+/// A command line a worker is started with: a program and its arguments,
+/// none empty or holding a NUL byte.
+pub fn check_command(argv: &[String]) -> std::result::Result<(), String> {
+    match argv.first() {
+        None => Err("`command` is empty; give the program and its arguments, \
+                     e.g. [\"python3\", \"-m\", \"berth_worker\"]"
+            .into()),
+        Some(program) if program.trim().is_empty() => {
+            Err("`command` starts with an empty program name".into())
+        }
+        _ => match argv.iter().find(|a| a.contains('\0')) {
+            Some(arg) => Err(format!("`command` argument {arg:?} holds a NUL byte")),
+            None => Ok(()),
+        },
+    }
+}
+
 /// A worker program the operator declares by name, so that a model (even
 /// one registered over HTTP) can run it by naming the kind, never the path.
+/// Either a `binary` (a Rust worker on `ipc-channel`) or a `command` (a
+/// worker on the stream wire: Python, any language).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerKind {
     /// The program (a `berth-worker`-compatible binary, or a wrapper that
     /// execs one: `setpriv`, a seccomp launcher, ...).
-    pub binary: PathBuf,
+    #[serde(default)]
+    pub binary: Option<PathBuf>,
+    /// A stream-wire worker's command line (`["python3", "-m", "berth_worker"]`).
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
+    /// Its working directory.
+    #[serde(default)]
+    pub cwd: Option<PathBuf>,
     /// Environment for it; may set loader and interpreter variables, since
     /// only an operator writes it.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+}
+
+impl WorkerKind {
+    /// A kind running a `berth-worker`-compatible binary.
+    pub fn binary(path: impl Into<PathBuf>) -> Self {
+        WorkerKind {
+            binary: Some(path.into()),
+            command: None,
+            cwd: None,
+            env: BTreeMap::new(),
+        }
+    }
+
+    /// A kind running a stream-wire worker by its command line.
+    pub fn command<S: Into<String>>(argv: impl IntoIterator<Item = S>) -> Self {
+        WorkerKind {
+            binary: None,
+            command: Some(argv.into_iter().map(Into::into).collect()),
+            cwd: None,
+            env: BTreeMap::new(),
+        }
+    }
+
+    /// Exactly one of `binary` and `command`, each well formed.
+    pub fn check(&self, name: &str) -> std::result::Result<(), String> {
+        match (&self.binary, &self.command) {
+            (Some(_), Some(_)) => Err(format!(
+                "worker kind `{name}` has both `binary` and `command`; keep one"
+            )),
+            (None, None) => Err(format!(
+                "worker kind `{name}` has neither `binary` nor `command`; give one"
+            )),
+            (None, Some(argv)) => {
+                check_command(argv).map_err(|e| format!("worker kind `{name}`: {e}"))
+            }
+            (Some(_), None) => Ok(()),
+        }
+    }
 }
 
 /// Supervisor-wide settings.
@@ -505,13 +614,9 @@ mod tests {
         let err = spec.validate_for(&SupervisorConfig::default()).unwrap_err();
         assert!(err.to_string().contains("[workers.python]"), "{err}");
         let mut config = SupervisorConfig::default();
-        config.workers.insert(
-            "python".into(),
-            WorkerKind {
-                binary: "/bin/true".into(),
-                env: BTreeMap::new(),
-            },
-        );
+        config
+            .workers
+            .insert("python".into(), WorkerKind::binary("/bin/true"));
         assert!(spec.validate_for(&config).is_ok());
     }
 }

@@ -35,13 +35,17 @@ pub enum Error {
 
     #[error(
         "model `{model}`: worker pid {pid} speaks protocol version {worker}, this supervisor speaks \
-         {supervisor}; rebuild the worker binary from the same berth release (it was stopped)"
+         {supervisor}; {advice} (it was stopped)"
     )]
     ProtocolMismatch {
         model: String,
         pid: u32,
-        supervisor: u32,
-        worker: u32,
+        /// The versions this supervisor speaks (`1`, `1, 2`).
+        supervisor: String,
+        /// The versions the worker said it speaks.
+        worker: String,
+        /// What to do about it.
+        advice: &'static str,
     },
 
     #[error("model `{model}`: worker sent {received} where {expected} was expected")]
@@ -269,6 +273,10 @@ impl Error {
                 cause: Some(KillCause::GpuOutOfMemory { .. }),
                 ..
             } => "gpu_out_of_memory",
+            Error::WorkerDied {
+                cause: Some(KillCause::ProtocolViolation { .. }),
+                ..
+            } => "protocol_violation",
             Error::WorkerDied { .. } => "worker_died",
             Error::MemoryLimitExceeded { .. } => "memory_limit_exceeded",
             Error::NotLoaded { .. } => "not_loaded",
@@ -310,6 +318,7 @@ impl Error {
                 Some(
                     KillCause::HeartbeatLost { .. }
                     | KillCause::GpuOutOfMemory { .. }
+                    | KillCause::ProtocolViolation { .. }
                     | KillCause::MemoryLimit { .. },
                 )
                 | None => ErrorClass::WorkerFailed,

@@ -30,7 +30,7 @@ pub mod server;
 mod supervisor;
 mod units;
 
-pub use base::StopGraces;
+pub use base::{CapMechanism, KillCause, StopGraces};
 pub use berth_protocol as protocol;
 pub use berth_protocol::{Body, Bulk};
 pub use child::handle::{Piece, ResponseStream, WorkerHandle};

@@ -1,10 +1,11 @@
 //! `WorkerHandle`: a typed handle on one running worker.
 //!
-//! A plain thread per worker blocks in `recv()` on the event channel and
-//! routes each event straight to whoever waits for it: chunks and results
-//! to the request's own channel (found by id in the pending map), pongs to a
-//! watch, load results to the control channel. Measured on a 2-core VM this
-//! beats every async alternative tried.
+//! A reader routes each event straight to whoever waits for it: chunks and
+//! results to the request's own channel (found by id in the pending map),
+//! pongs to a watch, load results to the control channel. On `ipc-channel`
+//! it is a plain thread blocked in `recv()` (measured on a 2-core VM this
+//! beats every async alternative tried); on the stream wire, a task woken
+//! by the reactor.
 //!
 //! When the worker dies, every pending request fails at once with the exit
 //! status and the last lines of stderr; nothing waits for a time-out.
@@ -14,14 +15,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use berth_protocol::{Body, Command, Event, LoadInfo, LoadSpec, RequestId, WorkerStats};
-use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use nix::sys::signal::Signal;
 use tokio::sync::{Notify, mpsc, watch};
 
 use crate::base::KillCause;
+use crate::child::handshake::Accepted;
+use crate::child::link::{Events, Link};
 use crate::child::memory::{ProcessMemory, process_memory};
 use crate::child::process::ProcessWatch;
-use crate::child::routes::{Reply, Routes, read_events};
+use crate::child::routes::{Dispatch, Reply, Routes};
+use crate::child::stream::SendError;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
 
@@ -88,13 +91,12 @@ pub struct WorkerHandle {
     backend: String,
     pid: u32,
     worker_version: String,
-    commands: IpcSender<Command>,
+    commands: Link,
     routes: Arc<Routes>,
     process: Arc<ProcessWatch>,
     control: tokio::sync::Mutex<mpsc::UnboundedReceiver<Event>>,
     pongs: watch::Receiver<Option<(u64, WorkerStats)>>,
     reader_done: watch::Receiver<bool>,
-    next_id: AtomicU64,
     next_seq: AtomicU64,
     started_at: Instant,
     requests: AtomicU64,
@@ -137,14 +139,13 @@ impl InFlight {
 }
 
 impl WorkerHandle {
-    /// Wraps a worker that has said hello: starts its reader thread and the
-    /// task that fails its requests when it dies.
+    /// Wraps a worker that has said hello: starts its reader and the task
+    /// that fails its requests when it dies.
     pub(crate) fn new(
         model: &str,
         backend: &str,
         process: Arc<ProcessWatch>,
-        events: IpcReceiver<Event>,
-        hello: berth_protocol::Hello,
+        (events, link, hello): Accepted,
         started_at: Instant,
         max_response: u64,
     ) -> Result<Arc<Self>> {
@@ -152,33 +153,46 @@ impl WorkerHandle {
         let (control_tx, control_rx) = mpsc::unbounded_channel();
         let (pong_tx, pongs) = watch::channel(None);
         let (done_tx, reader_done) = watch::channel(false);
-        {
-            let routes = Arc::clone(&routes);
-            let name = model.to_string();
-            std::thread::Builder::new()
-                .name(format!("berth-reader-{}", hello.pid))
-                .spawn(move || {
-                    read_events(&name, &events, &routes, &control_tx, &pong_tx, max_response);
+        let dispatch = Dispatch {
+            model: model.to_string(),
+            routes: Arc::clone(&routes),
+            control: control_tx,
+            pongs: pong_tx,
+            max_response,
+            process: Arc::clone(&process),
+        };
+        match events {
+            Events::Ipc(receiver) => {
+                std::thread::Builder::new()
+                    .name(format!("berth-reader-{}", hello.pid))
+                    .spawn(move || {
+                        dispatch.read_ipc(&receiver);
+                        let _ = done_tx.send(true);
+                    })
+                    .map_err(|source| Error::Io {
+                        model: model.to_string(),
+                        what: "cannot start the reader thread",
+                        source,
+                    })?;
+            }
+            Events::Stream(reader) => {
+                tokio::spawn(async move {
+                    dispatch.read_stream(reader).await;
                     let _ = done_tx.send(true);
-                })
-                .map_err(|source| Error::Io {
-                    model: model.to_string(),
-                    what: "cannot start the reader thread",
-                    source,
-                })?;
+                });
+            }
         }
         let handle = Arc::new(WorkerHandle {
             model: model.to_string(),
             backend: backend.to_string(),
             pid: process.pid(),
             worker_version: hello.worker_version,
-            commands: hello.commands,
+            commands: link,
             routes,
             process,
             control: tokio::sync::Mutex::new(control_rx),
             pongs,
             reader_done,
-            next_id: AtomicU64::new(1),
             next_seq: AtomicU64::new(1),
             started_at,
             requests: AtomicU64::new(0),
@@ -381,12 +395,13 @@ impl WorkerHandle {
         )
     }
 
-    fn send(&self, command: Command) -> std::result::Result<(), ipc_channel::IpcError> {
+    fn send(&self, command: Command) -> std::result::Result<(), SendError> {
         self.commands.send(command)
     }
 
     /// Sends `Load` and waits for the answer, the worker's death, or the deadline.
     pub(crate) async fn load(&self, spec: LoadSpec, timeout: Duration) -> LoadOutcome {
+        self.routes.expect_load();
         if self.send(Command::Load(spec)).is_err() {
             return LoadOutcome::Failed(self.death_error("load").await);
         }
@@ -415,7 +430,7 @@ impl WorkerHandle {
     /// Sends one request; the answer arrives on the returned stream.
     /// Dropping the stream before its end cancels the request in the worker.
     pub fn call_stream(&self, body: Body) -> Result<ResponseStream> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = self.routes.next_id();
         let (tx, rx) = mpsc::unbounded_channel();
         {
             let mut routes = self.routes.lock();
@@ -436,9 +451,26 @@ impl WorkerHandle {
             in_flight: Arc::clone(&self.in_flight),
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
-        if self.send(Command::Request { id, body }).is_err() {
+        match self.send(Command::Request { id, body }) {
+            Ok(()) => {}
             // The worker is gone; its death watch answers the stream.
-            tracing::debug!(model = %self.model, pid = self.pid, "request sent to a closed channel");
+            Err(SendError::Closed) => {
+                tracing::debug!(model = %self.model, pid = self.pid, "request sent to a closed channel");
+            }
+            Err(SendError::Refused(reason)) => {
+                let mut stream = stream;
+                stream.forget();
+                return Err(Error::Request {
+                    model: self.model.clone(),
+                    source: berth_protocol::WireError::new(
+                        berth_protocol::ErrorKind::BadRequest,
+                        format!(
+                            "model `{}`: the request cannot be sent: {reason}",
+                            self.model
+                        ),
+                    ),
+                });
+            }
         }
         Ok(stream)
     }
@@ -525,7 +557,7 @@ pub struct ResponseStream {
     model: String,
     pid: u32,
     routes: Arc<Routes>,
-    commands: IpcSender<Command>,
+    commands: Link,
     in_flight: Arc<InFlight>,
 }
 
@@ -575,8 +607,16 @@ impl ResponseStream {
     /// Stops waiting and tells the worker to stop working on the request.
     pub fn cancel(&mut self) {
         if !self.finished {
-            self.routes.lock().pending.remove(&self.id);
+            self.routes.give_up(self.id);
             let _ = self.commands.send(Command::Cancel { id: self.id });
+            self.finish();
+        }
+    }
+
+    /// Ends a request that never reached the worker.
+    fn forget(&mut self) {
+        if !self.finished {
+            self.routes.lock().pending.remove(&self.id);
             self.finish();
         }
     }

@@ -1,21 +1,28 @@
-//! Waiting for the worker's hello.
+//! Waiting for the worker's hello, on either wire.
 //!
 //! `IpcOneShotServer::accept` blocks with no timeout, so it runs on a thread
 //! of its own while the caller races it against the deadline and the
 //! worker's exit. When the race is lost the thread is released: the worker
 //! is killed (closing its end) and an empty connection is made and dropped,
 //! either of which makes `accept` return.
+//!
+//! On the stream wire the hello is the first frame on the socket pair; the
+//! supervisor answers `welcome` with the version chosen, or `refused`.
 
 use std::time::Duration;
 
+use berth_protocol::stream::{self as wire, STREAM_VERSIONS};
 use berth_protocol::{Event, Hello, PROTOCOL_VERSION};
-use ipc_channel::ipc::{IpcOneShotServer, IpcReceiver, IpcSender};
+use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
 use tokio::sync::oneshot;
 
+use crate::child::link::{Events, HelloInfo, Link};
 use crate::child::process::ProcessWatch;
+use crate::child::stream::{Ended, Inbound, StreamReader, StreamWriter};
 use crate::error::{Error, Result};
 
-pub(crate) type Accepted = (IpcReceiver<Event>, Hello);
+/// A worker that said hello: its events, its commands, what it said.
+pub(crate) type Accepted = (Events, Link, HelloInfo);
 
 /// Opens the one-shot server a worker connects to.
 pub(crate) fn open(model: &str) -> Result<(IpcOneShotServer<Event>, String)> {
@@ -90,24 +97,130 @@ fn handshake_error(model: &str, pid: u32, reason: String) -> Error {
     }
 }
 
-fn check(model: &str, pid: u32, events: IpcReceiver<Event>, hello: Hello) -> HandshakeOutcome {
+fn wrong_pid(model: &str, pid: u32, said: u32) -> Option<Error> {
+    (said != pid).then(|| {
+        handshake_error(
+            model,
+            pid,
+            format!("said hello as pid {said}; a process other than the one started connected"),
+        )
+    })
+}
+
+fn check(
+    model: &str,
+    pid: u32,
+    events: ipc_channel::ipc::IpcReceiver<Event>,
+    hello: Hello,
+) -> HandshakeOutcome {
     if hello.protocol_version != PROTOCOL_VERSION {
         return HandshakeOutcome::Failed(Error::ProtocolMismatch {
             model: model.into(),
             pid,
-            supervisor: PROTOCOL_VERSION,
-            worker: hello.protocol_version,
+            supervisor: PROTOCOL_VERSION.to_string(),
+            worker: hello.protocol_version.to_string(),
+            advice: "rebuild the worker binary from the same berth release",
         });
     }
-    if hello.pid != pid {
+    if let Some(e) = wrong_pid(model, pid, hello.pid) {
+        return HandshakeOutcome::Failed(e);
+    }
+    let info = HelloInfo {
+        pid: hello.pid,
+        worker_version: hello.worker_version,
+        backends: hello.backends,
+    };
+    HandshakeOutcome::Ok((Events::Ipc(events), Link::Ipc(hello.commands), info))
+}
+
+fn versions(list: &[u32]) -> String {
+    let list: Vec<String> = list.iter().map(u32::to_string).collect();
+    if list.is_empty() {
+        "none".into()
+    } else {
+        list.join(", ")
+    }
+}
+
+/// Waits for a stream worker's hello until `timeout`, its exit, or a bad
+/// frame, and answers it: `welcome` with the version chosen, or `refused`.
+pub(crate) async fn accept_stream(
+    model: &str,
+    pid: u32,
+    mut reader: StreamReader,
+    writer: StreamWriter,
+    process: &ProcessWatch,
+    timeout: Duration,
+) -> HandshakeOutcome {
+    let first = tokio::select! {
+        first = reader.next() => first,
+        exit = process.exited() => return HandshakeOutcome::Failed(handshake_error(model, pid, format!(
+            "{exit} before saying hello; is its `command` a berth worker (one built on the \
+             berth_worker package, or speaking docs/wire.md)?{}",
+            process.stderr_suffix().await
+        ))),
+        () = tokio::time::sleep(timeout) => return HandshakeOutcome::TimedOut,
+    };
+    let hello = match first {
+        Ok(Inbound::Hello(hello)) => hello,
+        Ok(Inbound::Event(event)) => {
+            return HandshakeOutcome::Failed(Error::UnexpectedMessage {
+                model: model.into(),
+                expected: "hello",
+                received: event.name(),
+            });
+        }
+        Err(Ended::Violation(v)) => {
+            return HandshakeOutcome::Failed(handshake_error(
+                model,
+                pid,
+                format!("sent {v} where a hello was expected (docs/wire.md)"),
+            ));
+        }
+        Err(Ended::Closed) => {
+            let exit = process.exited().await;
+            return HandshakeOutcome::Failed(handshake_error(
+                model,
+                pid,
+                format!(
+                    "closed its socket and {exit} before saying hello{}",
+                    process.stderr_suffix().await
+                ),
+            ));
+        }
+    };
+    if let Some(e) = wrong_pid(model, pid, hello.pid) {
+        return HandshakeOutcome::Failed(e);
+    }
+    let Some(version) = wire::choose_version(&hello.versions) else {
+        let reason = format!(
+            "the worker speaks wire versions {}; this supervisor speaks {}",
+            versions(&hello.versions),
+            versions(STREAM_VERSIONS)
+        );
+        let _ = writer.send_header(&wire::refused(&reason));
+        return HandshakeOutcome::Failed(Error::ProtocolMismatch {
+            model: model.into(),
+            pid,
+            supervisor: versions(STREAM_VERSIONS),
+            worker: versions(&hello.versions),
+            advice: "install a berth_worker package of the same berth release",
+        });
+    };
+    if writer.send_header(&wire::welcome(version)).is_err() {
         return HandshakeOutcome::Failed(handshake_error(
             model,
             pid,
-            format!(
-                "said hello as pid {}; a process other than the one started connected",
-                hello.pid
-            ),
+            "closed its socket right after its hello".into(),
         ));
     }
-    HandshakeOutcome::Ok((events, hello))
+    let info = HelloInfo {
+        pid: hello.pid,
+        worker_version: match hello.runtime {
+            Some(runtime) => format!("{} ({runtime})", hello.worker_version),
+            None => hello.worker_version,
+        },
+        backends: hello.backends,
+    };
+    HandshakeOutcome::Ok((Events::Stream(reader), Link::Stream(writer), info))
 }

@@ -1,6 +1,7 @@
 //! Bringing a worker up: spawn → hello → load, all under one deadline.
 //! Whatever goes wrong, the process is gone before the error is returned.
 
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,8 +14,8 @@ use crate::child::handshake::{self, HandshakeOutcome};
 use crate::child::limits::MemoryCap;
 use crate::child::memory::system_memory;
 use crate::child::process::ProcessWatch;
-use crate::child::spawn::{SpawnOptions, find_worker_binary, spawn};
-use crate::child::{health, stop};
+use crate::child::spawn::{Connect, SpawnOptions, find_worker_binary, spawn};
+use crate::child::{health, stop, stream};
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
@@ -27,12 +28,38 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// A worker program: what to execute, and the arguments that select its
-/// worker role (none for a plain worker binary).
+/// Which wire a worker program speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Wire {
+    /// `ipc-channel`: a Rust worker built on `berth-worker`.
+    Ipc,
+    /// The stream wire (`docs/wire.md`): a worker in any language.
+    Stream,
+}
+
+/// A worker program: what to execute, the arguments that select its worker
+/// role (none for a plain worker binary), its environment and folder, and
+/// the wire it speaks.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct WorkerProgram {
     pub path: PathBuf,
     pub args: Vec<String>,
+    /// The worker kind's environment, then the model's own.
+    pub env: Vec<(String, String)>,
+    pub cwd: Option<PathBuf>,
+    pub wire: Wire,
+}
+
+impl WorkerProgram {
+    fn plain(path: PathBuf, args: Vec<String>) -> Self {
+        WorkerProgram {
+            path,
+            args,
+            env: Vec::new(),
+            cwd: None,
+            wire: Wire::Ipc,
+        }
+    }
 }
 
 impl std::fmt::Display for WorkerProgram {
@@ -45,33 +72,53 @@ impl std::fmt::Display for WorkerProgram {
     }
 }
 
-/// The program a worker for `spec` runs: the spec's own binary (a host's),
-/// else its declared worker kind's, else the supervisor's (with its role
-/// arguments), else `berth-worker` next to this executable.
+/// The program a worker for `spec` runs: the spec's own command (a
+/// stream-wire worker) or binary (a host's), else its declared worker
+/// kind's, else the supervisor's (with its role arguments), else
+/// `berth-worker` next to this executable.
 pub(crate) fn worker_program(spec: &ModelSpec, config: &SupervisorConfig) -> Result<WorkerProgram> {
     let kind = spec.worker.as_ref().and_then(|k| config.workers.get(k));
-    let plain = |path: &PathBuf| WorkerProgram {
-        path: path.clone(),
-        args: Vec::new(),
+    let command = spec
+        .command
+        .as_ref()
+        .or(kind.and_then(|k| k.command.as_ref()));
+    let binary = spec
+        .worker_binary
+        .as_ref()
+        .or(kind.and_then(|k| k.binary.as_ref()));
+    let mut program = match (command, binary) {
+        (Some(argv), _) if spec.worker_binary.is_none() => {
+            let (program, args) = argv.split_first().ok_or_else(|| Error::InvalidSpec {
+                model: spec.name.clone(),
+                reason: "`command` is empty".into(),
+            })?;
+            WorkerProgram {
+                wire: Wire::Stream,
+                ..WorkerProgram::plain(program.into(), args.to_vec())
+            }
+        }
+        (_, Some(path)) => WorkerProgram::plain(path.clone(), Vec::new()),
+        _ => default_program(config)?,
     };
-    match spec.worker_binary.as_ref().or(kind.map(|k| &k.binary)) {
-        Some(path) => Ok(plain(path)),
-        None => default_program(config),
-    }
+    program.env = kind
+        .map(|k| k.env.clone().into_iter().collect())
+        .unwrap_or_default();
+    program.env.extend(spec.env.iter().cloned());
+    program.cwd = spec.cwd.clone().or(kind.and_then(|k| k.cwd.clone()));
+    Ok(program)
 }
 
 /// The supervisor's own worker program (with its role arguments), else
 /// `berth-worker` next to this executable.
 pub(crate) fn default_program(config: &SupervisorConfig) -> Result<WorkerProgram> {
     match &config.worker_binary {
-        Some(path) => Ok(WorkerProgram {
-            path: path.clone(),
-            args: config.worker_args.clone(),
-        }),
-        None => find_worker_binary(WORKER_BINARY).map(|path| WorkerProgram {
-            path,
-            args: Vec::new(),
-        }),
+        Some(path) => Ok(WorkerProgram::plain(
+            path.clone(),
+            config.worker_args.clone(),
+        )),
+        None => {
+            find_worker_binary(WORKER_BINARY).map(|path| WorkerProgram::plain(path, Vec::new()))
+        }
     }
 }
 
@@ -104,10 +151,17 @@ pub(crate) fn offered_backends(program: &WorkerProgram) -> Option<Vec<String>> {
 /// Runs `program --backends`, killing it past `timeout`.
 fn ask_backends(program: &WorkerProgram, timeout: Duration) -> Option<Vec<String>> {
     use std::io::Read;
-    let mut child = std::process::Command::new(&program.path)
+    let mut command = std::process::Command::new(&program.path);
+    command
         .args(&program.args)
         .arg("--backends")
         .env_clear()
+        .envs(crate::child::spawn::passthrough_env())
+        .envs(program.env.iter().map(|(k, v)| (k, v)));
+    if let Some(dir) = &program.cwd {
+        command.current_dir(dir);
+    }
+    let mut child = command
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -158,16 +212,32 @@ pub(crate) async fn launch(
         _ => spec.model.clone(),
     };
 
-    let kind = spec.worker.as_ref().and_then(|k| config.workers.get(k));
     let program = worker_program(spec, config)?;
-    let mut env: Vec<(String, String)> = kind
-        .map(|k| k.env.clone().into_iter().collect())
-        .unwrap_or_default();
-    env.extend(spec.env.iter().cloned());
+    let mut env = program.env.clone();
     if let Some(gpus) = &gpus {
         env.extend(gpu::worker_env(gpus, gpu::uuid));
     }
-    let (server, server_name) = handshake::open(model)?;
+    let io_error = |what| {
+        move |source| Error::Io {
+            model: model.to_string(),
+            what,
+            source,
+        }
+    };
+    // The wire's listening end: a one-shot ipc server, or a socket pair
+    // whose other end the child inherits (closed here once it is started).
+    let (ipc_server, stream_ends) = match program.wire {
+        Wire::Ipc => (Some(handshake::open(model)?), None),
+        Wire::Stream => (
+            None,
+            Some(stream::io::socket_pair().map_err(io_error("cannot create the worker's socket"))?),
+        ),
+    };
+    let connect = match (&ipc_server, &stream_ends) {
+        (Some((_, name)), _) => Connect::Ipc(name),
+        (_, Some((_, theirs))) => Connect::Stream(theirs.as_raw_fd()),
+        _ => unreachable!("one wire is always open"),
+    };
     let cap = spec
         .memory_limit
         .map(|limit| MemoryCap::prepare(model, limit));
@@ -176,7 +246,8 @@ pub(crate) async fn launch(
         model,
         binary: &program.path,
         args: &program.args,
-        server_name: &server_name,
+        connect,
+        cwd: program.cwd.as_deref(),
         mark: &mark,
         extra_env: &env,
         cgroup_procs: cap.as_ref().and_then(MemoryCap::procs_file),
@@ -188,31 +259,41 @@ pub(crate) async fn launch(
     spawned(pid);
     tracing::debug!(model, pid, program = %program, "worker started");
 
-    let (events, hello) =
-        match handshake::accept(model, pid, server, &server_name, &process, left()).await {
-            HandshakeOutcome::Ok(accepted) => accepted,
-            HandshakeOutcome::Failed(e) => {
-                kill_and_reap(&process).await;
-                return Err(e);
-            }
-            HandshakeOutcome::TimedOut => {
-                kill_and_reap(&process).await;
-                return Err(Error::LoadTimeout {
-                    model: model.into(),
-                    pid,
-                    timeout,
-                    phase: "handshake",
-                });
-            }
-        };
+    let outcome = match (ipc_server, stream_ends) {
+        (Some((server, name)), _) => {
+            handshake::accept(model, pid, server, &name, &process, left()).await
+        }
+        (_, Some((ours, theirs))) => {
+            drop(theirs);
+            let (reader, writer) =
+                stream::connect(ours).map_err(io_error("cannot watch the worker's socket"))?;
+            handshake::accept_stream(model, pid, reader, writer, &process, left()).await
+        }
+        _ => unreachable!("one wire is always open"),
+    };
+    let accepted = match outcome {
+        HandshakeOutcome::Ok(accepted) => accepted,
+        HandshakeOutcome::Failed(e) => {
+            kill_and_reap(&process).await;
+            return Err(e);
+        }
+        HandshakeOutcome::TimedOut => {
+            kill_and_reap(&process).await;
+            return Err(Error::LoadTimeout {
+                model: model.into(),
+                pid,
+                timeout,
+                phase: "handshake",
+            });
+        }
+    };
     let spawn_ms = ms(started.elapsed());
-    let backends = hello.backends.clone();
+    let backends = accepted.2.backends.clone();
     let handle = WorkerHandle::new(
         model,
         &spec.backend,
         Arc::clone(&process),
-        events,
-        hello,
+        accepted,
         started,
         config.max_response,
     )?;

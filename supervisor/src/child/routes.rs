@@ -1,16 +1,28 @@
-//! Routing a worker's events: one blocking reader thread per worker
-//! receives each event and hands it straight to whoever waits for it, by
-//! request id; answers past `max_response` are refused on arrival; the
-//! pending map fails every request at once when the worker dies.
+//! Routing a worker's events: the reader (a blocking thread on
+//! `ipc-channel`, a task on the stream wire) hands each event straight to
+//! whoever waits for it, by request id; answers past `max_response` are
+//! refused on arrival; the pending map fails every request at once when the
+//! worker dies. An event that cannot be routed (an answer to a request never
+//! sent or already done, a load result nobody asked for) is a violation:
+//! the reader stops and the worker is killed, naming what it sent.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use berth_protocol::stream::Violation;
 use berth_protocol::{Body, Event, RequestId, WireError, WorkerStats};
-use ipc_channel::ipc::IpcReceiver;
 use tokio::sync::{mpsc, watch};
 
 use super::handle::Death;
+use super::process::ProcessWatch;
+use super::stream::{Ended, Inbound, StreamReader};
+use crate::base::KillCause;
+
+/// Cancelled requests remembered until their `done` arrives; past this
+/// many, the oldest are forgotten (a worker withholding them is answered
+/// by stall detection, not by memory).
+const MAX_CANCELLED: usize = 1 << 16;
 
 pub(super) enum Reply {
     Chunk(Body),
@@ -24,19 +36,57 @@ pub(super) enum Reply {
 #[derive(Default)]
 pub(super) struct RoutesInner {
     pub(super) pending: HashMap<RequestId, (mpsc::UnboundedSender<Reply>, u64)>,
+    /// Requests given up on whose `done` has not come yet.
+    cancelled: BTreeSet<RequestId>,
     pub(super) death: Option<Arc<Death>>,
 }
 
 /// The pending map and, once the worker is dead, why.
-#[derive(Default)]
-pub(super) struct Routes(Mutex<RoutesInner>);
+pub(super) struct Routes {
+    inner: Mutex<RoutesInner>,
+    /// The next request id; every id below it was sent.
+    next_id: AtomicU64,
+    /// A `Load` was sent and its answer has not come.
+    load_asked: AtomicBool,
+}
+
+impl Default for Routes {
+    fn default() -> Self {
+        Routes {
+            inner: Mutex::default(),
+            next_id: AtomicU64::new(1),
+            load_asked: AtomicBool::new(false),
+        }
+    }
+}
 
 impl Routes {
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, RoutesInner> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(super) fn route(&self, id: RequestId, reply: Reply) {
+    /// A fresh request id.
+    pub(super) fn next_id(&self) -> RequestId {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(super) fn expect_load(&self) {
+        self.load_asked.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops waiting for `id`: its `done` (and any chunk before it) will be
+    /// dropped on arrival.
+    pub(super) fn give_up(&self, id: RequestId) {
+        let mut inner = self.lock();
+        if inner.pending.remove(&id).is_some() {
+            inner.cancelled.insert(id);
+            if inner.cancelled.len() > MAX_CANCELLED {
+                inner.cancelled.pop_first();
+            }
+        }
+    }
+
+    pub(super) fn route(&self, id: RequestId, reply: Reply) -> Result<(), Violation> {
         let mut inner = self.lock();
         let done = matches!(reply, Reply::Done(_));
         let tx = if done {
@@ -44,9 +94,26 @@ impl Routes {
         } else {
             inner.pending.get(&id).map(|(tx, _)| tx.clone())
         };
-        drop(inner);
         if let Some(tx) = tx {
+            drop(inner);
             let _ = tx.send(reply);
+            return Ok(());
+        }
+        let what = if done { "done" } else { "chunk" };
+        if inner.death.is_some()
+            || (done && inner.cancelled.remove(&id))
+            || (!done && inner.cancelled.contains(&id))
+        {
+            return Ok(());
+        }
+        if id == 0 || id >= self.next_id.load(Ordering::Relaxed) {
+            Err(Violation(format!(
+                "a `{what}` for request {id}, which was never sent"
+            )))
+        } else {
+            Err(Violation(format!(
+                "a `{what}` for request {id} after its `done`"
+            )))
         }
     }
 
@@ -85,34 +152,83 @@ impl std::fmt::Debug for Routes {
     }
 }
 
-pub(super) fn read_events(
-    model: &str,
-    events: &IpcReceiver<Event>,
-    routes: &Routes,
-    control: &mpsc::UnboundedSender<Event>,
-    pongs: &watch::Sender<Option<(u64, WorkerStats)>>,
-    max_response: u64,
-) {
-    loop {
-        match events.recv() {
-            Ok(Event::Chunk { id, body }) => match bounded(model, body, max_response) {
-                Ok(body) => routes.route(id, Reply::Chunk(body)),
-                Err(e) => routes.route(id, Reply::Refused(e)),
+/// Where a reader hands what it reads.
+pub(super) struct Dispatch {
+    pub(super) model: String,
+    pub(super) routes: Arc<Routes>,
+    pub(super) control: mpsc::UnboundedSender<Event>,
+    pub(super) pongs: watch::Sender<Option<(u64, WorkerStats)>>,
+    pub(super) max_response: u64,
+    pub(super) process: Arc<ProcessWatch>,
+}
+
+impl Dispatch {
+    fn dispatch(&self, event: Event) -> Result<(), Violation> {
+        let model = self.model.as_str();
+        match event {
+            Event::Chunk { id, body } => match bounded(model, body, self.max_response) {
+                Ok(body) => self.routes.route(id, Reply::Chunk(body)),
+                Err(e) => self.routes.route(id, Reply::Refused(e)),
             },
-            Ok(Event::Done { id, result }) => {
-                let result = result.and_then(|body| bounded(model, body, max_response));
-                routes.route(id, Reply::Done(result))
+            Event::Done { id, result } => {
+                let result = result.and_then(|body| bounded(model, body, self.max_response));
+                self.routes.route(id, Reply::Done(result))
             }
-            Ok(Event::Pong { seq, stats }) => {
-                let _ = pongs.send(Some((seq, stats)));
+            Event::Pong { seq, stats } => {
+                let _ = self.pongs.send(Some((seq, stats)));
+                Ok(())
             }
-            Ok(event) => {
-                let _ = control.send(event);
+            Event::Loaded(_) | Event::LoadFailed(_) => {
+                if !self.routes.load_asked.swap(false, Ordering::SeqCst) {
+                    return Err(Violation(format!(
+                        "a `{}` when no load was asked for",
+                        event.name()
+                    )));
+                }
+                let _ = self.control.send(event);
+                Ok(())
             }
-            Err(ipc_channel::IpcError::Disconnected) => return,
-            Err(e) => {
-                tracing::error!(model, "cannot decode an event from the worker: {e}");
-                return;
+            Event::Hello(_) => Err(Violation("a second hello".into())),
+        }
+    }
+
+    fn violated(&self, violation: Violation) {
+        tracing::error!(model = %self.model, "the worker broke the wire: it sent {violation}");
+        self.process
+            .kill_for(KillCause::ProtocolViolation { sent: violation.0 });
+    }
+
+    /// Reads a stream worker until it is gone or breaks the wire.
+    pub(super) async fn read_stream(&self, mut reader: StreamReader) {
+        loop {
+            match reader.next().await {
+                Ok(Inbound::Event(event)) => {
+                    if let Err(v) = self.dispatch(event) {
+                        return self.violated(v);
+                    }
+                }
+                Ok(Inbound::Hello(_)) => return self.violated(Violation("a second hello".into())),
+                Err(Ended::Closed) => return,
+                Err(Ended::Violation(v)) => return self.violated(v),
+            }
+        }
+    }
+
+    /// Reads an `ipc-channel` worker (a blocking receive: run it on a
+    /// thread of its own) until it is gone or breaks the wire.
+    pub(super) fn read_ipc(&self, events: &ipc_channel::ipc::IpcReceiver<Event>) {
+        loop {
+            match events.recv() {
+                Ok(event) => {
+                    if let Err(v) = self.dispatch(event) {
+                        return self.violated(v);
+                    }
+                }
+                Err(ipc_channel::IpcError::Disconnected) => return,
+                Err(e) => {
+                    tracing::error!(model = %self.model, "cannot decode an event from the worker: {e}");
+                    return;
+                }
             }
         }
     }

@@ -18,6 +18,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::sync::mpsc as std_mpsc;
 
+use std::os::fd::RawFd;
+
+use berth_protocol::stream::{ENV_FD, WORKER_FD};
 use berth_protocol::{ENV_BOOTSTRAP, ENV_MODEL_NAME, ENV_PARENT_PID};
 use tokio::sync::oneshot;
 
@@ -37,7 +40,17 @@ pub const PASSTHROUGH_ENV: &[&str] = &[
     "LC_ALL",
     "BERTH_MODELS",
     "HOME",
+    // Where a stream-wire worker's `command` (`python3`) was found, and
+    // what its own helpers (`sh`, compilers) need.
+    "PATH",
 ];
+
+/// The [`PASSTHROUGH_ENV`] variables the supervisor has.
+pub(crate) fn passthrough_env() -> impl Iterator<Item = (&'static str, String)> {
+    PASSTHROUGH_ENV
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (*k, v)))
+}
 
 type SpawnJob = (Command, oneshot::Sender<io::Result<Child>>);
 
@@ -87,7 +100,10 @@ pub struct SpawnOptions<'a> {
     pub binary: &'a Path,
     /// Arguments selecting the program's worker role (`["worker"]`).
     pub args: &'a [String],
-    pub server_name: &'a str,
+    /// How the worker reaches the supervisor.
+    pub connect: Connect<'a>,
+    /// Its working directory (default: the supervisor's).
+    pub cwd: Option<&'a Path>,
     /// The worker's mark (see `orphans::ENV_WORKER_MARK`).
     pub mark: &'a str,
     pub extra_env: &'a [(String, String)],
@@ -95,20 +111,25 @@ pub struct SpawnOptions<'a> {
     pub cgroup_procs: Option<&'a std::ffi::CString>,
 }
 
-/// Starts a worker; it connects to `server_name` on its own.
+/// How a new worker reaches the supervisor.
+#[derive(Debug, Clone, Copy)]
+pub enum Connect<'a> {
+    /// It connects to this `ipc-channel` one-shot server.
+    Ipc(&'a str),
+    /// It inherits this socket at [`WORKER_FD`] (the stream wire). The
+    /// descriptor is close-on-exec in the supervisor; only this child gets it.
+    Stream(RawFd),
+}
+
+/// Starts a worker; it connects (or finds its socket) on its own.
 pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
     let supervisor_pid = std::process::id();
     let mut command = Command::new(opts.binary);
     command
         .args(opts.args)
         .env_clear()
-        .envs(
-            PASSTHROUGH_ENV
-                .iter()
-                .filter_map(|k| std::env::var(k).ok().map(|v| (*k, v))),
-        )
+        .envs(passthrough_env())
         .envs(opts.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env(ENV_BOOTSTRAP, opts.server_name)
         .env(crate::orphans::ENV_WORKER_MARK, opts.mark)
         .env(ENV_PARENT_PID, supervisor_pid.to_string())
         .env(ENV_MODEL_NAME, opts.model)
@@ -116,12 +137,36 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    let stream_fd = match opts.connect {
+        Connect::Ipc(server_name) => {
+            command.env(ENV_BOOTSTRAP, server_name);
+            None
+        }
+        Connect::Stream(fd) => {
+            command.env(ENV_FD, WORKER_FD.to_string());
+            Some(fd)
+        }
+    };
+    if let Some(dir) = opts.cwd {
+        command.current_dir(dir);
+    }
     let cgroup_procs = opts.cgroup_procs.cloned();
     // SAFETY: the closure runs between fork and exec and calls only
-    // async-signal-safe functions (prctl, getppid, open, write, close); it
-    // allocates nothing (the path was allocated before the fork).
+    // async-signal-safe functions (dup2, fcntl, prctl, getppid, open, write,
+    // close); it allocates nothing (the path was allocated before the fork).
     unsafe {
         command.pre_exec(move || {
+            if let Some(fd) = stream_fd {
+                // dup2 clears close-on-exec on the copy; when the socket is
+                // already at WORKER_FD it is a no-op, so clear it by hand.
+                if fd == WORKER_FD {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                } else if libc::dup2(fd, WORKER_FD) != WORKER_FD {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             if let Some(procs) = &cgroup_procs {
                 let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
                 if fd < 0 {

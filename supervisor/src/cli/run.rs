@@ -37,6 +37,13 @@ pub struct RunArgs {
     /// The worker program (default: this executable, as `berth worker`).
     #[arg(long, env = "BERTH_WORKER")]
     worker: Option<PathBuf>,
+    /// A worker speaking the stream wire (a Python worker), by its command
+    /// line, split at whitespace: `--command "python3 -m berth_worker"`.
+    #[arg(long, value_name = "COMMAND LINE", conflicts_with = "worker")]
+    command: Option<String>,
+    /// The worker's working directory.
+    #[arg(long)]
+    cwd: Option<PathBuf>,
     /// Print one JSON object on stdout instead of text.
     #[arg(long)]
     json: bool,
@@ -56,6 +63,11 @@ pub async fn run(args: RunArgs) -> ExitCode {
     spec.model = args.model.clone();
     spec.options = args.options.iter().cloned().collect();
     spec.gpus = args.gpus.clone();
+    spec.command = args
+        .command
+        .as_deref()
+        .map(|line| line.split_whitespace().map(str::to_string).collect());
+    spec.cwd = args.cwd.clone();
 
     let load = match supervisor.load(spec).await {
         Ok(report) => report,

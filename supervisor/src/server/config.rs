@@ -77,7 +77,8 @@ pub struct ServeConfig {
     #[serde(default, with = "crate::units::duration_opt")]
     pub restart_backoff: Option<Duration>,
     /// Worker programs models may name (`worker = "NAME"`), declared by the
-    /// operator: `[workers.NAME] binary = "/path", env = { K = "V" }`.
+    /// operator: `[workers.NAME] binary = "/path", env = { K = "V" }`, or
+    /// `command = ["python3", "-m", "berth_worker"]` for a stream-wire worker.
     #[serde(default)]
     pub workers: BTreeMap<String, WorkerKind>,
     /// `Host` header values accepted besides the listen address itself
@@ -132,6 +133,9 @@ impl ServeConfig {
     /// Every duration, size and count against its allowed range, and every
     /// model spec, so nothing out of range reaches a clock or an allocation.
     pub fn check(&self) -> Result<(), String> {
+        for (name, kind) in &self.workers {
+            kind.check(name)?;
+        }
         for (field, value) in [
             ("keep_alive", self.keep_alive),
             ("load_timeout", self.load_timeout),

@@ -199,8 +199,9 @@ mod tests {
                 Error::ProtocolMismatch {
                     model: M.into(),
                     pid: 7,
-                    supervisor: 2,
-                    worker: 1,
+                    supervisor: "2".into(),
+                    worker: "1".into(),
+                    advice: "rebuild",
                 },
                 502,
                 "protocol_mismatch",

@@ -58,20 +58,23 @@ impl Supervisor {
     /// it is listening, so a missing or broken worker is found at start and
     /// not at the first request.
     pub fn check_workers(&self) -> std::result::Result<(), String> {
-        use crate::child::launch::{WorkerProgram, default_program, offered_backends};
+        use crate::child::launch::{default_program, offered_backends, worker_program};
         let config = &self.inner.config;
         let mut programs = vec![default_program(config).map_err(|e| e.to_string())?];
-        programs.extend(config.workers.values().map(|kind| WorkerProgram {
-            path: kind.binary.clone(),
-            args: Vec::new(),
-        }));
+        for (name, kind) in &config.workers {
+            kind.check(name)?;
+            let mut spec = ModelSpec::new("check", "any");
+            spec.worker = Some(name.clone());
+            programs.push(worker_program(&spec, config).map_err(|e| e.to_string())?);
+        }
         for program in programs {
             if offered_backends(&program).is_none() {
                 return Err(format!(
                     "worker program `{program}` did not answer `--backends` with its backends; \
                      a worker program is a berth worker (`berth worker`, `berth-worker`, or a \
-                     binary built on the berth-worker library), or a wrapper that execs one \
-                     passing its arguments on"
+                     binary built on the berth-worker library, a `command` worker built on \
+                     the berth_worker Python package), or a wrapper that execs one passing \
+                     its arguments on"
                 ));
             }
         }

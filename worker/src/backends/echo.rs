@@ -1,20 +1,32 @@
 //! `echo`: returns the request body unchanged, bulk part included. The
 //! baseline for what the process boundary costs.
+//!
+//! Option `chunks` (default 0): each request is first answered with that
+//! many streamed chunks, each carrying the request's JSON, then the body.
 
 use berth_protocol::{Body, LoadSpec, WireError};
 
 use crate::{Backend, LoadContext, RequestContext};
 
 #[derive(Debug)]
-struct Echo;
+struct Echo {
+    chunks: u32,
+}
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
-    ctx.options(spec).only(&[])?;
-    Ok(Box::new(Echo))
+    let opts = ctx.options(spec);
+    opts.only(&["chunks"])?;
+    Ok(Box::new(Echo {
+        chunks: opts.get_or("chunks", 0)?,
+    }))
 }
 
 impl Backend for Echo {
     fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        for _ in 0..self.chunks {
+            ctx.chunk(Body::json(request.json.clone()))?;
+            ctx.progress().advance();
+        }
         ctx.progress().advance();
         Ok(request)
     }

@@ -1,0 +1,62 @@
+//! A worker's connection, whichever wire it speaks: `ipc-channel` for Rust
+//! workers, the stream wire for the rest. Everything above this file (the
+//! handle, routing, health, stops, reports) sees one kind of connection, so
+//! every policy applies to both wires unchanged.
+
+use berth_protocol::{Body, Bulk, Command, Event};
+use ipc_channel::ipc::{IpcReceiver, IpcSender, IpcSharedMemory};
+
+use crate::child::stream::{SendError, StreamReader, StreamWriter};
+
+/// Where commands go.
+#[derive(Debug, Clone)]
+pub(crate) enum Link {
+    Ipc(IpcSender<Command>),
+    Stream(StreamWriter),
+}
+
+/// Where events come from.
+#[derive(Debug)]
+pub(crate) enum Events {
+    Ipc(IpcReceiver<Event>),
+    Stream(StreamReader),
+}
+
+/// What a worker said about itself in its hello, on either wire.
+#[derive(Debug, Clone)]
+pub(crate) struct HelloInfo {
+    pub pid: u32,
+    pub worker_version: String,
+    pub backends: Vec<String>,
+}
+
+impl Link {
+    pub(crate) fn send(&self, command: Command) -> Result<(), SendError> {
+        match self {
+            Link::Ipc(tx) => tx.send(for_ipc(command)).map_err(|_| SendError::Closed),
+            Link::Stream(writer) => writer.send(&command),
+        }
+    }
+}
+
+/// A body mapped from a stream worker's memfd cannot cross `ipc-channel`
+/// as it is: its bytes go into shared memory first.
+fn for_ipc(command: Command) -> Command {
+    match command {
+        Command::Request {
+            id,
+            body:
+                Body {
+                    json,
+                    bulk: Bulk::Mapped(bytes),
+                },
+        } => Command::Request {
+            id,
+            body: Body {
+                json,
+                bulk: Bulk::Shared(IpcSharedMemory::from_bytes((*bytes).as_ref())),
+            },
+        },
+        other => other,
+    }
+}
