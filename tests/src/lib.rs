@@ -2,6 +2,7 @@
 //! supervisor that uses them, poll instead of sleeping.
 
 pub mod chaos;
+pub mod python;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -254,8 +254,11 @@ async fn another_protocol_version_is_refused_and_stopped() {
         panic!("got {err}")
     };
     assert_eq!(
-        (*worker, *supervisor),
-        (999, berth::protocol::PROTOCOL_VERSION)
+        (worker.as_str(), supervisor.as_str()),
+        (
+            "999",
+            berth::protocol::PROTOCOL_VERSION.to_string().as_str()
+        )
     );
     assert!(err.to_string().contains("999"), "{err}");
     assert!(

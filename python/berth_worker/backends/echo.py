@@ -1,0 +1,34 @@
+"""``echo``: answers with the request's body and bulk bytes unchanged. The
+baseline for what the process boundary costs.
+
+Option ``chunks`` (default 0; Python only): first stream that many chunks,
+each carrying the request's body (no bulk), then the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend import Backend, LoadContext, LoadSpec, Request, RequestContext, Response
+from ..options import Options
+
+
+class Echo(Backend):
+    """Returns what it was given."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+
+    def load(self, spec: LoadSpec, ctx: LoadContext) -> None:
+        opts = Options(spec)
+        opts.only(["chunks"])
+        self.chunks = opts.int("chunks", 0, minimum=0)
+
+    def handle(self, request: Request, ctx: RequestContext) -> Any:
+        for _ in range(self.chunks):
+            ctx.chunk(request.body)
+            ctx.progress()
+        ctx.progress()
+        if request.bulk is None:
+            return request.body
+        return Response(request.body, request.bulk)

@@ -1,0 +1,118 @@
+"""The messages of docs/wire.md §4: headers the worker sends, and checks on
+the ones the supervisor sends (a message missing a member, or with one of the
+wrong type, is a :class:`~berth_worker.wire.FrameError`)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence
+
+from .version import WIRE_VERSION
+from .wire import Frame, FrameError
+
+#: The wire versions this worker speaks.
+WIRE_VERSIONS = [WIRE_VERSION]
+
+#: Message types the supervisor may send.
+SUPERVISOR_TYPES = ("welcome", "refused", "load", "request", "cancel", "ping", "shutdown")
+
+
+# -- worker -> supervisor ------------------------------------------------------
+
+
+def hello(pid: int, worker_version: str, backends: Sequence[str], runtime: str) -> Dict[str, Any]:
+    """The first frame."""
+    return {
+        "type": "hello",
+        "versions": list(WIRE_VERSIONS),
+        "pid": pid,
+        "worker_version": worker_version,
+        "backends": list(backends),
+        "runtime": runtime,
+    }
+
+
+def loaded(details: Any, load_micros: int) -> Dict[str, Any]:
+    """The model is ready."""
+    return {"type": "loaded", "details": details, "load_micros": load_micros}
+
+
+def load_failed(error: Dict[str, Any]) -> Dict[str, Any]:
+    """The model could not be loaded."""
+    return {"type": "load_failed", "error": error}
+
+
+def chunk(request_id: int, body: Any) -> Dict[str, Any]:
+    """A streamed piece of an answer (bulk bytes are declared when sent)."""
+    return {"type": "chunk", "id": request_id, "body": body}
+
+
+def done(request_id: int, body: Any) -> Dict[str, Any]:
+    """A request's result (bulk bytes are declared when sent)."""
+    return {"type": "done", "id": request_id, "body": body}
+
+
+def done_error(request_id: int, error: Dict[str, Any]) -> Dict[str, Any]:
+    """A request's error."""
+    return {"type": "done", "id": request_id, "error": error}
+
+
+def pong(seq: int, stats: Dict[str, int]) -> Dict[str, Any]:
+    """The answer to a ping."""
+    return {"type": "pong", "seq": seq, "stats": stats}
+
+
+# -- supervisor -> worker ------------------------------------------------------
+
+
+def _is_u64(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 64
+
+
+def _member(frame: Frame, key: str, what: str, ok: bool) -> None:
+    if not ok:
+        raise FrameError(
+            "a `{}` message needs `{}` to be {} (got {!r})".format(
+                frame.type, key, what, frame.header.get(key)
+            )
+        )
+
+
+def check_supervisor_message(frame: Frame) -> None:
+    """Checks a supervisor frame's type and the members its type needs.
+
+    ``request`` takes an absent ``body`` as ``null``, and ``load`` an absent
+    ``model`` as ``null`` and absent ``options`` as none; every other member
+    named here is required. Members this module does not name are ignored.
+    """
+    kind = frame.type
+    h = frame.header
+    if kind not in SUPERVISOR_TYPES:
+        raise FrameError("the supervisor sent a message of unknown type `{}`".format(kind))
+    if kind != "request" and frame.bulk is not None:
+        raise FrameError("a `{}` message carries bulk bytes".format(kind))
+    if kind == "welcome":
+        _member(frame, "version", "an integer", _is_u64(h.get("version")))
+    elif kind == "refused":
+        _member(frame, "reason", "a string", isinstance(h.get("reason"), str))
+    elif kind == "load":
+        _member(frame, "name", "a string", isinstance(h.get("name"), str))
+        _member(frame, "backend", "a string", isinstance(h.get("backend"), str))
+        model = h.get("model")
+        _member(frame, "model", "a string or null", model is None or isinstance(model, str))
+        options = h.get("options")
+        _member(
+            frame,
+            "options",
+            "an object of strings",
+            options is None
+            or (isinstance(options, dict) and all(isinstance(v, str) for v in options.values())),
+        )
+    elif kind in ("request", "cancel"):
+        _member(frame, "id", "an integer", _is_u64(h.get("id")))
+    elif kind == "ping":
+        _member(frame, "seq", "an integer", _is_u64(h.get("seq")))
+
+
+def options_of(frame: Frame) -> Dict[str, str]:
+    """A checked ``load`` message's options."""
+    return dict(frame.header.get("options") or {})

@@ -1,0 +1,235 @@
+"""The serve loop after the welcome: two threads.
+
+The reader thread reads every frame, answers pings at once and records
+cancels, so pongs flow while a request runs; it never runs model code. The
+main thread runs the backend, one job (load, request, shutdown) at a time,
+in the order they arrived.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, Optional, Type
+
+from . import messages
+from .backend import Backend, LoadContext, LoadSpec, Request, RequestContext, Response
+from .connection import Connection
+from .errors import (
+    BackendError,
+    Cancelled,
+    Internal,
+    LoadFailed,
+    NotLoaded,
+    UnknownBackend,
+    WireError,
+    describe_exception,
+)
+from .process import die, flush_and_exit, say
+from .state import WorkerState
+from .stats import self_memory
+from .wire import Frame, FrameError, OutgoingFrame
+
+
+def _log_traceback(what: str) -> None:
+    """The current exception's traceback on stderr, under one heading."""
+    try:
+        sys.stderr.write("berth_worker: {}\n".format(what))
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+class Worker:
+    """A worker that has been welcomed: serves until shutdown or end of file."""
+
+    def __init__(self, backends: Dict[str, Type[Backend]], conn: Connection, model_name: str) -> None:
+        self.backends = backends
+        self.conn = conn
+        self.state = WorkerState()
+        self.jobs: "queue.Queue[Frame]" = queue.Queue()
+        self.backend: Optional[Backend] = None
+        self.spec: Optional[LoadSpec] = None
+        self.load_asked = False
+        # For messages before a load names the model (BERTH_MODEL).
+        self.model_name = model_name
+
+    # -- reader thread ---------------------------------------------------------
+
+    def start_reader(self) -> threading.Thread:
+        """Starts the thread that reads frames (a daemon: it never holds up an exit)."""
+        thread = threading.Thread(target=self._read_loop, name="berth-reader", daemon=True)
+        thread.start()
+        return thread
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                frame = self.conn.read()
+                messages.check_supervisor_message(frame)
+                self._dispatch(frame)
+        except EOFError as e:
+            die("the supervisor closed the connection ({}); exiting".format(e))
+        except FrameError as e:
+            die("the supervisor broke the wire: {}; exiting".format(e))
+        except BaseException as e:  # a bug here must not leave a deaf worker
+            _log_traceback("the reader thread failed")
+            die("the reader thread failed ({}); exiting".format(describe_exception(e)))
+
+    def _dispatch(self, frame: Frame) -> None:
+        kind = frame.type
+        h = frame.header
+        if kind == "ping":
+            memory = self_memory()
+            stats: Dict[str, int] = {"rss_bytes": memory[0], "peak_rss_bytes": memory[1]}
+            stats.update(self.state.counts())
+            self.conn.send(messages.pong(h["seq"], stats))
+        elif kind == "cancel":
+            self.state.cancel(h["id"])
+        elif kind == "request":
+            if not self.state.started(h["id"]):
+                raise FrameError("request id {} is already in flight".format(h["id"]))
+            self.jobs.put(frame)
+        elif kind in ("load", "shutdown"):
+            self.jobs.put(frame)
+        else:
+            raise FrameError("the supervisor sent `{}` after the welcome".format(kind))
+
+    # -- main thread -----------------------------------------------------------
+
+    def run(self) -> None:
+        """Runs jobs until a shutdown (which exits the process)."""
+        while True:
+            frame = self.jobs.get()
+            kind = frame.type
+            if kind == "load":
+                self._load(frame)
+            elif kind == "request":
+                self._request(frame)
+            else:
+                self._shutdown()
+            # Drop the frame now: its bulk mapping is freed while idle.
+            del frame
+
+    def _name(self) -> str:
+        return self.spec.name if self.spec is not None else self.model_name
+
+    def _load(self, frame: Frame) -> None:
+        h = frame.header
+        spec = LoadSpec(h["name"], h["backend"], h.get("model"), messages.options_of(frame))
+        error: WireError
+        if self.load_asked:
+            error = Internal(
+                "model `{}`: this worker was already asked to load a model; "
+                "the supervisor sends one load per worker".format(spec.name)
+            )
+            self.conn.send(messages.load_failed(error.to_wire()))
+            return
+        self.load_asked = True
+        self.spec = spec
+        started = time.monotonic()
+        try:
+            backend = self._instantiate(spec)
+            details = backend.describe()
+        except WireError as e:
+            self.conn.send(messages.load_failed(e.to_wire()))
+            return
+        except Exception as e:
+            _log_traceback("loading model `{}` failed".format(spec.name))
+            error = LoadFailed(
+                "model `{}`: backend `{}` failed to load: {}".format(
+                    spec.name, spec.backend, describe_exception(e)
+                )
+            )
+            self.conn.send(messages.load_failed(error.to_wire()))
+            return
+        micros = int((time.monotonic() - started) * 1_000_000)
+        try:
+            out = self.conn.build(messages.loaded(details, micros))
+        except Exception as e:
+            error = LoadFailed(
+                "model `{}`: backend `{}` describes itself with what the wire cannot carry "
+                "(describe() must return JSON): {}".format(spec.name, spec.backend, describe_exception(e))
+            )
+            self.conn.send(messages.load_failed(error.to_wire()))
+            return
+        self.backend = backend
+        self.conn.send_built(out)
+
+    def _instantiate(self, spec: LoadSpec) -> Backend:
+        cls = self.backends.get(spec.backend)
+        if cls is None:
+            raise UnknownBackend(
+                "model `{}`: this worker has no backend `{}` (it has: {})".format(
+                    spec.name, spec.backend, ", ".join(self.backends) or "none"
+                )
+            )
+        backend = cls()
+        backend.load(spec, LoadContext(spec.name, self.state.progress))
+        return backend
+
+    def _request(self, frame: Frame) -> None:
+        request_id: int = frame.header["id"]
+        out = self._answer(request_id, frame)
+        del frame
+        self.state.finished(request_id)
+        self.conn.send_built(out)
+
+    def _answer(self, request_id: int, frame: Frame) -> OutgoingFrame:
+        """Runs the request and encodes its ``done``, result or error."""
+        name = self._name()
+        try:
+            if self.backend is None:
+                raise NotLoaded(
+                    "model `{}`: request {} came before a successful load; "
+                    "no model is loaded".format(name, request_id)
+                )
+            if self.state.is_cancelled(request_id):
+                raise Cancelled(
+                    "model `{}`: request {} was cancelled before it started".format(name, request_id)
+                )
+            result = self._handle(request_id, frame)
+            body, bulk = (result.body, result.bulk) if isinstance(result, Response) else (result, None)
+            try:
+                return self.conn.build(messages.done(request_id, body), bulk)
+            except Exception as e:
+                raise BackendError(
+                    "model `{}`: the answer to request {} cannot be sent: {}".format(
+                        name, request_id, describe_exception(e)
+                    )
+                ) from None
+        except WireError as e:
+            return self.conn.build(messages.done_error(request_id, e.to_wire()))
+
+    def _handle(self, request_id: int, frame: Frame) -> Any:
+        assert self.backend is not None
+        name = self._name()
+        ctx = RequestContext(request_id, name, self.state, self._send_chunk)
+        request = Request(request_id, frame.header.get("body"), frame.bulk)
+        try:
+            return self.backend.handle(request, ctx)
+        except WireError:
+            raise
+        except Exception as e:
+            _log_traceback("model `{}`: request {} failed".format(name, request_id))
+            raise BackendError(
+                "model `{}`: request {} failed: {}".format(name, request_id, describe_exception(e))
+            ) from None
+        finally:
+            ctx.finish()
+
+    def _send_chunk(self, request_id: int, body: Any, bulk: Optional[Any]) -> None:
+        self.conn.send_built(self.conn.build(messages.chunk(request_id, body), bulk))
+
+    def _shutdown(self) -> None:
+        if self.backend is not None:
+            try:
+                self.backend.shutdown()
+            except Exception:
+                _log_traceback("model `{}`: the backend's shutdown() failed".format(self._name()))
+        say("shutting down as the supervisor asked")
+        flush_and_exit(0)

@@ -1,0 +1,394 @@
+//! One conformance suite, two workers: every scenario that proves a
+//! worker's guarantees runs against the Rust worker (`berth-worker` on
+//! `ipc-channel`) and the Python worker (`python3 -m berth_worker` on the
+//! stream wire, in the test venv), from one definition. `both!` makes a
+//! `rust` and a `python` test of each.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use berth::protocol::Bulk;
+use berth::{Body, Error, ExitStatus, ModelSpec, StopKind};
+use berth_tests::python::{python_worker_command, rogue_worker};
+use berth_tests::*;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Worker {
+    Rust,
+    Python,
+}
+
+impl Worker {
+    fn spec(self, name: &str, backend: &str) -> ModelSpec {
+        let spec = ModelSpec::new(name, backend);
+        match self {
+            Worker::Rust => spec,
+            Worker::Python => spec.command(python_worker_command()),
+        }
+    }
+}
+
+macro_rules! both {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn rust() {
+                super::$scenario(super::Worker::Rust).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn python() {
+                super::$scenario(super::Worker::Python).await
+            }
+        }
+    )*};
+}
+
+both!(
+    json_and_bulk_round_trip,
+    streaming_chunks_arrive_in_order,
+    cancel_stops_the_work_and_the_worker_goes_on,
+    a_crash_mid_request_fails_in_flight_requests_at_once,
+    another_protocol_version_is_refused,
+    a_hang_at_load_times_out_and_the_worker_is_gone,
+    a_hang_in_a_request_is_found_stalled,
+    a_worker_ignoring_shutdown_is_escalated,
+    a_load_past_its_memory_limit_is_memory_limit_exceeded,
+    a_leak_is_recycled_by_max_rss_without_a_failed_request,
+    unload_reclaims_the_memory_and_leaves_no_process,
+    sigkill_of_berth_serve_leaves_no_worker,
+);
+
+async fn json_and_bulk_round_trip(w: Worker) {
+    let sup = supervisor();
+    sup.load(w.spec("e", "echo")).await.unwrap();
+    let reply = sup
+        .request("e", Body::json(r#"{"input":"héllo","n":[1,2,3]}"#))
+        .await
+        .unwrap();
+    let value: serde_json::Value = serde_json::from_str(&reply.json).unwrap();
+    assert_eq!(value, serde_json::json!({"input": "héllo", "n": [1, 2, 3]}));
+
+    // Small bulk bytes travel inside the message, 64 MiB through shared
+    // memory (a sealed memfd on the stream wire).
+    for size in [1000usize, 64 << 20] {
+        let bytes: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let started = Instant::now();
+        let reply = sup
+            .request(
+                "e",
+                Body {
+                    json: "{}".into(),
+                    bulk: Bulk::Inline(bytes.clone()),
+                },
+            )
+            .await
+            .unwrap();
+        assert!(
+            reply.bulk_bytes() == bytes.as_slice(),
+            "{size} bytes came back intact"
+        );
+        if size > 1 << 20 {
+            assert!(
+                matches!(
+                    reply.bulk,
+                    Bulk::Shared(_) | Bulk::Mapped(_) | Bulk::Inline(_)
+                ),
+                "{:?}",
+                reply.bulk
+            );
+            if w == Worker::Python {
+                assert!(matches!(reply.bulk, Bulk::Mapped(_)), "{:?}", reply.bulk);
+            }
+            eprintln!("{w:?}: 64 MiB echoed in {:?}", started.elapsed());
+        }
+    }
+    sup.shutdown().await;
+}
+
+async fn streaming_chunks_arrive_in_order(w: Worker) {
+    let sup = supervisor();
+    sup.load(w.spec("s", "echo").option("chunks", 3))
+        .await
+        .unwrap();
+    let mut stream = sup
+        .request_stream("s", Body::json(r#"{"k":"v"}"#))
+        .await
+        .unwrap();
+    let mut chunks = 0;
+    let done = loop {
+        match stream.next().await.expect("a piece").unwrap() {
+            berth::Piece::Chunk(body) => {
+                let v: serde_json::Value = serde_json::from_str(&body.json).unwrap();
+                assert_eq!(v, serde_json::json!({"k": "v"}));
+                chunks += 1;
+            }
+            berth::Piece::Done(body) => break body,
+        }
+    };
+    assert_eq!(chunks, 3);
+    assert!(stream.next().await.is_none(), "nothing after done");
+    let v: serde_json::Value = serde_json::from_str(&done.json).unwrap();
+    assert_eq!(v, serde_json::json!({"k": "v"}));
+    sup.shutdown().await;
+}
+
+async fn cancel_stops_the_work_and_the_worker_goes_on(w: Worker) {
+    let sup = supervisor();
+    sup.load(w.spec("c", "hog").option("work_ms", 20_000))
+        .await
+        .unwrap();
+    let worker = sup.worker("c").unwrap();
+    let stream = sup.request_stream("c", Body::json("{}")).await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || sup.stats()[0].in_flight == 1).await,
+        "the request is running"
+    );
+    drop(stream);
+    // The worker stops working and sends its one `done` (dropped on
+    // arrival): its own in-flight count falls to zero well before 20 s.
+    let started = Instant::now();
+    let mut idle = false;
+    while started.elapsed() < Duration::from_secs(10) {
+        if worker
+            .ping(Duration::from_secs(2))
+            .await
+            .is_some_and(|s| s.in_flight == 0)
+        {
+            idle = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(idle, "the worker stopped the cancelled request");
+    assert!(worker.is_alive(), "and is still serving");
+    assert_eq!(ready_pid(&sup, "c"), Some(worker.pid()));
+    sup.shutdown().await;
+}
+
+async fn a_crash_mid_request_fails_in_flight_requests_at_once(w: Worker) {
+    let sup = supervisor();
+    sup.load(w.spec("x", "fault").option("crash_on", "poison"))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    // The poison first; the second request waits behind it in the worker
+    // and is in flight when the worker dies: both fail, at once.
+    let mut poison = sup
+        .request_stream("x", Body::json(r#"{"input":"poison"}"#))
+        .await
+        .unwrap();
+    let mut bystander = sup
+        .request_stream("x", Body::json(r#"{"input":"fine"}"#))
+        .await
+        .unwrap();
+    for stream in [&mut poison, &mut bystander] {
+        let err = match stream.next().await {
+            Some(Err(e)) => e,
+            other => panic!("a failure, not {other:?}"),
+        };
+        let Error::WorkerDied {
+            exit, stderr_tail, ..
+        } = &err
+        else {
+            panic!("{err}")
+        };
+        assert_eq!(*exit, ExitStatus::Signal("SIGSEGV".into()), "{err}");
+        assert!(
+            stderr_tail.iter().any(|l| l.contains("raising SIGSEGV")),
+            "the stderr tail names it: {stderr_tail:?}"
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(3), "at once");
+    sup.shutdown().await;
+}
+
+async fn another_protocol_version_is_refused(w: Worker) {
+    let sup = supervisor();
+    let mut spec = match w {
+        Worker::Rust => ModelSpec::new("old", "echo").worker_binary(test_worker_bin()),
+        Worker::Python => ModelSpec::new("old", "echo").command(rogue_worker()),
+    };
+    let mode = match w {
+        Worker::Rust => "BERTH_TEST_WORKER_MODE",
+        Worker::Python => "ROGUE_MODE",
+    };
+    spec.env.push((mode.into(), "wrong-version".into()));
+    let err = sup.load(spec).await.unwrap_err();
+    let Error::ProtocolMismatch {
+        pid,
+        worker,
+        supervisor,
+        ..
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    let expected = match w {
+        Worker::Rust => "999",
+        Worker::Python => "2, 3",
+    };
+    assert_eq!(
+        (worker.as_str(), supervisor.as_str()),
+        (expected, "1"),
+        "{err}"
+    );
+    assert!(err.to_string().contains(expected), "{err}");
+    assert!(
+        wait_for(Duration::from_secs(2), || !alive(*pid)),
+        "the worker was stopped"
+    );
+}
+
+async fn a_hang_at_load_times_out_and_the_worker_is_gone(w: Worker) {
+    let sup = supervisor();
+    let spec = w
+        .spec("h", "fault")
+        .option("mode", "hang-on-load")
+        .load_timeout(Duration::from_secs(2));
+    let started = Instant::now();
+    let err = sup.load(spec).await.unwrap_err();
+    assert_eq!(err.kind(), "load_timeout", "{err}");
+    assert!(started.elapsed() < Duration::from_secs(8));
+    assert!(
+        eventually(Duration::from_secs(5), || workers_of_model("h").is_empty()).await,
+        "no worker is left"
+    );
+}
+
+async fn a_hang_in_a_request_is_found_stalled(w: Worker) {
+    let sup = supervisor();
+    let mut spec = w.spec("hr", "fault").option("mode", "hang-on-request");
+    spec.stall_timeout = Some(Duration::from_secs(2));
+    sup.load(spec).await.unwrap();
+    let started = Instant::now();
+    let err = sup.request("hr", Body::json("{}")).await.unwrap_err();
+    assert_eq!(err.kind(), "stalled", "{err}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
+    // While it hung, it answered heartbeats: stalled, not silent.
+    sup.shutdown().await;
+}
+
+async fn a_worker_ignoring_shutdown_is_escalated(w: Worker) {
+    let sup = supervisor();
+    sup.load(w.spec("i", "fault").option("mode", "ignore-shutdown"))
+        .await
+        .unwrap();
+    let report = sup.unload("i").await.unwrap();
+    assert_eq!(report.stop, StopKind::Sigkill, "{report:?}");
+    assert_eq!(report.leftover_processes, 0);
+}
+
+async fn a_load_past_its_memory_limit_is_memory_limit_exceeded(w: Worker) {
+    let _guard = memory_lock().await;
+    let sup = supervisor();
+    sup.load(w.spec("bystander", "echo")).await.unwrap();
+    let mut spec = w.spec("greedy", "hog").option("alloc_mib", 400);
+    spec.memory_limit = Some(160 << 20);
+    let err = sup.load(spec).await.unwrap_err();
+    let Error::MemoryLimitExceeded { limit, during, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!((*limit, *during), (160 << 20, "load"));
+    assert_eq!(
+        sup.request("bystander", Body::json(r#"{"ok":1}"#))
+            .await
+            .unwrap()
+            .json
+            .replace(' ', ""),
+        r#"{"ok":1}"#
+    );
+    sup.shutdown().await;
+}
+
+async fn a_leak_is_recycled_by_max_rss_without_a_failed_request(w: Worker) {
+    let _guard = memory_lock().await;
+    let sup = supervisor();
+    let mut spec = w
+        .spec("leaky", "hog")
+        .option("alloc_mib", 8)
+        .option("leak_kib_per_request", 1024);
+    spec.max_rss = Some(96 << 20);
+    sup.load(spec).await.unwrap();
+    let mut failed = Vec::new();
+    for i in 0..400u32 {
+        if let Err(e) = sup
+            .request("leaky", Body::json(format!("{{\"i\":{i}}}")))
+            .await
+        {
+            failed.push(e.to_string());
+        }
+    }
+    assert!(failed.is_empty(), "{failed:?}");
+    let counters = sup
+        .counters()
+        .into_iter()
+        .find(|(n, _)| n == "leaky")
+        .unwrap()
+        .1;
+    let recycles = counters.recycles.load(Ordering::Relaxed);
+    assert!(recycles >= 2, "recycled: {recycles}");
+    sup.shutdown().await;
+}
+
+async fn unload_reclaims_the_memory_and_leaves_no_process(w: Worker) {
+    let _guard = memory_lock().await;
+    let sup = supervisor();
+    let mut spec = w.spec("held", "hog").option("alloc_mib", 256);
+    if w == Worker::Python {
+        // The worker's own children (a multiprocessing pool) go with it.
+        spec = spec.option("pool_processes", 2);
+    }
+    let load = sup.load(spec).await.unwrap();
+    assert!(load.rss_bytes >= 256 << 20, "{load:?}");
+    let before = workers_of_model("held");
+    assert_eq!(
+        before.len(),
+        if w == Worker::Python { 3 } else { 1 },
+        "{before:?}"
+    );
+    let report = sup.unload("held").await.unwrap();
+    assert_eq!(report.stop, StopKind::Graceful);
+    assert_eq!(report.leftover_processes, 0);
+    assert!(
+        report.reclaimed_bytes >= 200 << 20,
+        "reclaimed {} bytes",
+        report.reclaimed_bytes
+    );
+    assert!(
+        eventually(Duration::from_secs(3), || workers_of_model("held")
+            .is_empty())
+        .await,
+        "left: {:?}",
+        workers_of_model("held")
+    );
+}
+
+async fn sigkill_of_berth_serve_leaves_no_worker(w: Worker) {
+    let (worker_kind, options) = match w {
+        Worker::Rust => (String::new(), ""),
+        Worker::Python => (
+            format!("[workers.py]\ncommand = {:?}\n\n", python_worker_command()),
+            "worker = \"py\"\noptions = { pool_processes = 2 }\n",
+        ),
+    };
+    let model = format!("killed-{}", if w == Worker::Python { "py" } else { "rs" });
+    let config =
+        format!("{worker_kind}[[model]]\nname = \"{model}\"\nbackend = \"hog\"\n{options}");
+    let mut server = Server::start(&config);
+    let (status, body) = server.post(&format!("/api/models/{model}/load"), serde_json::json!({}));
+    assert_eq!(status, 200, "{body}");
+    let workers = workers_of_model(&model);
+    assert!(!workers.is_empty());
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || workers_of_model(&model)
+            .is_empty()),
+        "left behind: {:?}",
+        workers_of_model(&model)
+    );
+}

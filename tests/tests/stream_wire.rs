@@ -1,0 +1,177 @@
+//! The stream wire's defences: a worker that breaks it (from
+//! `tests/python/rogue_worker.py`, written from docs/wire.md alone) is
+//! stopped at once with an error naming what it sent; the supervisor and its
+//! other models carry on.
+
+use std::time::{Duration, Instant};
+
+use berth::{Body, ModelSpec};
+use berth_tests::python::{python_worker_command, rogue_worker};
+use berth_tests::*;
+
+fn rogue(name: &str, mode: &str) -> ModelSpec {
+    let mut spec = ModelSpec::new(name, "echo")
+        .command(rogue_worker())
+        .load_timeout(Duration::from_secs(20));
+    spec.env.push(("ROGUE_MODE".into(), mode.into()));
+    spec
+}
+
+/// Offences committed in answer to a request, and a phrase of each error.
+const OFFENCES: &[(&str, &str)] = &[
+    ("oversized", "a frame length of 4294967280 bytes"),
+    ("bad-json", "a header that is not a wire message"),
+    ("not-an-object", "a header that is not a wire message"),
+    ("unknown-message", "a message of type `launch`"),
+    ("unknown-error-kind", "an error of kind `on_fire`"),
+    ("no-such-request", "which was never sent"),
+    ("double-done", "after its `done`"),
+    (
+        "unasked-fd",
+        "a descriptor with a `done`, which declares none",
+    ),
+    ("unsealed-memfd", "a memfd not sealed"),
+    ("short-memfd", "a memfd of 16 bytes declaring 1048576"),
+    ("not-a-memfd", "a descriptor that is not a memfd"),
+    (
+        "undeclared-payload",
+        "payload bytes its header does not declare",
+    ),
+    ("unsolicited-loaded", "when no load was asked for"),
+    ("many-fds", "descriptors"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_breaking_the_wire_is_stopped_naming_what_it_sent() {
+    let sup = supervisor();
+    sup.load(ModelSpec::new("bystander", "echo").command(python_worker_command()))
+        .await
+        .unwrap();
+    for (mode, phrase) in OFFENCES {
+        let name = format!("rogue-{mode}");
+        let load = sup.load(rogue(&name, mode)).await.unwrap();
+        let started = Instant::now();
+        let text = match sup.request(&name, Body::json("{}")).await {
+            Err(err) => {
+                assert_eq!(err.kind(), "protocol_violation", "{mode}: {err}");
+                err.to_string()
+            }
+            // A second `done` breaks the wire after the first answered:
+            // the request is served, the worker stopped, its exit recorded.
+            Ok(_) if *mode == "double-done" => {
+                let mut last = None;
+                assert!(
+                    eventually(Duration::from_secs(5), || {
+                        last = sup
+                            .stats()
+                            .into_iter()
+                            .find(|s| s.name == name)
+                            .and_then(|s| s.last_exit);
+                        last.is_some()
+                    })
+                    .await,
+                    "{mode}: the exit is recorded"
+                );
+                let last = last.unwrap();
+                assert!(
+                    matches!(last.cause, Some(berth::KillCause::ProtocolViolation { .. })),
+                    "{mode}: {last:?}"
+                );
+                format!("model `{name}`: {}", last.description)
+            }
+            Ok(body) => panic!("{mode}: answered {body:?}"),
+        };
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{mode}: at once"
+        );
+        assert!(text.contains(phrase), "{mode}: `{phrase}` not in: {text}");
+        assert!(text.contains(&name), "{mode}: the model is named: {text}");
+        assert!(
+            eventually(Duration::from_secs(3), || !alive(load.pid)).await,
+            "{mode}: the worker was stopped"
+        );
+        let _ = sup.unload(&name).await;
+    }
+    assert_eq!(
+        sup.request("bystander", Body::json(r#"{"still":"here"}"#))
+            .await
+            .unwrap()
+            .json
+            .replace(' ', ""),
+        r#"{"still":"here"}"#
+    );
+    sup.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_does_not_say_hello_is_refused_naming_what_it_sent() {
+    let sup = supervisor();
+    for (mode, phrase) in [
+        ("not-hello", "sent pong where hello was expected"),
+        ("garbage-hello", "a frame length of"),
+    ] {
+        let err = sup.load(rogue("rude", mode)).await.unwrap_err();
+        assert!(
+            matches!(err.kind(), "handshake_failed" | "unexpected_message"),
+            "{mode}: {err}"
+        );
+        assert!(
+            err.to_string().to_lowercase().contains(phrase),
+            "{mode}: `{phrase}` not in: {err}"
+        );
+        assert!(
+            eventually(Duration::from_secs(3), || workers_of_model("rude")
+                .is_empty())
+            .await,
+            "{mode}: stopped"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_that_is_no_worker_is_refused_promptly_with_its_stderr() {
+    let sup = supervisor();
+    let spec = ModelSpec::new("nope", "echo")
+        .command(["sh", "-c", "echo not a worker >&2; exit 7"])
+        .load_timeout(Duration::from_secs(20));
+    let started = Instant::now();
+    let err = sup.load(spec).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(5), "{err}");
+    assert_eq!(err.kind(), "handshake_failed", "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("code 7") && text.contains("not a worker"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_spec_is_checked_before_anything_starts() {
+    let sup = supervisor();
+    let err = sup
+        .load(ModelSpec::new("empty", "echo").command(Vec::<String>::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "invalid_spec", "{err}");
+    assert!(err.to_string().contains("`command` is empty"), "{err}");
+    let err = sup
+        .load(
+            ModelSpec::new("both", "echo")
+                .command(python_worker_command())
+                .worker_binary(worker_bin()),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("keep one"), "{err}");
+    // A backend the worker does not offer is found by asking it.
+    let err = sup
+        .load(ModelSpec::new("nobackend", "embed").command(python_worker_command()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "invalid_spec", "{err}");
+    assert!(
+        err.to_string().contains("echo") && err.to_string().contains("hog"),
+        "names what it offers: {err}"
+    );
+}
