@@ -1,0 +1,234 @@
+//! The Python worker's costs, each beside its baseline in the same run,
+//! interleaved (A B A B ...) so that noise on a shared machine lands on both
+//! sides; the README's "Workers in Python" table.
+//!
+//! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench python`
+//!
+//! - echo round trip through berth to `python3 -m berth_worker` vs a bare
+//!   Python echo over the same kind of socket and framing;
+//! - 64 MiB of bulk bytes through the Python echo (a sealed memfd each way)
+//!   vs two plain memcpys of 64 MiB;
+//! - spawn to ready for a Python worker vs `python3 -c pass`.
+//!
+//! Each line gives medians, and the median ratio of per-round medians with
+//! its 10th-90th percentile spread.
+
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::time::Instant;
+
+use berth::{Body, Bulk, ModelSpec, Supervisor};
+use berth_tests::python::{python_worker_command, repo_root, test_python};
+use berth_tests::test_config;
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Per-round medians of two sides, printed with the ratio's spread.
+struct Rounds {
+    a: Vec<f64>,
+    b: Vec<f64>,
+}
+
+impl Rounds {
+    fn new() -> Self {
+        Rounds {
+            a: Vec::new(),
+            b: Vec::new(),
+        }
+    }
+
+    fn print(mut self, what: &str, a_name: &str, b_name: &str, unit: &str, scale: f64) {
+        let mut ratios: Vec<f64> = self.a.iter().zip(&self.b).map(|(a, b)| a / b).collect();
+        let (p10, p50, p90) = (
+            percentile(&mut ratios, 0.1),
+            median(&mut ratios),
+            percentile(&mut ratios, 0.9),
+        );
+        println!(
+            "| {what} | {a_name} {:.1} {unit} | {b_name} {:.1} {unit} | {p50:.2}× ({p10:.2}–{p90:.2}) | {} rounds |",
+            median(&mut self.a) * scale,
+            median(&mut self.b) * scale,
+            self.a.len()
+        );
+    }
+}
+
+/// Times `n` calls of `f`, returns the median in seconds.
+fn timed(n: usize, mut f: impl FnMut()) -> f64 {
+    let mut v: Vec<f64> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    median(&mut v)
+}
+
+/// The bare baseline: `bare_echo.py` on one end of a socket pair.
+struct Bare {
+    sock: UnixStream,
+    child: std::process::Child,
+}
+
+impl Bare {
+    fn start() -> Bare {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let fd = theirs.as_raw_fd();
+        let mut command = std::process::Command::new(test_python());
+        command
+            .arg(repo_root().join("tests/python/bare_echo.py"))
+            .env("BERTH_FD", "3");
+        // SAFETY: dup2 between fork and exec is async-signal-safe.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::dup2(fd, 3) != 3 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().unwrap();
+        drop(theirs);
+        Bare { sock: ours, child }
+    }
+
+    fn round_trip(&mut self, frame: &[u8], buf: &mut [u8]) {
+        self.sock.write_all(frame).unwrap();
+        self.sock.read_exact(&mut buf[..frame.len()]).unwrap();
+    }
+}
+
+impl Drop for Bare {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn round_trips(sup: &Supervisor) {
+    sup.load(ModelSpec::new("py-echo", "echo").command(python_worker_command()))
+        .await
+        .unwrap();
+    let worker = sup.worker("py-echo").unwrap();
+    let body = || Body::json(r#"{"input":"hello"}"#);
+    let frame = berth_protocol::stream::frame(
+        br#"{"type":"request","id":1,"body":{"input":"hello"}}"#,
+        &[],
+    );
+    let mut bare = Bare::start();
+    let mut buf = vec![0u8; 1024];
+    for _ in 0..300 {
+        worker.call(body()).await.unwrap();
+        bare.round_trip(&frame, &mut buf);
+    }
+    let mut rounds = Rounds::new();
+    for _ in 0..30 {
+        let mut v = Vec::with_capacity(200);
+        for _ in 0..200 {
+            let t = Instant::now();
+            worker.call(body()).await.unwrap();
+            v.push(t.elapsed().as_secs_f64());
+        }
+        rounds.a.push(median(&mut v));
+        rounds
+            .b
+            .push(timed(200, || bare.round_trip(&frame, &mut buf)));
+    }
+    rounds.print(
+        "echo round trip",
+        "berth → Python worker",
+        "bare Python socket",
+        "µs",
+        1e6,
+    );
+
+    const BULK: usize = 64 << 20;
+    let bytes: Vec<u8> = (0..BULK).map(|i| (i % 251) as u8).collect();
+    let mut copy = vec![0u8; BULK];
+    let mut rounds = Rounds::new();
+    for _ in 0..10 {
+        let body = Body {
+            json: "{}".into(),
+            bulk: Bulk::Inline(bytes.clone()),
+        };
+        let t = Instant::now();
+        let reply = worker.call(body).await.unwrap();
+        assert_eq!(reply.bulk_bytes().len(), BULK);
+        rounds.a.push(t.elapsed().as_secs_f64());
+        rounds.b.push(timed(3, || {
+            copy.copy_from_slice(&bytes);
+            std::hint::black_box(&copy);
+            copy.copy_from_slice(&bytes);
+            std::hint::black_box(&copy);
+        }));
+    }
+    rounds.print(
+        "64 MiB bulk, round trip",
+        "berth → Python (memfd each way)",
+        "2 × memcpy",
+        "ms",
+        1e3,
+    );
+    sup.unload("py-echo").await.unwrap();
+}
+
+async fn spawn_to_ready(sup: &Supervisor) {
+    let mut rounds = Rounds::new();
+    for _ in 0..10 {
+        let load = sup
+            .load(ModelSpec::new("py-spawn", "echo").command(python_worker_command()))
+            .await
+            .unwrap();
+        sup.unload("py-spawn").await.unwrap();
+        rounds.a.push(load.load_ms / 1e3);
+        let t = Instant::now();
+        let status = std::process::Command::new(test_python())
+            .args(["-c", "pass"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        rounds.b.push(t.elapsed().as_secs_f64());
+    }
+    rounds.print(
+        "spawn → ready",
+        "Python worker",
+        "`python3 -c pass`",
+        "ms",
+        1e3,
+    );
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let _ = test_python();
+    println!(
+        "Python workers ({}; {} cores)\n",
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim(),
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("| what | berth | baseline | ratio, median (p10–p90) | samples |");
+    println!("|---|---|---|---|---|");
+    runtime.block_on(async {
+        let sup = Supervisor::new(test_config());
+        round_trips(&sup).await;
+        spawn_to_ready(&sup).await;
+        sup.shutdown().await;
+    });
+}
