@@ -56,7 +56,45 @@ both!(
     a_leak_is_recycled_by_max_rss_without_a_failed_request,
     unload_reclaims_the_memory_and_leaves_no_process,
     sigkill_of_berth_serve_leaves_no_worker,
+    a_swap_is_make_before_break,
 );
+
+async fn a_swap_is_make_before_break(w: Worker) {
+    let sup = std::sync::Arc::new(supervisor());
+    sup.load(w.spec("sw", "echo")).await.unwrap();
+    let old = sup.worker("sw").unwrap().pid();
+    // Requests keep coming during the swap; none fails.
+    let traffic = {
+        let sup = std::sync::Arc::clone(&sup);
+        tokio::spawn(async move {
+            let mut failed = 0;
+            for i in 0..300 {
+                if sup
+                    .request("sw", Body::json(format!("{{\"i\":{i}}}")))
+                    .await
+                    .is_err()
+                {
+                    failed += 1;
+                }
+            }
+            failed
+        })
+    };
+    let report = sup
+        .swap(w.spec("sw", "echo").option("chunks", 1))
+        .await
+        .unwrap();
+    assert_eq!(report.old_pid, old);
+    assert_ne!(report.new_pid, old);
+    assert_eq!(report.unload.leftover_processes, 0);
+    assert_eq!(
+        traffic.await.unwrap(),
+        0,
+        "no request failed during the swap"
+    );
+    assert!(!alive(old), "the old worker is gone");
+    sup.shutdown().await;
+}
 
 async fn json_and_bulk_round_trip(w: Worker) {
     let sup = supervisor();

@@ -175,3 +175,72 @@ async fn a_command_spec_is_checked_before_anything_starts() {
         "names what it offers: {err}"
     );
 }
+
+fn dev_shm() -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `berth serve` runs Python models named by a declared worker kind or by a
+/// `command` in its config, a client registers one by naming the kind, and
+/// nothing named is left behind: not in `/dev/shm`, not in its TMPDIR, after
+/// a worker crash and a SIGKILL of the server.
+#[test]
+fn the_sidecar_serves_python_models_and_leaves_nothing_named_behind() {
+    let tmp = std::env::temp_dir().join(format!("berth-stream-tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let shm_before = dev_shm();
+    let command = format!("{:?}", python_worker_command());
+    let config = format!(
+        "[workers.py]\ncommand = {command}\n\n\
+         [[model]]\nname = \"direct\"\nbackend = \"echo\"\ncommand = {command}\n"
+    );
+    let mut server = Server::start_env(&config, &[], &[("TMPDIR", tmp.to_str().unwrap())]);
+    let (status, reply) = server.post("/api/models/direct/infer", serde_json::json!({"a": 1}));
+    assert_eq!(
+        (status, reply.clone()),
+        (200, serde_json::json!({"a": 1})),
+        "{reply}"
+    );
+
+    // A client names the operator's kind; it cannot name a program.
+    let (status, reply) = server.put(
+        "/api/models/client",
+        serde_json::json!({"backend": "fault", "worker": "py", "options": {"crash_on": "boom"}}),
+    );
+    assert_eq!(status, 201, "{reply}");
+    let (status, reply) = server.post("/api/models/client/infer", serde_json::json!({"x": 2}));
+    assert_eq!(
+        (status, reply.clone()),
+        (200, serde_json::json!({"x": 2})),
+        "{reply}"
+    );
+    let (status, reply) = server.post("/api/models/client/infer", serde_json::json!({"x": "boom"}));
+    assert!(status >= 500, "{status} {reply}");
+    assert!(reply.to_string().contains("SIGSEGV"), "{reply}");
+    let ps = server.ps();
+    assert!(ps.iter().any(|m| m["name"] == "client"), "{ps:?}");
+
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || workers_of_model("direct")
+            .is_empty()
+            && workers_of_model("client").is_empty()),
+        "no worker outlives the server"
+    );
+    let left: Vec<_> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    assert!(left.is_empty(), "left in TMPDIR: {left:?}");
+    let shm_after = dev_shm();
+    let new: Vec<_> = shm_after.difference(&shm_before).collect();
+    assert!(new.is_empty(), "left in /dev/shm: {new:?}");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
