@@ -30,7 +30,15 @@ impl Rng {
 }
 
 const KINDS: &[&str] = &[
-    "hello", "loaded", "load_failed", "chunk", "done", "pong", "request", "nonsense", "",
+    "hello",
+    "loaded",
+    "load_failed",
+    "chunk",
+    "done",
+    "pong",
+    "request",
+    "nonsense",
+    "",
 ];
 
 fn json_value(rng: &mut Rng, depth: u32) -> serde_json::Value {
@@ -40,7 +48,11 @@ fn json_value(rng: &mut Rng, depth: u32) -> serde_json::Value {
         1 => json!(format!("s{}", rng.next())),
         2 => json!(null),
         3 => json!(rng.chance(50)),
-        4 => serde_json::Value::Array((0..rng.below(4)).map(|_| json_value(rng, depth + 1)).collect()),
+        4 => serde_json::Value::Array(
+            (0..rng.below(4))
+                .map(|_| json_value(rng, depth + 1))
+                .collect(),
+        ),
         _ => {
             let mut m = serde_json::Map::new();
             for i in 0..rng.below(4) {
@@ -90,9 +102,7 @@ fn header(rng: &mut Rng, payload: usize) -> Vec<u8> {
 
 fn one_frame(rng: &mut Rng) -> Vec<u8> {
     let max = if rng.chance(5) { 70_000 } else { 64 };
-    let payload: Vec<u8> = (0..rng.below(max))
-        .map(|_| rng.next() as u8)
-        .collect();
+    let payload: Vec<u8> = (0..rng.below(max)).map(|_| rng.next() as u8).collect();
     let h = header(rng, payload.len());
     let mut bytes = frame(&h, &payload);
     match rng.below(30) {
@@ -149,8 +159,7 @@ fn the_decoder_survives_every_generated_frame() {
         let mut broken = false;
         while at < stream.len() && !broken {
             let max = if rng.chance(20) { 100_000 } else { 200 };
-            let cut = (1 + rng.below(max) as usize)
-                .min(stream.len() - at);
+            let cut = (1 + rng.below(max) as usize).min(stream.len() - at);
             let fds: Vec<u32> = (0..if rng.chance(3) { rng.below(3) } else { 0 })
                 .map(|i| i as u32)
                 .collect();
@@ -231,7 +240,10 @@ fn valid_frames_decode_exactly_whatever_the_cuts() {
 
 #[test]
 fn a_descriptor_belongs_to_the_frame_whose_first_byte_it_came_with() {
-    let with_fd = frame(br#"{"type":"done","id":1,"body":{},"bulk":{"memfd":8}}"#, &[]);
+    let with_fd = frame(
+        br#"{"type":"done","id":1,"body":{},"bulk":{"memfd":8}}"#,
+        &[],
+    );
     let plain = frame(br#"{"type":"done","id":2,"body":{}}"#, &[]);
     // Plain frame, then the fd frame in one read with its descriptor: fine.
     let mut d: FrameDecoder<u32> = FrameDecoder::new();
