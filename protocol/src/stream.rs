@@ -51,7 +51,7 @@ pub enum BulkRef {
 }
 
 /// A frame's header: every member the wire names, all optional; which a
-/// type needs is checked by [`WorkerMessage::from_frame`]. Unknown members
+/// type needs is checked by [`WorkerMessage::from_header`]. Unknown members
 /// are ignored.
 #[derive(Debug, Default, Deserialize)]
 pub struct Header {
