@@ -63,13 +63,16 @@ fn json_value(rng: &mut Rng, depth: u32) -> serde_json::Value {
     }
 }
 
+/// Makes one member's value.
+type Member = fn(&mut Rng) -> serde_json::Value;
+
 /// A header of a random type with random members (right or wrong).
 fn header(rng: &mut Rng, payload: usize) -> Vec<u8> {
     use serde_json::json;
     let kind = KINDS[rng.below(KINDS.len() as u64) as usize];
     let mut h = serde_json::Map::new();
     h.insert("type".into(), json!(kind));
-    let members: &[(&str, fn(&mut Rng) -> serde_json::Value)] = &[
+    let members: &[(&str, Member)] = &[
         ("id", |r| json!(r.below(5))),
         ("seq", |r| json!(r.below(5))),
         ("body", |r| json_value(r, 0)),

@@ -397,3 +397,47 @@ fn fifty_load_unload_cycles_and_a_swap_leave_the_device_where_it_started() {
     unload(&server, "cycled");
     assert_eq!(u(&gpus(&server)["devices"][0]["used_bytes"]), before);
 }
+
+/// GPU placement is wire-agnostic: a Python worker placed on GPU 1 gets
+/// `CUDA_VISIBLE_DEVICES` and `BERTH_GPUS`, its VRAM (held here through the
+/// fake driver on its pid, as PyTorch's allocator would) shows in `ps`, and
+/// the unload proves it came back.
+#[test]
+fn a_python_worker_is_placed_and_its_vram_proven_back_like_any_other() {
+    let fake = FakeGpu::new();
+    let config = format!(
+        "[[model]]\nname = \"pyvram\"\nbackend = \"hog\"\ngpus = [1]\ncommand = {:?}\n",
+        berth_tests::python::python_worker_command()
+    );
+    let server = fake.serve(&config);
+    let report = load(&server, "pyvram");
+    assert_eq!(report["gpus"], json!([1]), "{report}");
+    let pid = u(&report["pid"]) as u32;
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let environ = String::from_utf8_lossy(&environ);
+    assert!(
+        environ.split('\0').any(|kv| kv == "BERTH_GPUS=1"),
+        "{environ}"
+    );
+    assert!(
+        environ
+            .split('\0')
+            .any(|kv| kv.starts_with("CUDA_VISIBLE_DEVICES=")),
+        "{environ}"
+    );
+    fake.hold(pid, 1, 2 * GIB);
+    assert!(
+        wait_for(
+            std::time::Duration::from_secs(5),
+            || server.ps()[0]["vram_bytes"] == json!(2 * GIB)
+        ),
+        "{:?}",
+        server.ps()
+    );
+    let report = unload(&server, "pyvram");
+    assert_eq!(u(&report["vram_at_stop_bytes"]), 2 * GIB, "{report}");
+    assert_eq!(report["gpu_pid_gone"], true, "{report}");
+    assert_eq!(report["leftover_processes"], 0);
+    let status = gpus(&server);
+    assert_eq!(status["devices"][1]["processes"], json!([]), "{status}");
+}
