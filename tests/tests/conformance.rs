@@ -57,7 +57,37 @@ both!(
     unload_reclaims_the_memory_and_leaves_no_process,
     sigkill_of_berth_serve_leaves_no_worker,
     a_swap_is_make_before_break,
+    a_worker_streaming_faster_than_its_reader_is_refused_not_queued,
 );
+
+async fn a_worker_streaming_faster_than_its_reader_is_refused_not_queued(w: Worker) {
+    let sup = berth::Supervisor::new(berth::SupervisorConfig {
+        max_response: 1 << 20,
+        ..test_config()
+    });
+    sup.load(w.spec("flood", "echo").option("chunks", 200))
+        .await
+        .unwrap();
+    let body = format!("{{\"pad\":\"{}\"}}", "x".repeat(100_000));
+    let mut stream = sup.request_stream("flood", Body::json(body)).await.unwrap();
+    // Nobody reads while the worker streams 20 MB of chunks.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut read = 0;
+    let err = loop {
+        match stream.next().await {
+            Some(Ok(berth::Piece::Chunk(_))) => read += 1,
+            Some(Err(e)) => break e,
+            other => panic!("refused before the end, not {other:?}"),
+        }
+    };
+    assert_eq!(err.kind(), "input_too_large", "{err}");
+    assert!(err.to_string().contains("has not read yet"), "{err}");
+    assert!(read <= 11, "at most 1 MiB was queued: {read} chunks");
+    drop(stream);
+    // The worker carries on.
+    assert!(sup.request("flood", Body::json("{}")).await.is_ok());
+    sup.shutdown().await;
+}
 
 async fn a_swap_is_make_before_break(w: Worker) {
     let sup = std::sync::Arc::new(supervisor());

@@ -23,7 +23,7 @@ use crate::child::handshake::Accepted;
 use crate::child::link::{Events, Link};
 use crate::child::memory::{ProcessMemory, process_memory};
 use crate::child::process::ProcessWatch;
-use crate::child::routes::{Dispatch, Reply, Routes};
+use crate::child::routes::{Dispatch, Reply, Routes, Waiting, held_bytes};
 use crate::child::stream::SendError;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
@@ -149,7 +149,7 @@ impl WorkerHandle {
         started_at: Instant,
         max_response: u64,
     ) -> Result<Arc<Self>> {
-        let routes = Arc::new(Routes::default());
+        let routes = Arc::new(Routes::new(max_response));
         let (control_tx, control_rx) = mpsc::unbounded_channel();
         let (pong_tx, pongs) = watch::channel(None);
         let (done_tx, reader_done) = watch::channel(false);
@@ -432,12 +432,20 @@ impl WorkerHandle {
     pub fn call_stream(&self, body: Body) -> Result<ResponseStream> {
         let id = self.routes.next_id();
         let (tx, rx) = mpsc::unbounded_channel();
+        let unread = Arc::new(AtomicU64::new(0));
         {
             let mut routes = self.routes.lock();
             if let Some(death) = &routes.death {
                 return Err(self.died(death, "request"));
             }
-            routes.pending.insert(id, (tx, body_hash(&body)));
+            routes.pending.insert(
+                id,
+                Waiting {
+                    tx,
+                    hash: body_hash(&body),
+                    unread: Arc::clone(&unread),
+                },
+            );
         }
         self.in_flight.enter();
         let stream = ResponseStream {
@@ -449,6 +457,7 @@ impl WorkerHandle {
             routes: Arc::clone(&self.routes),
             commands: self.commands.clone(),
             in_flight: Arc::clone(&self.in_flight),
+            unread,
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
         match self.send(Command::Request { id, body }) {
@@ -559,6 +568,8 @@ pub struct ResponseStream {
     routes: Arc<Routes>,
     commands: Link,
     in_flight: Arc<InFlight>,
+    /// Chunk bytes routed here and not yet read (see `routes::Waiting`).
+    unread: Arc<AtomicU64>,
 }
 
 impl ResponseStream {
@@ -569,7 +580,10 @@ impl ResponseStream {
         }
         let reply = self.rx.recv().await;
         match reply {
-            Some(Reply::Chunk(body)) => Some(Ok(Piece::Chunk(body))),
+            Some(Reply::Chunk(body)) => {
+                self.unread.fetch_sub(held_bytes(&body), Ordering::SeqCst);
+                Some(Ok(Piece::Chunk(body)))
+            }
             Some(Reply::Refused(source)) => {
                 self.cancel();
                 Some(Err(Error::Request {

@@ -33,9 +33,29 @@ pub(super) enum Reply {
     Died(Arc<Death>),
 }
 
+/// A request waiting for its answer.
+pub(super) struct Waiting {
+    pub(super) tx: mpsc::UnboundedSender<Reply>,
+    /// What identifies it for quarantine.
+    pub(super) hash: u64,
+    /// Bytes of chunks routed to it and not yet read by its caller: a
+    /// worker streaming faster than a client reads is refused past
+    /// `max_response`, rather than queued without bound.
+    pub(super) unread: Arc<AtomicU64>,
+}
+
+/// The size a body takes in the supervisor's memory.
+pub(super) fn held_bytes(body: &Body) -> u64 {
+    let inline = match &body.bulk {
+        berth_protocol::Bulk::Inline(bytes) => bytes.len(),
+        _ => 0,
+    };
+    (body.json.len() + inline) as u64
+}
+
 #[derive(Default)]
 pub(super) struct RoutesInner {
-    pub(super) pending: HashMap<RequestId, (mpsc::UnboundedSender<Reply>, u64)>,
+    pub(super) pending: HashMap<RequestId, Waiting>,
     /// Requests given up on whose `done` has not come yet.
     cancelled: BTreeSet<RequestId>,
     pub(super) death: Option<Arc<Death>>,
@@ -44,16 +64,19 @@ pub(super) struct RoutesInner {
 /// The pending map and, once the worker is dead, why.
 pub(super) struct Routes {
     inner: Mutex<RoutesInner>,
+    /// The most unread chunk bytes one request may have queued.
+    max_unread: u64,
     /// The next request id; every id below it was sent.
     next_id: AtomicU64,
     /// A `Load` was sent and its answer has not come.
     load_asked: AtomicBool,
 }
 
-impl Default for Routes {
-    fn default() -> Self {
+impl Routes {
+    pub(super) fn new(max_unread: u64) -> Self {
         Routes {
             inner: Mutex::default(),
+            max_unread,
             next_id: AtomicU64::new(1),
             load_asked: AtomicBool::new(false),
         }
@@ -86,13 +109,31 @@ impl Routes {
         }
     }
 
-    pub(super) fn route(&self, id: RequestId, reply: Reply) -> Result<(), Violation> {
+    pub(super) fn route(&self, id: RequestId, mut reply: Reply) -> Result<(), Violation> {
         let mut inner = self.lock();
         let done = matches!(reply, Reply::Done(_));
         let tx = if done {
-            inner.pending.remove(&id).map(|(tx, _)| tx)
+            inner.pending.remove(&id).map(|w| w.tx)
         } else {
-            inner.pending.get(&id).map(|(tx, _)| tx.clone())
+            inner.pending.get(&id).map(|w| {
+                if let Reply::Chunk(body) = &reply {
+                    let size = held_bytes(body);
+                    let unread = w.unread.fetch_add(size, Ordering::SeqCst) + size;
+                    if unread > self.max_unread {
+                        w.unread.fetch_sub(size, Ordering::SeqCst);
+                        reply = Reply::Refused(WireError::new(
+                            berth_protocol::ErrorKind::InputTooLarge,
+                            format!(
+                                "request {id}: the worker streamed {unread} bytes its caller \
+                                 has not read yet, over max_response ({} bytes); read the \
+                                 stream as it comes, or raise max_response",
+                                self.max_unread
+                            ),
+                        ));
+                    }
+                }
+                w.tx.clone()
+            })
         };
         if let Some(tx) = tx {
             drop(inner);
@@ -124,11 +165,11 @@ impl Routes {
             return Arc::clone(first);
         }
         let pending = std::mem::take(&mut inner.pending);
-        death.in_flight = pending.values().map(|(_, hash)| *hash).collect();
+        death.in_flight = pending.values().map(|w| w.hash).collect();
         let death = Arc::new(death);
         inner.death = Some(Arc::clone(&death));
         drop(inner);
-        for (_, (tx, _)) in pending {
+        for (_, Waiting { tx, .. }) in pending {
             let _ = tx.send(Reply::Died(Arc::clone(&death)));
         }
         death
@@ -241,11 +282,7 @@ impl Dispatch {
 /// in shared memory are the worker's mapping, not the supervisor's heap, and
 /// do not count.
 fn bounded(model: &str, body: Body, max_response: u64) -> std::result::Result<Body, WireError> {
-    let inline = match &body.bulk {
-        berth_protocol::Bulk::Inline(bytes) => bytes.len(),
-        _ => 0,
-    };
-    let size = (body.json.len() + inline) as u64;
+    let size = held_bytes(&body);
     if size <= max_response {
         if size >= crate::heap::LARGE {
             // Its copies on the way to the client will be freed shortly.
