@@ -273,20 +273,21 @@ impl ErrorKind {
 }
 
 impl ErrorKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [ErrorKind; 8] = [
+        ErrorKind::BadRequest,
+        ErrorKind::UnknownBackend,
+        ErrorKind::LoadFailed,
+        ErrorKind::NotLoaded,
+        ErrorKind::Cancelled,
+        ErrorKind::InputTooLarge,
+        ErrorKind::Backend,
+        ErrorKind::Internal,
+    ];
+
     /// The kind whose [`ErrorKind::code`] this is.
     pub fn from_code(code: &str) -> Option<ErrorKind> {
-        [
-            ErrorKind::BadRequest,
-            ErrorKind::UnknownBackend,
-            ErrorKind::LoadFailed,
-            ErrorKind::NotLoaded,
-            ErrorKind::Cancelled,
-            ErrorKind::InputTooLarge,
-            ErrorKind::Backend,
-            ErrorKind::Internal,
-        ]
-        .into_iter()
-        .find(|k| k.code() == code)
+        Self::ALL.into_iter().find(|k| k.code() == code)
     }
 }
 

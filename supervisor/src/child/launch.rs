@@ -21,6 +21,16 @@ use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
 use crate::report::LoadReport;
 
+/// The end a new worker connects to, by wire.
+enum Listening {
+    Ipc(
+        ipc_channel::ipc::IpcOneShotServer<berth_protocol::Event>,
+        String,
+    ),
+    /// Ours, and the end the child inherits.
+    Stream(std::os::fd::OwnedFd, std::os::fd::OwnedFd),
+}
+
 /// The worker binary's file name.
 pub const WORKER_BINARY: &str = "berth-worker";
 
@@ -226,17 +236,20 @@ pub(crate) async fn launch(
     };
     // The wire's listening end: a one-shot ipc server, or a socket pair
     // whose other end the child inherits (closed here once it is started).
-    let (ipc_server, stream_ends) = match program.wire {
-        Wire::Ipc => (Some(handshake::open(model)?), None),
-        Wire::Stream => (
-            None,
-            Some(stream::io::socket_pair().map_err(io_error("cannot create the worker's socket"))?),
-        ),
+    let listening = match program.wire {
+        Wire::Ipc => {
+            let (server, name) = handshake::open(model)?;
+            Listening::Ipc(server, name)
+        }
+        Wire::Stream => {
+            let (ours, theirs) =
+                stream::io::socket_pair().map_err(io_error("cannot create the worker's socket"))?;
+            Listening::Stream(ours, theirs)
+        }
     };
-    let connect = match (&ipc_server, &stream_ends) {
-        (Some((_, name)), _) => Connect::Ipc(name),
-        (_, Some((_, theirs))) => Connect::Stream(theirs.as_raw_fd()),
-        _ => unreachable!("one wire is always open"),
+    let connect = match &listening {
+        Listening::Ipc(_, name) => Connect::Ipc(name),
+        Listening::Stream(_, theirs) => Connect::Stream(theirs.as_raw_fd()),
     };
     let cap = spec
         .memory_limit
@@ -259,17 +272,16 @@ pub(crate) async fn launch(
     spawned(pid);
     tracing::debug!(model, pid, program = %program, "worker started");
 
-    let outcome = match (ipc_server, stream_ends) {
-        (Some((server, name)), _) => {
+    let outcome = match listening {
+        Listening::Ipc(server, name) => {
             handshake::accept(model, pid, server, &name, &process, left()).await
         }
-        (_, Some((ours, theirs))) => {
+        Listening::Stream(ours, theirs) => {
             drop(theirs);
             let (reader, writer) =
                 stream::connect(ours).map_err(io_error("cannot watch the worker's socket"))?;
             handshake::accept_stream(model, pid, reader, writer, &process, left()).await
         }
-        _ => unreachable!("one wire is always open"),
     };
     let accepted = match outcome {
         HandshakeOutcome::Ok(accepted) => accepted,
