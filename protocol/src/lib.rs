@@ -162,6 +162,21 @@ impl Body {
         }
     }
 
+    /// A body with bulk bytes: carried inside the message when small, in a
+    /// shared-memory region from [`stream::MEMFD_THRESHOLD`] on (one copy
+    /// instead of serialising every byte through the channel).
+    pub fn with_bulk(json: impl Into<String>, bytes: Vec<u8>) -> Self {
+        let bulk = if bytes.len() >= stream::MEMFD_THRESHOLD {
+            Bulk::Shared(IpcSharedMemory::from_bytes(&bytes))
+        } else {
+            Bulk::Inline(bytes)
+        };
+        Body {
+            json: json.into(),
+            bulk,
+        }
+    }
+
     /// The bulk bytes, wherever they live.
     pub fn bulk_bytes(&self) -> &[u8] {
         match &self.bulk {

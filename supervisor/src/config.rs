@@ -155,6 +155,12 @@ impl ModelSpec {
         self
     }
 
+    /// The worker's working directory (with [`command`](Self::command)).
+    pub fn cwd(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.cwd = Some(dir.into());
+        self
+    }
+
     /// Checks what can be checked before a process is started: the name,
     /// every duration and size against its allowed range, the environment.
     pub fn validate(&self) -> Result<()> {

@@ -22,6 +22,13 @@ pub struct LoadReport {
     /// Time the backend spent loading, measured inside the worker.
     pub backend_load_ms: f64,
     pub rss_bytes: u64,
+    /// Of the RSS, anonymous memory (heap, weights read into the process)
+    /// and file-backed pages (weights mapped from their file, libraries),
+    /// which the kernel can share between workers and drop under pressure.
+    #[serde(default)]
+    pub anon_bytes: u64,
+    #[serde(default)]
+    pub file_bytes: u64,
     /// Proportional set size: shared pages (mapped weights) split among sharers.
     pub pss_bytes: u64,
     /// Peak memory of the worker up to the end of the load (`VmHWM`, or the
@@ -87,8 +94,10 @@ impl fmt::Display for LoadReport {
         )?;
         write!(
             f,
-            "  memory: rss {}, pss {}, peak {}; system available {}",
+            "  memory: rss {} (anonymous {}, file-backed {}), pss {}, peak {}; system available {}",
             mib(self.rss_bytes),
+            mib(self.anon_bytes),
+            mib(self.file_bytes),
             mib(self.pss_bytes),
             mib(self.peak_rss_bytes),
             mib(self.system_available_bytes)

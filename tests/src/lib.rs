@@ -240,25 +240,42 @@ impl Server {
 
     /// As [`Server::start_with`], with `env` added to the daemon's environment.
     pub fn start_env(config_toml: &str, extra_args: &[&str], env: &[(&str, &str)]) -> Server {
-        let port = free_port();
-        let config =
-            std::env::temp_dir().join(format!("berth-test-{}-{port}.toml", std::process::id()));
+        let config = std::env::temp_dir().join(format!(
+            "berth-test-{}-{}.toml",
+            std::process::id(),
+            free_port()
+        ));
         std::fs::write(&config, config_toml).unwrap();
-        let child = std::process::Command::new(berth_bin())
+        Self::start_file(&config, None, extra_args, env)
+    }
+
+    /// `berth serve --config FILE` as is (a shipped config), started in
+    /// `dir` (default: the test's own), with `env` added.
+    pub fn start_file(
+        config: &std::path::Path,
+        dir: Option<&std::path::Path>,
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Server {
+        let port = free_port();
+        let mut command = std::process::Command::new(berth_bin());
+        command
             .args([
                 "serve",
                 "--listen",
                 &format!("127.0.0.1:{port}"),
                 "--config",
             ])
-            .arg(&config)
+            .arg(config)
             .args(extra_args)
             .envs(env.iter().copied())
             .env("BERTH_LOG", "info")
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
+            .stderr(std::process::Stdio::null());
+        if let Some(dir) = dir {
+            command.current_dir(dir);
+        }
+        let child = command.spawn().unwrap();
         let token = extra_args
             .windows(2)
             .find(|w| w[0] == "--token")
@@ -272,7 +289,7 @@ impl Server {
             child,
             url: format!("http://127.0.0.1:{port}"),
             token,
-            config,
+            config: config.to_path_buf(),
             agent,
         };
         assert!(
@@ -409,7 +426,9 @@ impl Drop for Server {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
-        let _ = std::fs::remove_file(&self.config);
+        if self.config.starts_with(std::env::temp_dir()) {
+            let _ = std::fs::remove_file(&self.config);
+        }
     }
 }
 

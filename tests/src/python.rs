@@ -122,6 +122,44 @@ pub fn test_python() -> PathBuf {
         .clone()
 }
 
+/// `python3` of the examples' environment: the test requirements, the
+/// frameworks pinned in `python/examples/requirements.txt` (PyTorch, JAX,
+/// Equinox, safetensors, tokenizers, the OpenAI client) and `berth_worker`.
+/// PyTorch's wheel with its CUDA libraries is ~5 GB: the first run installs
+/// it (minutes), later runs reuse it while the files are unchanged.
+pub fn examples_python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            venv(
+                "python-examples-venv",
+                &[
+                    "python/requirements-test.txt",
+                    "python/examples/requirements.txt",
+                ],
+            )
+        })
+        .clone()
+}
+
+/// Where the examples' package (`berth_examples`) lies: the working
+/// directory of their workers.
+pub fn examples_dir() -> PathBuf {
+    repo_root().join("python/examples")
+}
+
+/// A model served by `python3 -m berth_examples` from the examples'
+/// environment, as `python/examples/serve.toml` runs it.
+pub fn example_spec(name: &str, backend: &str) -> berth::ModelSpec {
+    berth::ModelSpec::new(name, backend)
+        .command([
+            examples_python().display().to_string(),
+            "-m".into(),
+            "berth_examples".into(),
+        ])
+        .cwd(examples_dir())
+}
+
 /// The command line of a Python worker serving the test backends.
 pub fn python_worker_command() -> Vec<String> {
     vec![

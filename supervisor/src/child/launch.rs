@@ -360,6 +360,8 @@ pub(crate) async fn launch(
         spawn_ms,
         backend_load_ms: info.load_micros as f64 / 1e3,
         rss_bytes: memory.rss_bytes,
+        anon_bytes: memory.anon_bytes,
+        file_bytes: memory.file_bytes,
         pss_bytes: memory.pss_bytes,
         peak_rss_bytes: memory
             .peak_rss_bytes

@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use berth::fetch::{DEFAULT_MODELS, fetch, models_dir};
+use berth::fetch::{DEFAULT_MODELS, fetch};
 use berth::orphans;
 use berth::server::config::{DEFAULT_LISTEN, ServeConfig};
 use berth::server::{Listen, serve};
@@ -37,7 +37,14 @@ pub async fn run(args: ServeArgs) -> ExitCode {
 
 async fn start(args: ServeArgs) -> Result<(), String> {
     let config = match &args.config {
-        Some(path) => ServeConfig::from_file(path)?,
+        Some(path) => {
+            let config = ServeConfig::read(path)?;
+            fetch_named_defaults(&config.models, &config.models_root())?;
+            config
+                .check()
+                .map_err(|e| format!("`{}`: {e}", path.display()))?;
+            config
+        }
         None => ServeConfig::default(),
     };
     let listen = Listen::parse(
@@ -52,7 +59,7 @@ async fn start(args: ServeArgs) -> Result<(), String> {
         }
         token => token,
     };
-    let models_root = config.models_dir.clone().unwrap_or_else(models_dir);
+    let models_root = config.models_root();
     // Before anything is read, written or started: this server's state
     // file must be its own.
     adopt_orphans(
@@ -117,6 +124,28 @@ fn default_state_file(listen: &Listen) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache/berth/run")
         .join(format!("serve-{name}.json"))
+}
+
+/// Fetches the default models whose folders the config's models name
+/// (`model = "all-MiniLM-L6-v2"`) and that are missing, as a plain
+/// `berth serve` does.
+fn fetch_named_defaults(models: &[ModelSpec], dir: &std::path::Path) -> Result<(), String> {
+    for spec in models {
+        let Some(path) = &spec.model else { continue };
+        for model in DEFAULT_MODELS {
+            if path.starts_with(dir.join(model.folder)) && !model.is_present(dir) {
+                fetch(model, dir, &mut |line: &str| eprintln!("berth: {line}")).map_err(|e| {
+                    format!(
+                        "model `{}`: cannot fetch default model `{}` into `{}`: {e}",
+                        spec.name,
+                        model.name,
+                        dir.display()
+                    )
+                })?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The default models, fetched first where missing.

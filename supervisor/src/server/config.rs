@@ -11,7 +11,7 @@
 //! [[model]]
 //! name = "minilm"
 //! backend = "embed"
-//! model = "/var/lib/berth/models/all-MiniLM-L6-v2"
+//! model = "all-MiniLM-L6-v2"     # relative: inside models_dir
 //! keep_alive = "10m"
 //! memory_limit = "1GiB"
 //! load_mode = "mmap"
@@ -110,13 +110,22 @@ pub struct ServeConfig {
 
 impl ServeConfig {
     pub fn from_file(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
-        let config: ServeConfig = toml::from_str(&text)
-            .map_err(|e| format!("`{}` is not a valid berth config: {e}", path.display()))?;
+        let config = Self::read(path)?;
         config
             .check()
             .map_err(|e| format!("`{}`: {e}", path.display()))?;
+        Ok(config)
+    }
+
+    /// Parses the file without [`check`](Self::check)ing its values (the
+    /// CLI fetches missing default models in between). A relative `model`
+    /// path is taken inside [`models_root`](Self::models_root), so a config
+    /// names `all-MiniLM-L6-v2` wherever `berth fetch` put it.
+    pub fn read(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+        let mut config: ServeConfig = toml::from_str(&text)
+            .map_err(|e| format!("`{}` is not a valid berth config: {e}", path.display()))?;
         let mut seen = std::collections::HashSet::new();
         for model in &config.models {
             if !seen.insert(&model.name) {
@@ -127,7 +136,23 @@ impl ServeConfig {
                 ));
             }
         }
+        let root = config.models_root();
+        for model in &mut config.models {
+            if let Some(p) = model.model.as_mut()
+                && p.is_relative()
+            {
+                *p = root.join(&*p);
+            }
+        }
         Ok(config)
+    }
+
+    /// Where models live: `models_dir`, else the fetch directory
+    /// (`$BERTH_MODELS`, else `~/.cache/berth/models`).
+    pub fn models_root(&self) -> PathBuf {
+        self.models_dir
+            .clone()
+            .unwrap_or_else(crate::fetch::models_dir)
     }
 
     /// Every duration, size and count against its allowed range, and every

@@ -13,6 +13,7 @@ use axum::routing::{get, post};
 use crate::Supervisor;
 
 pub mod config;
+mod embeddings;
 mod error;
 mod guard;
 pub mod listen;
@@ -96,7 +97,7 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
     };
     let api = Router::new()
         .route("/v1/models", get(openai::models))
-        .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/api/ps", get(management::ps))
         .route("/api/gpus", get(management::gpus))

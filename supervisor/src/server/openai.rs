@@ -1,5 +1,6 @@
-//! The OpenAI-compatible endpoints: `/v1/models`, `/v1/embeddings`,
-//! `/v1/chat/completions` (plain and `stream: true` as server-sent events).
+//! The OpenAI-compatible endpoints: `/v1/models` and
+//! `/v1/chat/completions` (plain and `stream: true` as server-sent events);
+//! `/v1/embeddings` is in `embeddings.rs`.
 //! They translate shapes and delegate to the supervisor; the backends speak
 //! berth's own request JSON.
 
@@ -63,7 +64,11 @@ pub(crate) fn request_options(
 const CHAT_BACKENDS: &[&str] = &["generate"];
 const EMBEDDING_BACKENDS: &[&str] = &["embed"];
 
-fn refuse_other_kind(app: &AppState, model: &str, endpoint: &str) -> Result<(), ApiError> {
+pub(super) fn refuse_other_kind(
+    app: &AppState,
+    model: &str,
+    endpoint: &str,
+) -> Result<(), ApiError> {
     let Some(spec) = app.supervisor.spec(model) else {
         return Ok(()); // the supervisor names the unknown model
     };
@@ -88,129 +93,6 @@ pub async fn models(State(app): State<AppState>) -> Json<Value> {
         .map(|e| json!({ "id": e.spec.name, "object": "model", "created": 0, "owned_by": "berth", "backend": e.spec.backend, "state": e.state }))
         .collect();
     Json(json!({ "object": "list", "data": data }))
-}
-
-#[derive(Debug, Deserialize)]
-struct EmbeddingsRequest {
-    model: String,
-    input: Value,
-    #[serde(default)]
-    encoding_format: Option<String>,
-    #[serde(default)]
-    keep_alive: Option<KeepAliveField>,
-    /// berth's extension: fail (and cancel) past this (`30s`, or seconds).
-    #[serde(default)]
-    timeout: Option<KeepAliveField>,
-}
-
-pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let req: EmbeddingsRequest = parse(&body)?;
-    if !(req.input.is_string()
-        || req
-            .input
-            .as_array()
-            .is_some_and(|a| a.iter().all(Value::is_string)))
-    {
-        return Err(ApiError::bad_request(
-            "`input` must be a string or an array of strings",
-        ));
-    }
-    let count = req.input.as_array().map_or(1, Vec::len);
-    if count > app.max_inputs {
-        return Err(ApiError::new(
-            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-            "too_many_inputs",
-            format!(
-                "model `{}`: {count} texts in one request, over max_inputs ({}); split them \
-                 across requests",
-                req.model, app.max_inputs
-            ),
-        ));
-    }
-    refuse_other_kind(&app, &req.model, "embeddings")?;
-    let base64 = match req.encoding_format.as_deref() {
-        None | Some("float") => false,
-        Some("base64") => true,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "encoding_format `{other}` is not `float` or `base64`"
-            )));
-        }
-    };
-    let options = request_options(req.keep_alive.as_ref(), req.timeout.as_ref())?;
-    let body = Body::json(json!({ "input": req.input }).to_string());
-    let reply = app
-        .supervisor
-        .request_with(&req.model, body, options)
-        .await?;
-    let mut out: Value = serde_json::from_str(&reply.json).map_err(|e| {
-        ApiError::new(
-            axum::http::StatusCode::BAD_GATEWAY,
-            "backend_error",
-            format!(
-                "model `{}` answered something that is not JSON: {e}",
-                req.model
-            ),
-        )
-    })?;
-    drop(reply);
-    let vectors = match out["embeddings"].take() {
-        Value::Array(vectors) => Some(vectors),
-        _ => None,
-    }
-    .ok_or_else(|| {
-        ApiError::bad_request(format!(
-            "model `{}` is not an embedding model (backend gave no `embeddings`)",
-            req.model
-        ))
-    })?;
-    let data: Vec<Value> = vectors
-        .into_iter()
-        .enumerate()
-        .map(|(index, v)| {
-            let embedding = if base64 {
-                Value::String(encode_f32_base64(&v))
-            } else {
-                v
-            };
-            json!({ "object": "embedding", "index": index, "embedding": embedding })
-        })
-        .collect();
-    let tokens = out["tokens"].as_u64().unwrap_or(0);
-    Ok(Json(json!({
-        "object": "list",
-        "data": data,
-        "model": req.model,
-        "usage": { "prompt_tokens": tokens, "total_tokens": tokens },
-    })))
-}
-
-/// OpenAI's `base64` encoding: little-endian f32s, standard base64.
-fn encode_f32_base64(vector: &Value) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let bytes: Vec<u8> = vector
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|x| (x.as_f64().unwrap_or(0.0) as f32).to_le_bytes())
-        .collect();
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
 }
 
 #[derive(Debug, Deserialize)]

@@ -12,8 +12,12 @@
 //! `device` = `cpu` | `cuda` | `cuda:N` (default: the GPU the supervisor
 //! placed the worker on, else the CPU; CUDA needs a worker built with the
 //! `cuda` feature).
-//! Request: `{"input": "text"}` or `{"input": ["text", ...]}`.
-//! Response: `{"embeddings": [[...], ...], "dim": 384, "tokens": N}`.
+//! Request: `{"input": "text"}` or `{"input": ["text", ...]}`, and
+//! optionally `"encoding": "f32"`.
+//! Response: `{"embeddings": [[...], ...], "dim": 384, "tokens": N}`; with
+//! `"encoding": "f32"`, `{"count": N, "dim": 384, "tokens": T}` and the
+//! vectors as `N x dim` little-endian `f32` bulk bytes (what the sidecar
+//! asks for: no numbers formatted or parsed).
 
 use std::path::{Path, PathBuf};
 
@@ -162,10 +166,12 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     }))
 }
 
-/// `{"input": "text"}` or `{"input": ["a", "b"]}`.
+/// `{"input": "text"}` or `{"input": ["a", "b"]}`, and `"encoding"`.
 #[derive(serde::Deserialize)]
 struct EmbedRequest {
     input: Input,
+    #[serde(default)]
+    encoding: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -219,6 +225,16 @@ impl Backend for Embed {
     fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
         let req: EmbedRequest =
             parse_request(&request, r#"{"input": "text"} or {"input": ["text", ...]}"#)?;
+        let bulk = match req.encoding.as_deref() {
+            None | Some("json") => false,
+            Some("f32") => true,
+            Some(other) => {
+                return Err(WireError::new(
+                    ErrorKind::BadRequest,
+                    format!("`encoding` `{other}` is not `json` or `f32`"),
+                ));
+            }
+        };
         let texts = match req.input {
             Input::One(text) => vec![text],
             Input::Many(texts) => texts,
@@ -244,6 +260,16 @@ impl Backend for Embed {
             vectors.extend(v);
             tokens += t;
             ctx.progress().advance();
+        }
+        if bulk {
+            let bytes: Vec<u8> = vectors
+                .iter()
+                .flatten()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            let body =
+                serde_json::json!({ "count": vectors.len(), "dim": self.dim, "tokens": tokens });
+            return Ok(Body::with_bulk(body.to_string(), bytes));
         }
         let body = serde_json::json!({ "embeddings": vectors, "dim": self.dim, "tokens": tokens });
         Ok(Body::json(body.to_string()))

@@ -1,0 +1,235 @@
+//! `POST /v1/embeddings`: OpenAI's request in, the backend's vectors out.
+//!
+//! The backend is asked for `{"input": ..., "encoding": "f32"}`. It may
+//! answer with the vectors as JSON, `{"embeddings": [[...], ...], "tokens"}`,
+//! or, having understood `encoding`, as bulk bytes: body
+//! `{"count": N, "dim": D, "tokens": T}` and `N x D` little-endian `f32`s.
+//! The bulk form saves formatting and parsing tens of thousands of numbers
+//! per batch on both sides of the wire. Either answer is checked as the
+//! untrusted input it is: one vector per text, all of one length, finite.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::error::{ApiError, parse};
+use super::openai::{KeepAliveField, refuse_other_kind, request_options};
+use crate::Body;
+
+#[derive(Debug, Deserialize)]
+struct EmbeddingsRequest {
+    model: String,
+    input: Value,
+    #[serde(default)]
+    encoding_format: Option<String>,
+    #[serde(default)]
+    keep_alive: Option<KeepAliveField>,
+    /// berth's extension: fail (and cancel) past this (`30s`, or seconds).
+    #[serde(default)]
+    timeout: Option<KeepAliveField>,
+}
+
+/// One vector of the answer: numbers (`float`) or base64 of its `f32`s.
+#[derive(Serialize)]
+#[serde(untagged)]
+pub enum Embedding {
+    Float(Vec<f32>),
+    Base64(String),
+}
+
+/// The answer, serialised as is: through a `Value` each `f32` would
+/// become an `f64` and print with 17 digits instead of its shortest form.
+#[derive(Serialize)]
+pub struct Answered {
+    object: &'static str,
+    data: Vec<Item>,
+    model: String,
+    usage: Usage,
+}
+
+#[derive(Serialize)]
+pub struct Usage {
+    prompt_tokens: u64,
+    total_tokens: u64,
+}
+
+#[derive(Serialize)]
+pub struct Item {
+    object: &'static str,
+    index: usize,
+    embedding: Embedding,
+}
+
+pub async fn embeddings(
+    State(app): State<AppState>,
+    body: Bytes,
+) -> Result<Json<Answered>, ApiError> {
+    let req: EmbeddingsRequest = parse(&body)?;
+    if !(req.input.is_string()
+        || req
+            .input
+            .as_array()
+            .is_some_and(|a| a.iter().all(Value::is_string)))
+    {
+        return Err(ApiError::bad_request(
+            "`input` must be a string or an array of strings",
+        ));
+    }
+    let count = req.input.as_array().map_or(1, Vec::len);
+    if count > app.max_inputs {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_many_inputs",
+            format!(
+                "model `{}`: {count} texts in one request, over max_inputs ({}); split them \
+                 across requests",
+                req.model, app.max_inputs
+            ),
+        ));
+    }
+    refuse_other_kind(&app, &req.model, "embeddings")?;
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "encoding_format `{other}` is not `float` or `base64`"
+            )));
+        }
+    };
+    let options = request_options(req.keep_alive.as_ref(), req.timeout.as_ref())?;
+    let body = Body::json(json!({ "input": req.input, "encoding": "f32" }).to_string());
+    let reply = app
+        .supervisor
+        .request_with(&req.model, body, options)
+        .await?;
+    let (vectors, tokens) = vectors(&req.model, count, &reply)?;
+    drop(reply);
+    let data: Vec<Item> = vectors
+        .into_iter()
+        .enumerate()
+        .map(|(index, v)| Item {
+            object: "embedding",
+            index,
+            embedding: if base64 {
+                Embedding::Base64(encode_f32_base64(&v))
+            } else {
+                Embedding::Float(v)
+            },
+        })
+        .collect();
+    Ok(Json(Answered {
+        object: "list",
+        data,
+        model: req.model,
+        usage: Usage {
+            prompt_tokens: tokens,
+            total_tokens: tokens,
+        },
+    }))
+}
+
+/// What the backend answered, in either form.
+#[derive(Deserialize)]
+struct Answer {
+    #[serde(default)]
+    embeddings: Option<Vec<Vec<f32>>>,
+    #[serde(default)]
+    count: Option<usize>,
+    #[serde(default)]
+    dim: Option<usize>,
+    #[serde(default)]
+    tokens: u64,
+}
+
+fn bad_gateway(model: &str, what: String) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "backend_error",
+        format!("model `{model}` answered {what}"),
+    )
+}
+
+/// The vectors of a backend's answer to `count` texts, and its token count.
+fn vectors(model: &str, count: usize, reply: &Body) -> Result<(Vec<Vec<f32>>, u64), ApiError> {
+    let answer: Answer = serde_json::from_str(&reply.json).map_err(|e| {
+        let excerpt: String = reply.json.chars().take(120).collect();
+        bad_gateway(
+            model,
+            format!("an embeddings body that does not parse ({e}): {excerpt}"),
+        )
+    })?;
+    let bulk = reply.bulk_bytes();
+    let vectors = match (answer.embeddings, answer.count, answer.dim) {
+        (Some(vectors), _, _) => vectors,
+        (None, Some(n), Some(dim)) => {
+            let expected = n.checked_mul(dim).and_then(|x| x.checked_mul(4));
+            if expected != Some(bulk.len()) || dim == 0 {
+                return Err(bad_gateway(
+                    model,
+                    format!(
+                        "{} bulk bytes for {n} vectors of {dim} f32s (want {})",
+                        bulk.len(),
+                        expected.map_or("an overflow".into(), |e| e.to_string())
+                    ),
+                ));
+            }
+            bulk.chunks_exact(dim * 4)
+                .map(|v| {
+                    v.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect()
+                })
+                .collect()
+        }
+        _ => {
+            return Err(ApiError::bad_request(format!(
+                "model `{model}` is not an embedding model (backend gave no `embeddings`)"
+            )));
+        }
+    };
+    if vectors.len() != count {
+        return Err(bad_gateway(
+            model,
+            format!("{} vectors for {count} texts", vectors.len()),
+        ));
+    }
+    let dim = vectors.first().map_or(0, Vec::len);
+    if let Some((i, v)) = vectors.iter().enumerate().find(|(_, v)| v.len() != dim) {
+        return Err(bad_gateway(
+            model,
+            format!("vector {i} of {} numbers beside {dim}", v.len()),
+        ));
+    }
+    if vectors.iter().flatten().any(|x| !x.is_finite()) {
+        return Err(bad_gateway(model, "a vector that is not finite".into()));
+    }
+    Ok((vectors, answer.tokens))
+}
+
+/// OpenAI's `base64` encoding: little-endian f32s, standard base64.
+fn encode_f32_base64(vector: &[f32]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
