@@ -20,60 +20,9 @@ use std::os::unix::process::CommandExt;
 use std::time::Instant;
 
 use berth::{Body, Bulk, ModelSpec, Supervisor};
+use berth_tests::bench::{Rounds, machine, median, timed};
 use berth_tests::python::{python_worker_command, repo_root, test_python};
 use berth_tests::test_config;
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
-
-/// Per-round medians of two sides, printed with the ratio's spread.
-struct Rounds {
-    a: Vec<f64>,
-    b: Vec<f64>,
-}
-
-impl Rounds {
-    fn new() -> Self {
-        Rounds {
-            a: Vec::new(),
-            b: Vec::new(),
-        }
-    }
-
-    fn print(mut self, what: &str, a_name: &str, b_name: &str, unit: &str, scale: f64) {
-        let mut ratios: Vec<f64> = self.a.iter().zip(&self.b).map(|(a, b)| a / b).collect();
-        let (p10, p50, p90) = (
-            percentile(&mut ratios, 0.1),
-            median(&mut ratios),
-            percentile(&mut ratios, 0.9),
-        );
-        println!(
-            "| {what} | {a_name} {:.1} {unit} | {b_name} {:.1} {unit} | {p50:.2}× ({p10:.2}–{p90:.2}) | {} rounds |",
-            median(&mut self.a) * scale,
-            median(&mut self.b) * scale,
-            self.a.len()
-        );
-    }
-}
-
-/// Times `n` calls of `f`, returns the median in seconds.
-fn timed(n: usize, mut f: impl FnMut()) -> f64 {
-    let mut v: Vec<f64> = (0..n)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    median(&mut v)
-}
 
 /// The bare baseline: `bare_echo.py` on one end of a socket pair.
 struct Bare {
@@ -216,13 +165,7 @@ fn main() {
         .build()
         .unwrap();
     let _ = test_python();
-    println!(
-        "Python workers ({}; {} cores)\n",
-        std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .unwrap_or_default()
-            .trim(),
-        std::thread::available_parallelism().map_or(0, |n| n.get())
-    );
+    println!("Python workers ({})\n", machine());
     println!("| what | berth | baseline | ratio, median (p10–p90) | samples |");
     println!("|---|---|---|---|---|");
     runtime.block_on(async {

@@ -1,6 +1,7 @@
 //! Helpers for the end-to-end tests: find the real binaries, build a
 //! supervisor that uses them, poll instead of sleeping.
 
+pub mod bench;
 pub mod chaos;
 pub mod python;
 

@@ -294,6 +294,47 @@ mod tests {
     }
 
     #[test]
+    fn a_relative_model_path_is_taken_inside_models_dir() {
+        let dir = std::env::temp_dir().join(format!("berth-config-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("weights")).unwrap();
+        let file = dir.join("serve.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "models_dir = \"{}\"\n[[model]]\nname = \"a\"\nbackend = \"echo\"\nmodel = \"weights\"\n\
+                 [[model]]\nname = \"b\"\nbackend = \"echo\"\nmodel = \"{}\"\n",
+                dir.display(),
+                dir.join("weights").display()
+            ),
+        )
+        .unwrap();
+        let config = ServeConfig::from_file(&file).unwrap();
+        assert_eq!(
+            config.models[0].model.as_deref(),
+            Some(&*dir.join("weights"))
+        );
+        assert_eq!(
+            config.models[1].model.as_deref(),
+            Some(&*dir.join("weights"))
+        );
+        // Missing inside models_dir: named with the full path.
+        std::fs::write(
+            &file,
+            format!(
+                "models_dir = \"{}\"\n[[model]]\nname = \"a\"\nbackend = \"echo\"\nmodel = \"nope\"\n",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        let err = ServeConfig::from_file(&file).unwrap_err();
+        assert!(
+            err.contains(&dir.join("nope").display().to_string()),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn unknown_keys_are_refused() {
         let err = toml::from_str::<ServeConfig>("lisen = \"x\"").unwrap_err();
         assert!(err.to_string().contains("lisen"), "{err}");

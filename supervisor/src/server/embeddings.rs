@@ -233,3 +233,74 @@ fn encode_f32_base64(vector: &[f32]) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_the_standard_alphabet() {
+        // 1.0f32 = 00 00 80 3f; 2.0f32 = 00 00 00 40.
+        assert_eq!(encode_f32_base64(&[1.0]), "AACAPw==");
+        assert_eq!(encode_f32_base64(&[1.0, 2.0]), "AACAPwAAAEA=");
+    }
+
+    fn reply(json: &str, bulk: Vec<u8>) -> Body {
+        Body::with_bulk(json, bulk)
+    }
+
+    #[test]
+    fn vectors_come_as_json_or_as_bulk_f32() {
+        let (v, tokens) = vectors(
+            "m",
+            2,
+            &reply(r#"{"embeddings": [[1, 2], [3, 4]], "tokens": 5}"#, vec![]),
+        )
+        .unwrap();
+        assert_eq!(v, vec![vec![1.0, 2.0], vec![3.0, 4.0]]);
+        assert_eq!(tokens, 5);
+        let bytes: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let (v, _) = vectors(
+            "m",
+            2,
+            &reply(r#"{"count": 2, "dim": 2, "tokens": 5}"#, bytes),
+        )
+        .unwrap();
+        assert_eq!(v, vec![vec![1.0, 2.0], vec![3.0, 4.0]]);
+    }
+
+    #[test]
+    fn a_worker_answering_the_wrong_shape_is_a_bad_gateway_naming_the_model() {
+        let cases = [
+            (r#"{"embeddings": [[1, 2]]}"#, vec![]), // one vector for two texts
+            (r#"{"embeddings": [[1, 2], [3]]}"#, vec![]), // ragged
+            (r#"{"embeddings": [["x"], [1]]}"#, vec![]), // not numbers
+            (r#"{"count": 2, "dim": 2}"#, vec![0u8; 12]), // short bulk
+            (r#"{"count": 2, "dim": 0}"#, vec![]),   // no dimensions
+            (r#"{"count": 18446744073709551615, "dim": 2}"#, vec![]), // overflow
+            (r#""just a string""#, vec![]),
+        ];
+        for (json, bulk) in cases {
+            let err = vectors("m", 2, &reply(json, bulk)).unwrap_err();
+            assert_eq!(
+                err.status,
+                StatusCode::BAD_GATEWAY,
+                "{json}: {}",
+                err.message
+            );
+            assert!(err.message.contains("model `m`"), "{}", err.message);
+        }
+        let nan: Vec<u8> = [1.0f32, f32::NAN]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let err = vectors("m", 1, &reply(r#"{"count": 1, "dim": 2}"#, nan)).unwrap_err();
+        assert_eq!(err.status, StatusCode::BAD_GATEWAY);
+        // No vectors at all: the model is not an embedding model.
+        let err = vectors("m", 1, &reply(r#"{"text": "hi"}"#, vec![])).unwrap_err();
+        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+    }
+}

@@ -316,15 +316,3 @@ fn sse_events(
 fn data(value: &Value) -> Event {
     Event::default().data(value.to_string())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base64_matches_the_standard_alphabet() {
-        // 1.0f32 = 00 00 80 3f; 2.0f32 = 00 00 00 40.
-        assert_eq!(encode_f32_base64(&json!([1.0])), "AACAPw==");
-        assert_eq!(encode_f32_base64(&json!([1.0, 2.0])), "AACAPwAAAEA=");
-    }
-}

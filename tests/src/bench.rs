@@ -1,0 +1,88 @@
+//! What the benches share: medians, percentiles and [`Rounds`], the
+//! interleaved A/B measurement whose ratio comes with its spread.
+
+use std::time::Instant;
+
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+pub fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Per-round figures of two sides measured in the same run, A and B taking
+/// turns, so that noise on a shared machine lands on both; printed with the
+/// median of the per-round ratios A/B and its 10th-90th percentile spread.
+#[derive(Debug, Default)]
+pub struct Rounds {
+    pub a: Vec<f64>,
+    pub b: Vec<f64>,
+}
+
+impl Rounds {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one round's figures.
+    pub fn push(&mut self, a: f64, b: f64) {
+        self.a.push(a);
+        self.b.push(b);
+    }
+
+    /// `(p10, median, p90)` of the per-round ratios A/B.
+    pub fn ratio(&self) -> (f64, f64, f64) {
+        let mut ratios: Vec<f64> = self.a.iter().zip(&self.b).map(|(a, b)| a / b).collect();
+        (
+            percentile(&mut ratios, 0.1),
+            median(&mut ratios),
+            percentile(&mut ratios, 0.9),
+        )
+    }
+
+    /// A markdown table row: what, both sides' medians (times `scale`, in
+    /// `unit`), the ratio with its spread, and the number of rounds.
+    pub fn print(&self, what: &str, a_name: &str, b_name: &str, unit: &str, scale: f64) {
+        let (p10, p50, p90) = self.ratio();
+        println!(
+            "| {what} | {a_name} {:.1} {unit} | {b_name} {:.1} {unit} | {p50:.2}× ({p10:.2}–{p90:.2}) | {} rounds |",
+            median(&mut self.a.clone()) * scale,
+            median(&mut self.b.clone()) * scale,
+            self.a.len()
+        );
+    }
+}
+
+/// Times `n` calls of `f`, returns the median in seconds.
+pub fn timed(n: usize, mut f: impl FnMut()) -> f64 {
+    let mut v: Vec<f64> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    median(&mut v)
+}
+
+/// One line naming the machine a bench ran on: kernel, cores, CPU model.
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|r| r.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    format!(
+        "Linux {}, {} cores, {cpu}",
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim(),
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    )
+}
