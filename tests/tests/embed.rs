@@ -92,6 +92,64 @@ async fn a_batch_equals_single_requests_and_the_in_process_backend() {
     assert_eq!(here, batch, "through a worker == in-process");
 }
 
+/// Requests sent at once are batched inside the worker; each still gets
+/// its own vectors (equal to those it gets alone), in its own encoding, and
+/// one with bad input fails alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_batched_in_the_worker_get_their_own_vectors() {
+    let sup = supervisor();
+    let mut spec = ModelSpec::new("batched", "embed").model(default_model("minilm"));
+    spec.max_concurrency = Some(64);
+    sup.load(spec).await.unwrap();
+    let texts: Vec<String> = (0..48)
+        .map(|i| format!("request {i}: {}", "a ship at its berth ".repeat(1 + i % 7)))
+        .collect();
+    let mut alone = Vec::new();
+    for text in &texts {
+        alone.push(embed(&sup, "batched", &[text.as_str()]).await.remove(0));
+    }
+    let mut tasks = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        let sup = sup.clone();
+        let body = match i {
+            // Bad input in the middle of the crowd.
+            17 => json!({ "input": [1, 2, 3] }),
+            i if i % 2 == 0 => json!({ "input": [text, FOX], "encoding": "f32" }),
+            _ => json!({ "input": text }),
+        };
+        tasks.push(tokio::spawn(async move {
+            sup.request("batched", Body::json(body.to_string())).await
+        }));
+    }
+    let fox = embed(&sup, "batched", &[FOX]).await.remove(0);
+    for (i, task) in tasks.into_iter().enumerate() {
+        let result = task.await.unwrap();
+        if i == 17 {
+            let err = result.unwrap_err();
+            assert!(err.to_string().contains("input"), "{err}");
+            continue;
+        }
+        let body = result.unwrap_or_else(|e| panic!("request {i}: {e}"));
+        let got = if i % 2 == 0 {
+            let v: Value = serde_json::from_str(&body.json).unwrap();
+            assert_eq!(v["count"], 2, "{v}");
+            let floats: Vec<f32> = body
+                .bulk_bytes()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let got: Vec<Vec<f32>> = floats.chunks(384).map(<[f32]>::to_vec).collect();
+            assert!(cosine(&got[1], &fox) >= 0.9999, "request {i}: FOX");
+            got
+        } else {
+            vectors(&body)
+        };
+        let c = cosine(&got[0], &alone[i]);
+        assert!(c >= 0.9999, "request {i}: cosine {c} with its vector alone");
+    }
+    sup.unload("batched").await.unwrap();
+}
+
 fn copy_model(to: &Path) {
     let from = default_model("minilm");
     std::fs::create_dir_all(to.join("1_Pooling")).unwrap();

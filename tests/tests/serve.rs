@@ -24,7 +24,9 @@ fn embeddings_match_berth_run_and_ps_shows_the_real_worker() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "list");
     assert_eq!(body["data"][0]["object"], "embedding");
-    let via_http: Vec<f64> = serde_json::from_value(body["data"][0]["embedding"].clone()).unwrap();
+    // Compared as the f32s they are: the sidecar prints each in its
+    // shortest form, `berth run` as the f64 it widens to.
+    let via_http: Vec<f32> = serde_json::from_value(body["data"][0]["embedding"].clone()).unwrap();
     assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
 
     let out = std::process::Command::new(berth_bin())
@@ -41,7 +43,7 @@ fn embeddings_match_berth_run_and_ps_shows_the_real_worker() {
         .output()
         .unwrap();
     let run: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let via_run: Vec<f64> =
+    let via_run: Vec<f32> =
         serde_json::from_value(run["responses"][0]["embeddings"][0].clone()).unwrap();
     assert_eq!(
         via_http, via_run,

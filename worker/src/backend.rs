@@ -32,6 +32,45 @@ pub trait Backend: Send {
     /// backend is dropped. Flush or release what needs it; the default does
     /// nothing.
     fn shutdown(&mut self) {}
+
+    /// Whether this backend serves several requests at once, and how many.
+    /// When it does, the worker gathers the requests that arrived while the
+    /// previous batch ran (never waiting for more when it is idle) and hands
+    /// them to [`Backend::handle_batch`]. `None` (the default): one at a time.
+    fn batching(&self) -> Option<Batching> {
+        None
+    }
+
+    /// What `request` counts against [`Batching::max_cost`] (a token
+    /// estimate, say). 1 by default.
+    fn cost(&self, request: &Body) -> usize {
+        let _ = request;
+        1
+    }
+
+    /// Serves a batch: one result per request, in order. Each request has
+    /// its own context (its own id, chunks and cancellation), and fails or
+    /// succeeds on its own: a request with bad input gets its error while
+    /// the others get their answers. The default serves them one by one.
+    fn handle_batch(
+        &mut self,
+        batch: Vec<(Body, &RequestContext)>,
+    ) -> Vec<Result<Body, WireError>> {
+        batch
+            .into_iter()
+            .map(|(body, ctx)| self.handle(body, ctx))
+            .collect()
+    }
+}
+
+/// How a backend takes requests in batches (see [`Backend::batching`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// Requests in one batch at most.
+    pub max_batch: usize,
+    /// The sum of the requests' [`Backend::cost`]s in one batch at most (a
+    /// token budget); a request over it on its own still runs, alone.
+    pub max_cost: usize,
 }
 
 /// How a backend is loaded: from the spec to a ready [`Backend`].
@@ -196,8 +235,14 @@ impl RequestContext {
     /// A context for serving outside a worker: chunks are collected and
     /// returned by [`RequestContext::take_chunks`].
     pub fn standalone() -> Self {
+        Self::standalone_with_id(0)
+    }
+
+    /// As [`RequestContext::standalone`], with request id `id` (contexts of
+    /// one batch, in-process).
+    pub fn standalone_with_id(id: RequestId) -> Self {
         RequestContext {
-            id: 0,
+            id,
             sink: ChunkSink::Collect(Mutex::new(Vec::new())),
             cancelled: Arc::default(),
             progress: Progress::default(),

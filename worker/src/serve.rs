@@ -2,11 +2,12 @@
 //!
 //! Two threads. The main thread reads commands and answers pings at once, so
 //! heartbeats flow while a request runs; the executor thread owns the backend
-//! and runs loads and requests one at a time. Stats carry a progress counter
+//! and runs loads and requests one at a time, or, for a backend that
+//! batches, the requests that arrived while the last batch ran, together. Stats carry a progress counter
 //! advanced by the backend itself, which is what tells a supervisor that a
 //! worker answering pings is still getting anywhere.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -20,7 +21,7 @@ use berth_protocol::{
 use ipc_channel::IpcError;
 use ipc_channel::ipc::{self, IpcSender};
 
-use crate::backend::{Backend, LoadContext, Progress, Registry, RequestContext};
+use crate::backend::{Backend, Batching, LoadContext, Progress, Registry, RequestContext};
 use crate::hygiene;
 
 /// Runs a worker process: call it from `main` with the backends this binary
@@ -175,7 +176,17 @@ fn execute(
     shared: &Shared,
 ) {
     let mut backend: Option<Box<dyn Backend>> = None;
-    for job in jobs {
+    // Jobs taken off the channel while gathering a batch that did not join
+    // it; they run next, in the order they came.
+    let mut held: VecDeque<Job> = VecDeque::new();
+    loop {
+        let job = match held.pop_front() {
+            Some(job) => job,
+            None => match jobs.recv() {
+                Ok(job) => job,
+                Err(_) => return,
+            },
+        };
         match job {
             Job::Load(spec) => {
                 let event = if backend.is_some() {
@@ -204,30 +215,20 @@ fn execute(
                 let _ = events.send(event);
             }
             Job::Request { id, body } => {
-                let result = match backend.as_mut() {
-                    None => Err(WireError::new(ErrorKind::NotLoaded, "no model is loaded")),
-                    Some(_) if is_cancelled(shared, id) => Err(WireError::new(
-                        ErrorKind::Cancelled,
-                        "cancelled before it started",
-                    )),
-                    Some(b) => {
-                        let ctx = RequestContext::ipc(
-                            id,
-                            events.clone(),
-                            Arc::clone(&shared.cancelled),
-                            shared.progress.clone(),
-                        );
-                        guarded(|| b.handle(body, &ctx))
-                    }
+                let Some(b) = backend.as_mut() else {
+                    finish(
+                        shared,
+                        events,
+                        id,
+                        Err(WireError::new(ErrorKind::NotLoaded, "no model is loaded")),
+                    );
+                    continue;
                 };
-                shared
-                    .cancelled
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&id);
-                shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-                shared.requests_done.fetch_add(1, Ordering::Relaxed);
-                let _ = events.send(Event::Done { id, result });
+                let mut batch = vec![(id, body)];
+                if let Some(policy) = b.batching() {
+                    gather(&**b, policy, &mut batch, &jobs, &mut held);
+                }
+                run_batch(&mut **b, batch, events, shared);
             }
             Job::Shutdown => {
                 if let Some(b) = backend.as_mut() {
@@ -237,6 +238,119 @@ fn execute(
             }
         }
     }
+}
+
+/// Adds to `batch` the requests already waiting, within `policy`, without
+/// waiting for more. A job that does not join (a request over the budget,
+/// a shutdown) is held to run next.
+fn gather(
+    backend: &dyn Backend,
+    policy: Batching,
+    batch: &mut Vec<(RequestId, Body)>,
+    jobs: &mpsc::Receiver<Job>,
+    held: &mut VecDeque<Job>,
+) {
+    let mut cost: usize = batch.iter().map(|(_, b)| backend.cost(b)).sum();
+    while batch.len() < policy.max_batch.max(1) {
+        let job = match held.pop_front() {
+            Some(job) => job,
+            None => match jobs.try_recv() {
+                Ok(job) => job,
+                Err(_) => break,
+            },
+        };
+        match job {
+            Job::Request { id, body } => {
+                let c = backend.cost(&body);
+                if cost.saturating_add(c) > policy.max_cost {
+                    held.push_front(Job::Request { id, body });
+                    break;
+                }
+                cost += c;
+                batch.push((id, body));
+            }
+            other => {
+                held.push_front(other);
+                break;
+            }
+        }
+    }
+}
+
+/// Runs `batch` (one request or several) and answers each request. Those
+/// cancelled while they waited are answered at once and do not run.
+fn run_batch(
+    backend: &mut dyn Backend,
+    batch: Vec<(RequestId, Body)>,
+    events: &IpcSender<Event>,
+    shared: &Shared,
+) {
+    let mut ids = Vec::with_capacity(batch.len());
+    let mut bodies = Vec::with_capacity(batch.len());
+    for (id, body) in batch {
+        if is_cancelled(shared, id) {
+            let e = WireError::new(ErrorKind::Cancelled, "cancelled before it started");
+            finish(shared, events, id, Err(e));
+        } else {
+            ids.push(id);
+            bodies.push(body);
+        }
+    }
+    if ids.is_empty() {
+        return;
+    }
+    let contexts: Vec<RequestContext> = ids
+        .iter()
+        .map(|id| {
+            RequestContext::ipc(
+                *id,
+                events.clone(),
+                Arc::clone(&shared.cancelled),
+                shared.progress.clone(),
+            )
+        })
+        .collect();
+    let results = if ids.len() == 1 {
+        let body = bodies.pop().expect("one body");
+        vec![guarded(|| backend.handle(body, &contexts[0]))]
+    } else {
+        let n = ids.len();
+        let items: Vec<(Body, &RequestContext)> = bodies.into_iter().zip(&contexts).collect();
+        match catch_unwind(AssertUnwindSafe(|| backend.handle_batch(items))) {
+            Ok(results) if results.len() == n => results,
+            Ok(results) => {
+                let e = WireError::new(
+                    ErrorKind::Internal,
+                    format!(
+                        "the backend answered a batch of {n} requests with {} results",
+                        results.len()
+                    ),
+                );
+                vec![Err(e); n]
+            }
+            Err(panic) => vec![Err(panicked(panic)); n],
+        }
+    };
+    for (id, result) in ids.into_iter().zip(results) {
+        finish(shared, events, id, result);
+    }
+}
+
+/// Answers request `id` and forgets it.
+fn finish(
+    shared: &Shared,
+    events: &IpcSender<Event>,
+    id: RequestId,
+    result: Result<Body, WireError>,
+) {
+    shared
+        .cancelled
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id);
+    shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+    shared.requests_done.fetch_add(1, Ordering::Relaxed);
+    let _ = events.send(Event::Done { id, result });
 }
 
 fn is_cancelled(shared: &Shared, id: RequestId) -> bool {
@@ -249,15 +363,116 @@ fn is_cancelled(shared: &Shared, id: RequestId) -> bool {
 
 /// Turns a panic in backend code into an error for this one call.
 fn guarded<T>(f: impl FnOnce() -> Result<T, WireError>) -> Result<T, WireError> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
-        let msg = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into());
-        Err(WireError::new(
-            ErrorKind::Internal,
-            format!("the backend panicked: {msg}"),
-        ))
-    })
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| Err(panicked(panic)))
+}
+
+fn panicked(panic: Box<dyn std::any::Any + Send>) -> WireError {
+    let msg = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    WireError::new(ErrorKind::Internal, format!("the backend panicked: {msg}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Batches of up to 3 requests, at most 10 cost; a body's cost is its
+    /// length.
+    struct Counting;
+
+    impl Backend for Counting {
+        fn handle(&mut self, request: Body, _: &RequestContext) -> Result<Body, WireError> {
+            Ok(request)
+        }
+        fn batching(&self) -> Option<Batching> {
+            Some(Batching {
+                max_batch: 3,
+                max_cost: 10,
+            })
+        }
+        fn cost(&self, request: &Body) -> usize {
+            request.json.len()
+        }
+    }
+
+    fn request(id: RequestId, json: &str) -> Job {
+        Job::Request {
+            id,
+            body: Body::json(json),
+        }
+    }
+
+    fn ids(batch: &[(RequestId, Body)]) -> Vec<RequestId> {
+        batch.iter().map(|(id, _)| *id).collect()
+    }
+
+    #[test]
+    fn a_batch_takes_what_waits_up_to_its_size_and_never_waits_for_more() {
+        let (tx, rx) = mpsc::channel();
+        let mut held = VecDeque::new();
+        for id in 2..=5 {
+            tx.send(request(id, "ab")).unwrap();
+        }
+        let mut batch = vec![(1, Body::json("ab"))];
+        gather(
+            &Counting,
+            Counting.batching().unwrap(),
+            &mut batch,
+            &rx,
+            &mut held,
+        );
+        assert_eq!(ids(&batch), [1, 2, 3]);
+        // The rest is still there for the next batch; an empty queue ends
+        // the gathering at once.
+        let Ok(Job::Request { id, body }) = rx.try_recv() else {
+            unreachable!()
+        };
+        let mut batch = vec![(id, body)];
+        gather(
+            &Counting,
+            Counting.batching().unwrap(),
+            &mut batch,
+            &rx,
+            &mut held,
+        );
+        assert_eq!(ids(&batch), [4, 5]);
+        assert!(held.is_empty());
+    }
+
+    #[test]
+    fn the_cost_budget_and_other_jobs_end_a_batch_and_are_held_in_order() {
+        let (tx, rx) = mpsc::channel();
+        let mut held = VecDeque::new();
+        tx.send(request(2, "12345678")).unwrap(); // 4 + 8 > 10
+        tx.send(request(3, "x")).unwrap();
+        let mut batch = vec![(1, Body::json("abcd"))];
+        gather(
+            &Counting,
+            Counting.batching().unwrap(),
+            &mut batch,
+            &rx,
+            &mut held,
+        );
+        assert_eq!(ids(&batch), [1]);
+        assert!(matches!(held.front(), Some(Job::Request { id: 2, .. })));
+        // The held request starts the next batch; a shutdown ends it.
+        let Some(Job::Request { id, body }) = held.pop_front() else {
+            unreachable!()
+        };
+        tx.send(Job::Shutdown).unwrap();
+        tx.send(request(4, "y")).unwrap();
+        let mut batch = vec![(id, body)];
+        gather(
+            &Counting,
+            Counting.batching().unwrap(),
+            &mut batch,
+            &rx,
+            &mut held,
+        );
+        assert_eq!(ids(&batch), [2, 3]);
+        assert!(matches!(held.front(), Some(Job::Shutdown)));
+    }
 }

@@ -7,6 +7,11 @@
 //! and runs as one forward pass; vectors are mean-pooled over the attention
 //! mask and L2-normalised.
 //!
+//! Requests that arrive while a pass runs are batched (the worker library's
+//! [`Batching`]): up to 64 requests and about 8192 tokens, their texts sorted
+//! by length into passes of 32, each request answered with its own vectors;
+//! bad input fails only its own request.
+//!
 //! Options: `load_mode` = `mmap` (default) | `read`; `threads`;
 //! `max_length` (tokens per text, default 256, the model's training length);
 //! `device` = `cpu` | `cuda` | `cuda:N` (default: the GPU the supervisor
@@ -28,7 +33,7 @@ use candle_transformers::models::bert::{BertModel, Config};
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 use crate::backends::{LoadMode, choose_device, configure_threads, device_name, parse_request};
-use crate::{Backend, LoadContext, RequestContext};
+use crate::{Backend, Batching, LoadContext, RequestContext};
 
 struct Embed {
     model: BertModel,
@@ -186,8 +191,9 @@ enum Input {
 const PASS: usize = 32;
 
 impl Embed {
-    /// Embeds `texts` in one forward pass; one unit-length vector per text.
-    pub fn embed(&self, texts: &[String]) -> Result<(Vec<Vec<f32>>, usize), String> {
+    /// Embeds `texts` in one forward pass; one unit-length vector per text,
+    /// and each text's tokens (padding excluded).
+    pub fn embed(&self, texts: &[String]) -> Result<(Vec<Vec<f32>>, Vec<usize>), String> {
         let encodings = self
             .tokenizer
             .encode_batch(texts.to_vec(), true)
@@ -202,7 +208,10 @@ impl Embed {
             types.extend_from_slice(e.get_type_ids());
             mask.extend_from_slice(e.get_attention_mask());
         }
-        let tokens = mask.iter().filter(|m| **m != 0).count();
+        let tokens: Vec<usize> = encodings
+            .iter()
+            .map(|e| e.get_attention_mask().iter().filter(|m| **m != 0).count())
+            .collect();
         let run = || -> candle_core::Result<Vec<Vec<f32>>> {
             let ids = Tensor::from_vec(ids, (n, len), &self.device)?;
             let types = Tensor::from_vec(types, (n, len), &self.device)?;
@@ -221,46 +230,47 @@ impl Embed {
     }
 }
 
-impl Backend for Embed {
-    fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
-        let req: EmbedRequest =
-            parse_request(&request, r#"{"input": "text"} or {"input": ["text", ...]}"#)?;
-        let bulk = match req.encoding.as_deref() {
-            None | Some("json") => false,
-            Some("f32") => true,
-            Some(other) => {
-                return Err(WireError::new(
-                    ErrorKind::BadRequest,
-                    format!("`encoding` `{other}` is not `json` or `f32`"),
-                ));
-            }
-        };
-        let texts = match req.input {
-            Input::One(text) => vec![text],
-            Input::Many(texts) => texts,
-        };
-        if texts.is_empty() {
+/// One request's texts and how it wants its vectors.
+struct Asked {
+    texts: Vec<String>,
+    bulk: bool,
+}
+
+fn parse_embed(request: &Body) -> Result<Asked, WireError> {
+    let req: EmbedRequest =
+        parse_request(request, r#"{"input": "text"} or {"input": ["text", ...]}"#)?;
+    let bulk = match req.encoding.as_deref() {
+        None | Some("json") => false,
+        Some("f32") => true,
+        Some(other) => {
             return Err(WireError::new(
                 ErrorKind::BadRequest,
-                "`input` is an empty list; give at least one text",
+                format!("`encoding` `{other}` is not `json` or `f32`"),
             ));
         }
-        // At most PASS texts per forward pass: attention over a padded
-        // batch grows with its size, so a request of thousands of texts
-        // would otherwise need gigabytes at once. Each pass is progress.
-        let mut vectors = Vec::with_capacity(texts.len());
-        let mut tokens = 0;
-        for pass in texts.chunks(PASS) {
-            if ctx.is_cancelled() {
-                return Err(WireError::new(ErrorKind::Cancelled, "cancelled"));
-            }
-            let (v, t) = self
-                .embed(pass)
-                .map_err(|e| WireError::new(ErrorKind::Backend, e))?;
-            vectors.extend(v);
-            tokens += t;
-            ctx.progress().advance();
-        }
+    };
+    let texts = match req.input {
+        Input::One(text) => vec![text],
+        Input::Many(texts) => texts,
+    };
+    if texts.is_empty() {
+        return Err(WireError::new(
+            ErrorKind::BadRequest,
+            "`input` is an empty list; give at least one text",
+        ));
+    }
+    Ok(Asked { texts, bulk })
+}
+
+/// Requests of one batch at most.
+const MAX_BATCH: usize = 64;
+/// Estimated tokens of one batch at most (see [`Embed::cost`]): 32 texts at
+/// the model's training length.
+const MAX_COST: usize = 32 * 256;
+
+impl Embed {
+    /// The answer to one request: JSON numbers, or bulk `f32`s.
+    fn answer(&self, vectors: &[Vec<f32>], tokens: usize, bulk: bool) -> Body {
         if bulk {
             let bytes: Vec<u8> = vectors
                 .iter()
@@ -269,10 +279,127 @@ impl Backend for Embed {
                 .collect();
             let body =
                 serde_json::json!({ "count": vectors.len(), "dim": self.dim, "tokens": tokens });
-            return Ok(Body::with_bulk(body.to_string(), bytes));
+            return Body::with_bulk(body.to_string(), bytes);
         }
         let body = serde_json::json!({ "embeddings": vectors, "dim": self.dim, "tokens": tokens });
-        Ok(Body::json(body.to_string()))
+        Body::json(body.to_string())
+    }
+
+    /// Embeds `texts` in passes of at most [`PASS`], shortest first so that
+    /// a pass pads little; vectors and token counts in `texts`' order. Stops
+    /// with kind `cancelled` once `cancelled()` says so.
+    fn embed_all(
+        &self,
+        texts: &[&str],
+        progress: &crate::Progress,
+        cancelled: impl Fn() -> bool,
+    ) -> Result<Vec<(Vec<f32>, usize)>, WireError> {
+        let mut order: Vec<usize> = (0..texts.len()).collect();
+        order.sort_by_key(|&i| texts[i].len());
+        let mut out: Vec<Option<(Vec<f32>, usize)>> = vec![None; texts.len()];
+        for pass in order.chunks(PASS) {
+            if cancelled() {
+                return Err(WireError::new(ErrorKind::Cancelled, "cancelled"));
+            }
+            let batch: Vec<String> = pass.iter().map(|&i| texts[i].to_string()).collect();
+            let (vectors, tokens) = self
+                .embed(&batch)
+                .map_err(|e| WireError::new(ErrorKind::Backend, e))?;
+            for ((&i, v), t) in pass.iter().zip(vectors).zip(tokens) {
+                out[i] = Some((v, t));
+            }
+            progress.advance();
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| o.expect("every text embedded"))
+            .collect())
+    }
+}
+
+impl Backend for Embed {
+    fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        let asked = parse_embed(&request)?;
+        // At most PASS texts per forward pass: attention over a padded
+        // batch grows with its size, so a request of thousands of texts
+        // would otherwise need gigabytes at once. Each pass is progress.
+        let texts: Vec<&str> = asked.texts.iter().map(String::as_str).collect();
+        let done = self.embed_all(&texts, ctx.progress(), || ctx.is_cancelled())?;
+        let tokens = done.iter().map(|(_, t)| t).sum();
+        let vectors: Vec<Vec<f32>> = done.into_iter().map(|(v, _)| v).collect();
+        Ok(self.answer(&vectors, tokens, asked.bulk))
+    }
+
+    fn batching(&self) -> Option<Batching> {
+        Some(Batching {
+            max_batch: MAX_BATCH,
+            max_cost: MAX_COST,
+        })
+    }
+
+    /// Estimated tokens: about one per four bytes of text plus the two
+    /// special tokens, at most `max_length` per text.
+    fn cost(&self, request: &Body) -> usize {
+        match parse_embed(request) {
+            Ok(asked) => asked
+                .texts
+                .iter()
+                .map(|t| (t.len() / 4 + 2).min(self.max_length))
+                .sum(),
+            Err(_) => 1, // fails on its own when it runs
+        }
+    }
+
+    /// The texts of every request in one set of passes, sorted by length;
+    /// each request gets its own vectors and token count. A request with
+    /// bad input fails alone; a cancelled one leaves without its vectors.
+    fn handle_batch(
+        &mut self,
+        batch: Vec<(Body, &RequestContext)>,
+    ) -> Vec<Result<Body, WireError>> {
+        let asked: Vec<Result<Asked, WireError>> =
+            batch.iter().map(|(body, _)| parse_embed(body)).collect();
+        let mut texts: Vec<&str> = Vec::new();
+        let mut owner: Vec<usize> = Vec::new();
+        for (i, a) in asked.iter().enumerate() {
+            if let Ok(a) = a {
+                texts.extend(a.texts.iter().map(String::as_str));
+                owner.extend(std::iter::repeat_n(i, a.texts.len()));
+            }
+        }
+        let contexts: Vec<&RequestContext> = batch.iter().map(|(_, ctx)| *ctx).collect();
+        let progress = contexts[0].progress();
+        // The batch stops only if every request in it was cancelled.
+        let all_cancelled = || contexts.iter().all(|c| c.is_cancelled());
+        let done = match self.embed_all(&texts, progress, all_cancelled) {
+            Ok(done) => done,
+            // The model failed on the batch: each request runs alone, so
+            // one text that breaks it fails only its own request.
+            Err(e) if e.kind != ErrorKind::Cancelled => {
+                return batch
+                    .into_iter()
+                    .map(|(body, ctx)| self.handle(body, ctx))
+                    .collect();
+            }
+            Err(e) => return vec![Err(e); batch.len()],
+        };
+        let mut per: Vec<(Vec<Vec<f32>>, usize)> = vec![(Vec::new(), 0); batch.len()];
+        for ((v, t), i) in done.into_iter().zip(owner) {
+            per[i].0.push(v);
+            per[i].1 += t;
+        }
+        asked
+            .into_iter()
+            .zip(per)
+            .zip(contexts)
+            .map(|((a, (vectors, tokens)), ctx)| {
+                let a = a?;
+                if ctx.is_cancelled() {
+                    return Err(WireError::new(ErrorKind::Cancelled, "cancelled"));
+                }
+                Ok(self.answer(&vectors, tokens, a.bulk))
+            })
+            .collect()
     }
 
     fn describe(&self) -> serde_json::Value {
