@@ -34,7 +34,8 @@ use serde::{Deserialize, Serialize};
 ///
 /// Fixtures of each released version live in `tests/fixtures/` and are
 /// decoded by the tests, so an accidental change is caught.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version 2: `LoadInfo::max_batch` and `Event::Done::run` (batching).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 pub mod stream;
 
@@ -86,6 +87,8 @@ pub enum Event {
     Done {
         id: RequestId,
         result: Result<Body, WireError>,
+        /// How it ran: its batch and the backend's time on it.
+        run: RunInfo,
     },
     Pong {
         seq: u64,
@@ -140,6 +143,20 @@ pub struct LoadInfo {
     pub details: String,
     /// Time the backend spent loading, measured inside the worker.
     pub load_micros: u64,
+    /// Requests the backend takes in one batch (0 or 1: one at a time).
+    #[serde(default)]
+    pub max_batch: u32,
+}
+
+/// How a request ran inside the worker, for the supervisor's figures.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunInfo {
+    /// Requests in the batch it ran in: 1 alone; 0 when the worker did not
+    /// say (a stream-wire worker may leave it out).
+    pub batch: u32,
+    /// Time the backend spent on that batch, in microseconds: the rest of
+    /// the request's time was spent waiting.
+    pub compute_micros: u64,
 }
 
 /// A request or response body: a structured part and an optional bulk part.

@@ -64,6 +64,9 @@ pub struct Header {
     pub runtime: Option<String>,
     pub details: Option<Box<RawValue>>,
     pub load_micros: Option<u64>,
+    pub max_batch: Option<u32>,
+    pub batch: Option<u32>,
+    pub compute_us: Option<u64>,
     pub error: Option<ErrorJson>,
     pub id: Option<RequestId>,
     pub body: Option<Box<RawValue>>,
@@ -281,6 +284,7 @@ pub enum WorkerMessage {
     Loaded {
         details: String,
         load_micros: u64,
+        max_batch: u32,
     },
     LoadFailed(WireError),
     Chunk {
@@ -291,6 +295,7 @@ pub enum WorkerMessage {
     Done {
         id: RequestId,
         result: Result<(String, Option<BulkRef>), WireError>,
+        run: crate::RunInfo,
     },
     Pong {
         seq: u64,
@@ -333,6 +338,7 @@ impl WorkerMessage {
             "loaded" => WorkerMessage::Loaded {
                 details: body_text(h.details),
                 load_micros: h.load_micros.unwrap_or(0),
+                max_batch: h.max_batch.unwrap_or(0),
             },
             "load_failed" => WorkerMessage::LoadFailed(wire_error(need(h.error, kind, "error")?)?),
             "chunk" => WorkerMessage::Chunk {
@@ -342,6 +348,10 @@ impl WorkerMessage {
             },
             "done" => WorkerMessage::Done {
                 id: need(h.id, kind, "id")?,
+                run: crate::RunInfo {
+                    batch: h.batch.unwrap_or(0),
+                    compute_micros: h.compute_us.unwrap_or(0),
+                },
                 result: match h.error {
                     Some(e) => Err(wire_error(e)?),
                     None => Ok((body_text(h.body), h.bulk)),

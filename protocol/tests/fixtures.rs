@@ -39,6 +39,7 @@ fn events() -> Vec<Event> {
         Event::Loaded(LoadInfo {
             details: "{}".into(),
             load_micros: 1234,
+            max_batch: 64,
         }),
         Event::LoadFailed(WireError::new(ErrorKind::LoadFailed, "no such file")),
         Event::Chunk {
@@ -48,10 +49,15 @@ fn events() -> Vec<Event> {
         Event::Done {
             id: 7,
             result: Ok(body()),
+            run: RunInfo {
+                batch: 3,
+                compute_micros: 4567,
+            },
         },
         Event::Done {
             id: 8,
             result: Err(WireError::new(ErrorKind::BadRequest, "empty input")),
+            run: RunInfo::default(),
         },
         Event::Pong {
             seq: 3,

@@ -19,7 +19,15 @@ it and sends it requests over the stream wire (docs/wire.md)::
 
 from __future__ import annotations
 
-from .backend import Backend, LoadContext, LoadSpec, Request, RequestContext, Response
+from .backend import (
+    Backend,
+    Batching,
+    LoadContext,
+    LoadSpec,
+    Request,
+    RequestContext,
+    Response,
+)
 from .errors import (
     KINDS,
     BackendError,
@@ -42,6 +50,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "BadRequest",
+    "Batching",
     "Cancelled",
     "InputTooLarge",
     "Internal",

@@ -189,12 +189,31 @@ class RequestContext:
             self._finished = True
 
 
+class Batching:
+    """How a backend takes requests in batches (see :meth:`Backend.batching`):
+    at most ``max_batch`` requests whose :meth:`Backend.cost` adds up to at
+    most ``max_cost`` (a token budget); a request over the budget on its own
+    still runs, alone."""
+
+    __slots__ = ("max_batch", "max_cost")
+
+    def __init__(self, max_batch: int, max_cost: int = 1 << 62) -> None:
+        if max_batch < 1 or max_cost < 1:
+            raise ValueError("Batching needs max_batch >= 1 and max_cost >= 1")
+        self.max_batch = max_batch
+        self.max_cost = max_cost
+
+    def __repr__(self) -> str:
+        return "Batching(max_batch={!r}, max_cost={!r})".format(self.max_batch, self.max_cost)
+
+
 class Backend:
     """A loaded model inside a worker. Subclass it and register the class
     with :func:`berth_worker.serve`; the worker makes one instance (with no
     arguments) and calls :meth:`load` once.
 
-    The worker calls :meth:`handle` for one request at a time, on its main
+    The worker calls :meth:`handle` for one request at a time (or
+    :meth:`handle_batch` for a batch, see :meth:`batching`), on its main
     thread, so a backend needs no locking. Pings are answered by another
     thread; advance the progress counter (``ctx.progress()``) from the code
     doing the work, so the supervisor can tell a slow model from a stuck one.
@@ -224,3 +243,30 @@ class Backend:
     def shutdown(self) -> None:
         """Called once when the supervisor asks the worker to exit: flush or
         release what needs it. The default does nothing."""
+
+    def batching(self) -> Optional[Batching]:
+        """Whether this backend serves several requests at once. When it
+        returns a :class:`Batching`, the worker gathers the requests that
+        arrived while the previous batch ran (never waiting for more when it
+        is idle) and calls :meth:`handle_batch`. ``None`` (the default): one
+        at a time."""
+        return None
+
+    def cost(self, request: Request) -> int:
+        """What ``request`` counts against :attr:`Batching.max_cost` (a
+        token estimate, say). 1 by default."""
+        return 1
+
+    def handle_batch(self, requests: List[Request], contexts: List[RequestContext]) -> List[Any]:
+        """Serves a batch: one result per request, in order. A result is
+        what :meth:`handle` returns, or an exception (a
+        :class:`~berth_worker.errors.WireError` to fail that request with
+        its kind): each request succeeds or fails on its own. The default
+        calls :meth:`handle` for each."""
+        out: List[Any] = []
+        for request, ctx in zip(requests, contexts):
+            try:
+                out.append(self.handle(request, ctx))
+            except Exception as e:  # this request's failure, not the batch's
+                out.append(e)
+        return out

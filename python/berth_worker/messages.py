@@ -4,7 +4,7 @@ wrong type, is a :class:`~berth_worker.wire.FrameError`)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .version import WIRE_VERSION
 from .wire import Frame, FrameError
@@ -31,9 +31,9 @@ def hello(pid: int, worker_version: str, backends: Sequence[str], runtime: str) 
     }
 
 
-def loaded(details: Any, load_micros: int) -> Dict[str, Any]:
-    """The model is ready."""
-    return {"type": "loaded", "details": details, "load_micros": load_micros}
+def loaded(details: Any, load_micros: int, max_batch: int = 1) -> Dict[str, Any]:
+    """The model is ready; it takes up to ``max_batch`` requests at once."""
+    return {"type": "loaded", "details": details, "load_micros": load_micros, "max_batch": max_batch}
 
 
 def load_failed(error: Dict[str, Any]) -> Dict[str, Any]:
@@ -46,14 +46,23 @@ def chunk(request_id: int, body: Any) -> Dict[str, Any]:
     return {"type": "chunk", "id": request_id, "body": body}
 
 
-def done(request_id: int, body: Any) -> Dict[str, Any]:
-    """A request's result (bulk bytes are declared when sent)."""
-    return {"type": "done", "id": request_id, "body": body}
+def done(request_id: int, body: Any, run: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
+    """A request's result (bulk bytes are declared when sent); ``run`` is
+    ``(batch size, compute microseconds)`` of the batch it ran in."""
+    out = {"type": "done", "id": request_id, "body": body}
+    if run is not None:
+        out["batch"], out["compute_us"] = run
+    return out
 
 
-def done_error(request_id: int, error: Dict[str, Any]) -> Dict[str, Any]:
+def done_error(
+    request_id: int, error: Dict[str, Any], run: Optional[Tuple[int, int]] = None
+) -> Dict[str, Any]:
     """A request's error."""
-    return {"type": "done", "id": request_id, "error": error}
+    out = {"type": "done", "id": request_id, "error": error}
+    if run is not None:
+        out["batch"], out["compute_us"] = run
+    return out
 
 
 def pong(seq: int, stats: Dict[str, int]) -> Dict[str, Any]:

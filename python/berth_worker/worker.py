@@ -3,20 +3,30 @@
 The reader thread reads every frame, answers pings at once and records
 cancels, so pongs flow while a request runs; it never runs model code. The
 main thread runs the backend, one job (load, request, shutdown) at a time,
-in the order they arrived.
+in the order they arrived; for a backend that batches, the requests that
+arrived while the last batch ran go together.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, Optional, Type
+from typing import Any, Deque, Dict, List, Optional, Tuple, Type
 
 from . import messages
-from .backend import Backend, LoadContext, LoadSpec, Request, RequestContext, Response
+from .backend import (
+    Backend,
+    Batching,
+    LoadContext,
+    LoadSpec,
+    Request,
+    RequestContext,
+    Response,
+)
 from .connection import Connection
 from .errors import (
     BackendError,
@@ -44,6 +54,10 @@ def _log_traceback(what: str) -> None:
         pass
 
 
+def _micros_since(started: float) -> int:
+    return int((time.monotonic() - started) * 1_000_000)
+
+
 class Worker:
     """A worker that has been welcomed: serves until shutdown or end of file."""
 
@@ -53,6 +67,9 @@ class Worker:
         self.state = WorkerState()
         self.jobs: "queue.Queue[Frame]" = queue.Queue()
         self.backend: Optional[Backend] = None
+        self.policy: Optional[Batching] = None
+        # Jobs taken while gathering a batch that did not join it: run next.
+        self.held: Deque[Frame] = collections.deque()
         self.spec: Optional[LoadSpec] = None
         self.load_asked = False
         # For messages before a load names the model (BERTH_MODEL).
@@ -104,16 +121,57 @@ class Worker:
     def run(self) -> None:
         """Runs jobs until a shutdown (which exits the process)."""
         while True:
-            frame = self.jobs.get()
+            frame = self.held.popleft() if self.held else self.jobs.get()
             kind = frame.type
             if kind == "load":
                 self._load(frame)
             elif kind == "request":
-                self._request(frame)
+                batch = [frame]
+                if self.policy is not None:
+                    self._gather(self.policy, batch)
+                if len(batch) == 1:
+                    self._request(frame)
+                else:
+                    self._request_batch(batch)
+                del batch
             else:
                 self._shutdown()
             # Drop the frame now: its bulk mapping is freed while idle.
             del frame
+
+    def _gather(self, policy: Batching, batch: List[Frame]) -> None:
+        """Adds the requests already waiting to ``batch``, within ``policy``,
+        without waiting for more; a job that does not join is held."""
+        total = sum(self._cost(f) for f in batch)
+        while len(batch) < policy.max_batch:
+            if self.held:
+                frame = self.held.popleft()
+            else:
+                try:
+                    frame = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+            if frame.type != "request":
+                self.held.appendleft(frame)
+                break
+            cost = self._cost(frame)
+            if total + cost > policy.max_cost:
+                self.held.appendleft(frame)
+                break
+            total += cost
+            batch.append(frame)
+
+    def _cost(self, frame: Frame) -> int:
+        assert self.backend is not None
+        try:
+            cost = self.backend.cost(self._request_of(frame))
+            return cost if isinstance(cost, int) and cost >= 0 else 1
+        except Exception:  # the request fails on its own when it runs
+            return 1
+
+    @staticmethod
+    def _request_of(frame: Frame) -> Request:
+        return Request(frame.header["id"], frame.header.get("body"), frame.bulk)
 
     def _name(self) -> str:
         return self.spec.name if self.spec is not None else self.model_name
@@ -149,7 +207,20 @@ class Worker:
             return
         micros = int((time.monotonic() - started) * 1_000_000)
         try:
-            out = self.conn.build(messages.loaded(details, micros))
+            policy = backend.batching()
+            if policy is not None and not isinstance(policy, Batching):
+                raise TypeError("batching() returned {!r}, not a Batching or None".format(policy))
+        except Exception as e:
+            error = LoadFailed(
+                "model `{}`: backend `{}` cannot say how it batches: {}".format(
+                    spec.name, spec.backend, describe_exception(e)
+                )
+            )
+            self.conn.send(messages.load_failed(error.to_wire()))
+            return
+        max_batch = policy.max_batch if policy is not None else 1
+        try:
+            out = self.conn.build(messages.loaded(details, micros, max_batch))
         except Exception as e:
             error = LoadFailed(
                 "model `{}`: backend `{}` describes itself with what the wire cannot carry "
@@ -158,6 +229,7 @@ class Worker:
             self.conn.send(messages.load_failed(error.to_wire()))
             return
         self.backend = backend
+        self.policy = policy
         self.conn.send_built(out)
 
     def _instantiate(self, spec: LoadSpec) -> Backend:
@@ -182,28 +254,99 @@ class Worker:
     def _answer(self, request_id: int, frame: Frame) -> OutgoingFrame:
         """Runs the request and encodes its ``done``, result or error."""
         name = self._name()
-        try:
-            if self.backend is None:
-                raise NotLoaded(
+        if self.backend is None:
+            return self._encode(
+                request_id,
+                NotLoaded(
                     "model `{}`: request {} came before a successful load; "
                     "no model is loaded".format(name, request_id)
-                )
-            if self.state.is_cancelled(request_id):
-                raise Cancelled(
-                    "model `{}`: request {} was cancelled before it started".format(name, request_id)
-                )
-            result = self._handle(request_id, frame)
-            body, bulk = (result.body, result.bulk) if isinstance(result, Response) else (result, None)
-            try:
-                return self.conn.build(messages.done(request_id, body), bulk)
-            except Exception as e:
-                raise BackendError(
-                    "model `{}`: the answer to request {} cannot be sent: {}".format(
-                        name, request_id, describe_exception(e)
-                    )
-                ) from None
+                ),
+            )
+        if self.state.is_cancelled(request_id):
+            return self._encode(request_id, self._cancelled_early(request_id))
+        started = time.monotonic()
+        try:
+            result: Any = self._handle(request_id, frame)
         except WireError as e:
-            return self.conn.build(messages.done_error(request_id, e.to_wire()))
+            result = e
+        return self._encode(request_id, result, (1, _micros_since(started)))
+
+    def _cancelled_early(self, request_id: int) -> WireError:
+        return Cancelled(
+            "model `{}`: request {} was cancelled before it started".format(self._name(), request_id)
+        )
+
+    def _encode(
+        self, request_id: int, result: Any, run: Optional[Tuple[int, int]] = None
+    ) -> OutgoingFrame:
+        """The ``done`` of a result, or of an error (an exception)."""
+        name = self._name()
+        if isinstance(result, BaseException):
+            if not isinstance(result, WireError):
+                result = BackendError(
+                    "model `{}`: request {} failed: {}".format(
+                        name, request_id, describe_exception(result)
+                    )
+                )
+            return self.conn.build(messages.done_error(request_id, result.to_wire(), run))
+        body, bulk = (result.body, result.bulk) if isinstance(result, Response) else (result, None)
+        try:
+            return self.conn.build(messages.done(request_id, body, run), bulk)
+        except Exception as e:
+            error = BackendError(
+                "model `{}`: the answer to request {} cannot be sent: {}".format(
+                    name, request_id, describe_exception(e)
+                )
+            )
+            return self.conn.build(messages.done_error(request_id, error.to_wire(), run))
+
+    def _request_batch(self, frames: List[Frame]) -> None:
+        """Runs ``frames`` as one batch and answers each on its own. Those
+        cancelled while they waited are answered at once and do not run."""
+        assert self.backend is not None
+        name = self._name()
+        live: List[Frame] = []
+        for frame in frames:
+            request_id = frame.header["id"]
+            if self.state.is_cancelled(request_id):
+                out = self._encode(request_id, self._cancelled_early(request_id))
+                self.state.finished(request_id)
+                self.conn.send_built(out)
+            else:
+                live.append(frame)
+        if not live:
+            return
+        requests = [self._request_of(f) for f in live]
+        contexts = [RequestContext(r.id, name, self.state, self._send_chunk) for r in requests]
+        n = len(live)
+        started = time.monotonic()
+        results: List[Any]
+        try:
+            results = list(self.backend.handle_batch(requests, contexts))
+            if len(results) != n:
+                results = [
+                    Internal(
+                        "model `{}`: the backend answered a batch of {} requests with {} "
+                        "results".format(name, n, len(results))
+                    )
+                ] * n
+        except WireError as e:
+            results = [e] * n
+        except Exception as e:
+            _log_traceback("model `{}`: a batch of {} requests failed".format(name, n))
+            results = [
+                BackendError("model `{}`: the batch failed: {}".format(name, describe_exception(e)))
+            ] * n
+        finally:
+            for ctx in contexts:
+                ctx.finish()
+        run = (n, _micros_since(started))
+        del requests
+        for frame, result in zip(live, results):
+            request_id = frame.header["id"]
+            out = self._encode(request_id, result, run)
+            self.state.finished(request_id)
+            self.conn.send_built(out)
 
     def _handle(self, request_id: int, frame: Frame) -> Any:
         assert self.backend is not None

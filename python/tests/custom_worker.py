@@ -72,6 +72,40 @@ class Tensors(Backend):
         return request.body
 
 
+class Batcher(Backend):
+    """Batches up to 4 requests of at most 10 characters in all; a request
+    ``{"text": ..., "sleep": s}`` holds its batch ``s`` seconds, ``{"bad":
+    true}`` fails alone, ``{"crash_batch": true}`` raises from the whole
+    batch."""
+
+    def load(self, spec, ctx):
+        Options(spec).only([])
+
+    def batching(self):
+        return berth_worker.Batching(max_batch=4, max_cost=10)
+
+    def cost(self, request):
+        return len(request.body.get("text", ""))
+
+    def handle(self, request, ctx):
+        return self.handle_batch([request], [ctx])[0]
+
+    def handle_batch(self, requests, contexts):
+        import time
+
+        if any(r.body.get("crash_batch") for r in requests):
+            raise RuntimeError("the whole batch broke")
+        time.sleep(max(r.body.get("sleep", 0) for r in requests))
+        out = []
+        for r, ctx in zip(requests, contexts):
+            ctx.progress()
+            if r.body.get("bad"):
+                out.append(BadRequest("request {} is bad".format(r.id)))
+            else:
+                out.append({"text": r.body["text"].upper(), "id": r.id, "batch": len(requests)})
+        return out
+
+
 class BrokenLoad(Backend):
     """Fails its load with a plain exception."""
 
@@ -92,5 +126,5 @@ class NoHandle(Backend):
 
 if __name__ == "__main__":
     berth_worker.serve(
-        {"tensors": Tensors, "broken": BrokenLoad, "bad-describe": BadDescribe, "no-handle": NoHandle}
+        {"tensors": Tensors, "batcher": Batcher, "broken": BrokenLoad, "bad-describe": BadDescribe, "no-handle": NoHandle}
     )

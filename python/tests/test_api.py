@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import unittest
 
 import numpy
@@ -166,7 +167,55 @@ class CustomWorkerTests(unittest.TestCase):
 
     def test_hello_lists_backends_in_the_given_order(self) -> None:
         hello = self.worker().welcome()
-        self.assertEqual(hello["backends"], ["tensors", "broken", "bad-describe", "no-handle"])
+        self.assertEqual(
+            hello["backends"], ["tensors", "batcher", "broken", "bad-describe", "no-handle"]
+        )
+
+    def test_requests_waiting_during_a_batch_run_together_each_answered_alone(self) -> None:
+        sup = self.worker()
+        sup.welcome()
+        self.assertEqual(sup.load("batcher").header["max_batch"], 4)
+        # The first runs alone (nothing waits: no waiting for company) and
+        # holds the worker while the rest arrive.
+        sup.request(1, {"text": "a", "sleep": 0.5})
+        time.sleep(0.2)
+        for i, text in enumerate(["b", "cc", "ddd", "x", "eeee"], start=2):
+            sup.request(i, {"text": text})
+        sup.request(7, {"text": "f", "bad": True})
+        sup.request(8, {"text": "g"})
+        done = {}
+        for _ in range(8):
+            frame = sup.expect("done")
+            done[frame.header["id"]] = frame.header
+        self.assertEqual(done[1]["batch"], 1)
+        self.assertGreater(done[1]["compute_us"], 400_000)
+        # Then at most 4 together, within the 10-character budget, in order.
+        self.assertEqual([done[i]["batch"] for i in (2, 3, 4, 5)], [4, 4, 4, 4])
+        for i, text in [(2, "B"), (3, "CC"), (4, "DDD"), (5, "X"), (6, "EEEE")]:
+            self.assertEqual(done[i]["body"]["text"], text)
+            self.assertEqual(done[i]["body"]["id"], i)
+        # "eeee" would pass the budget with the first four: next batch.
+        self.assertEqual(done[6]["batch"], 3)
+        self.assertEqual(done[7]["error"]["kind"], "bad_request")
+        self.assertIn("request 7", done[7]["error"]["message"])
+        self.assertEqual(done[8]["body"]["text"], "G")
+
+    def test_a_batch_that_raises_fails_its_requests_and_the_worker_goes_on(self) -> None:
+        sup = self.worker()
+        sup.welcome()
+        sup.load("batcher")
+        sup.request(1, {"text": "a", "sleep": 0.3})
+        time.sleep(0.1)
+        sup.request(2, {"text": "b", "crash_batch": True})
+        sup.request(3, {"text": "c"})
+        frames = [sup.expect("done") for _ in range(3)]
+        by_id = {f.header["id"]: f.header for f in frames}
+        self.assertEqual(by_id[1]["body"]["text"], "A")
+        for i in (2, 3):
+            self.assertEqual(by_id[i]["error"]["kind"], "backend_error")
+            self.assertIn("the whole batch broke", by_id[i]["error"]["message"])
+        sup.request(4, {"text": "d"})
+        self.assertEqual(sup.expect("done").header["body"]["text"], "D")
 
     def test_describe_goes_into_loaded_details(self) -> None:
         sup = self.worker(env={"BERTH_GPUS": "1,3"})

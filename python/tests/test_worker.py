@@ -24,6 +24,11 @@ from fake_supervisor import SEALS, FakeSupervisor, wait_gone
 MIB = 1 << 20
 
 
+def without_run(header: dict) -> dict:
+    """A ``done`` header without the batch it ran in and its compute time."""
+    return {k: v for k, v in header.items() if k not in ("batch", "compute_us")}
+
+
 class WorkerCase(unittest.TestCase):
     """Starts workers that are killed (whole group) after each test."""
 
@@ -261,7 +266,9 @@ class EchoTests(WorkerCase):
         body = {"texts": ["hello", "héllo ✓"], "n": [1, 2.5, None, True]}
         sup.request(1, body)
         done = sup.expect("done")
-        self.assertEqual(done.header, {"type": "done", "id": 1, "body": body})
+        self.assertEqual(without_run(done.header), {"type": "done", "id": 1, "body": body})
+        self.assertEqual(done.header["batch"], 1)
+        self.assertGreaterEqual(done.header["compute_us"], 0)
 
     def test_inline_bulk(self) -> None:
         sup = self.started("echo")
@@ -318,7 +325,9 @@ class HogTests(WorkerCase):
             self.assertGreater(second[key], 0)
         self.assertGreaterEqual(second["peak_rss_bytes"], second["rss_bytes"])
         done = sup.expect("done")
-        self.assertEqual(done.header, {"type": "done", "id": 1, "body": {"held_bytes": 0}})
+        self.assertEqual(without_run(done.header), {"type": "done", "id": 1, "body": {"held_bytes": 0}})
+        # It worked ~2 s, and says so.
+        self.assertGreater(done.header["compute_us"], 1_500_000)
         self.assertEqual(sup.ping(3)["requests_done"], 1)
 
     def test_cancel_while_working_gives_one_done(self) -> None:

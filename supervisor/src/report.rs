@@ -44,6 +44,9 @@ pub struct LoadReport {
     pub system_available_bytes: u64,
     /// What the backend says about the loaded model.
     pub details: serde_json::Value,
+    /// Requests the backend takes in one batch (1: one at a time).
+    #[serde(default)]
+    pub max_batch: u32,
 }
 
 /// What an unload returns: the proof that memory came back.

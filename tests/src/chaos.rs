@@ -47,10 +47,12 @@ pub async fn run(duration: Duration, clients: usize) -> ChaosReport {
         ..crate::test_config()
     });
     let models = [
-        ModelSpec::new("echo", "echo"),
+        // Batching on where it can be: requests that wait run together.
+        ModelSpec::new("echo", "echo").option("batch", 8),
         ModelSpec::new("hog", "hog")
             .option("alloc_mib", 16)
-            .option("work_ms", 20),
+            .option("work_ms", 20)
+            .option("batch", 4),
         ModelSpec::new("fault", "fault"),
     ];
     for mut spec in models {

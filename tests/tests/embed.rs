@@ -98,9 +98,10 @@ async fn a_batch_equals_single_requests_and_the_in_process_backend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_batched_in_the_worker_get_their_own_vectors() {
     let sup = supervisor();
-    let mut spec = ModelSpec::new("batched", "embed").model(default_model("minilm"));
-    spec.max_concurrency = Some(64);
-    sup.load(spec).await.unwrap();
+    // No max_concurrency: the worker's batch size (64) lets them in.
+    let spec = ModelSpec::new("batched", "embed").model(default_model("minilm"));
+    let report = sup.load(spec).await.unwrap();
+    assert_eq!(report.max_batch, 64);
     let texts: Vec<String> = (0..48)
         .map(|i| format!("request {i}: {}", "a ship at its berth ".repeat(1 + i % 7)))
         .collect();
@@ -146,6 +147,36 @@ async fn concurrent_requests_batched_in_the_worker_get_their_own_vectors() {
         };
         let c = cosine(&got[0], &alone[i]);
         assert!(c >= 0.9999, "request {i}: cosine {c} with its vector alone");
+    }
+    // ps and /metrics show that they ran together, and where time went.
+    let status = sup
+        .stats()
+        .into_iter()
+        .find(|m| m.name == "batched")
+        .unwrap();
+    let b = &status.batching;
+    assert_eq!(b.requests, 48 + 48 + 1, "{b:?}");
+    assert!(
+        b.batch_sizes
+            .iter()
+            .any(|(bound, n)| bound.is_none_or(|x| x > 1) && *n > 0),
+        "{b:?}"
+    );
+    assert!(b.mean_batch_size.unwrap() > 1.0, "{b:?}");
+    assert!(
+        b.mean_queue_ms.is_some() && b.mean_compute_ms.unwrap() > 0.0,
+        "{b:?}"
+    );
+    let metrics = berth::server::metrics::render(&sup);
+    for family in [
+        "berth_batch_size_bucket{model=\"batched\",le=\"1\"}",
+        "berth_request_queue_seconds_count{model=\"batched\"} 97",
+        "berth_request_compute_seconds_count{model=\"batched\"} 97",
+    ] {
+        assert!(
+            metrics.contains(family),
+            "{family} missing from:\n{metrics}"
+        );
     }
     sup.unload("batched").await.unwrap();
 }

@@ -112,6 +112,35 @@ async fn torch_embeddings_equal_candle_ones_in_both_load_modes() {
             assert_same_vectors(model, &f32_vectors(&out), &want[i..=i]);
         }
     }
+    // Sent at once, requests run in batches inside the Python worker; each
+    // gets its own vector, equal to candle's.
+    let sup = std::sync::Arc::new(sup);
+    let tasks: Vec<_> = (0..24)
+        .map(|i| {
+            let sup = std::sync::Arc::clone(&sup);
+            let text = texts[i % texts.len()].clone();
+            tokio::spawn(async move {
+                let body = serde_json::json!({ "input": text, "encoding": "f32" }).to_string();
+                sup.request("torch-read", Body::json(body)).await
+            })
+        })
+        .collect();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let out = task.await.unwrap().unwrap();
+        let j = i % texts.len();
+        assert_same_vectors("batched", &f32_vectors(&out), &want[j..=j]);
+    }
+    let status = sup
+        .stats()
+        .into_iter()
+        .find(|m| m.name == "torch-read")
+        .unwrap();
+    assert!(
+        status.batching.mean_batch_size.unwrap() > 1.0,
+        "{:?}",
+        status.batching
+    );
+
     // Bad input fails the request alone, naming the model.
     let body = serde_json::json!({ "input": [1, 2] }).to_string();
     let err = sup

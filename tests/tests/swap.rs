@@ -39,7 +39,9 @@ async fn most_in_flight_of(sup: &Supervisor, model: &str, n: usize) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_swap_applies_the_new_max_concurrency() {
     let sup = supervisor();
-    let mut spec = ModelSpec::new("h", "hog").option("work_ms", 150);
+    let mut spec = ModelSpec::new("h", "hog")
+        .option("work_ms", 150)
+        .option("batch", 4);
     spec.max_concurrency = Some(1);
     sup.load(spec.clone()).await.unwrap();
     assert_eq!(most_in_flight_of(&sup, "h", 4).await, 1);

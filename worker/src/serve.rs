@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use berth_protocol::{
     Body, Command, ErrorKind, Event, Hello, LoadInfo, LoadSpec, PROTOCOL_VERSION, RequestId,
-    WireError, WorkerStats,
+    RunInfo, WireError, WorkerStats,
 };
 use ipc_channel::IpcError;
 use ipc_channel::ipc::{self, IpcSender};
@@ -203,10 +203,14 @@ fn execute(
                     match guarded(|| registry.load(&spec, &ctx)) {
                         Ok(loaded) => {
                             let details = loaded.describe().to_string();
+                            let max_batch = loaded
+                                .batching()
+                                .map_or(1, |b| b.max_batch.clamp(1, u32::MAX as usize) as u32);
                             backend = Some(loaded);
                             Event::Loaded(LoadInfo {
                                 details,
                                 load_micros: started.elapsed().as_micros() as u64,
+                                max_batch,
                             })
                         }
                         Err(e) => Event::LoadFailed(e),
@@ -221,6 +225,7 @@ fn execute(
                         events,
                         id,
                         Err(WireError::new(ErrorKind::NotLoaded, "no model is loaded")),
+                        RunInfo::default(),
                     );
                     continue;
                 };
@@ -290,7 +295,7 @@ fn run_batch(
     for (id, body) in batch {
         if is_cancelled(shared, id) {
             let e = WireError::new(ErrorKind::Cancelled, "cancelled before it started");
-            finish(shared, events, id, Err(e));
+            finish(shared, events, id, Err(e), RunInfo::default());
         } else {
             ids.push(id);
             bodies.push(body);
@@ -310,6 +315,7 @@ fn run_batch(
             )
         })
         .collect();
+    let started = Instant::now();
     let results = if ids.len() == 1 {
         let body = bodies.pop().expect("one body");
         vec![guarded(|| backend.handle(body, &contexts[0]))]
@@ -331,8 +337,12 @@ fn run_batch(
             Err(panic) => vec![Err(panicked(panic)); n],
         }
     };
+    let run = RunInfo {
+        batch: ids.len() as u32,
+        compute_micros: started.elapsed().as_micros() as u64,
+    };
     for (id, result) in ids.into_iter().zip(results) {
-        finish(shared, events, id, result);
+        finish(shared, events, id, result, run);
     }
 }
 
@@ -342,6 +352,7 @@ fn finish(
     events: &IpcSender<Event>,
     id: RequestId,
     result: Result<Body, WireError>,
+    run: RunInfo,
 ) {
     shared
         .cancelled
@@ -350,7 +361,7 @@ fn finish(
         .remove(&id);
     shared.in_flight.fetch_sub(1, Ordering::Relaxed);
     shared.requests_done.fetch_add(1, Ordering::Relaxed);
-    let _ = events.send(Event::Done { id, result });
+    let _ = events.send(Event::Done { id, result, run });
 }
 
 fn is_cancelled(shared: &Shared, id: RequestId) -> bool {

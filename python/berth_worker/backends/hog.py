@@ -13,7 +13,8 @@ Options:
   when cancelled (default 0);
 - ``pool_processes`` (Python only): at load, starts a ``multiprocessing``
   pool of this many processes (start method ``fork``) and keeps it, the way
-  a data loader does; ``describe()`` lists their pids (default 0).
+  a data loader does; ``describe()`` lists their pids (default 0);
+- ``batch``: take up to that many waiting requests at once (default 1).
 
 Answers ``{"held_bytes": N}``.
 """
@@ -24,7 +25,7 @@ import multiprocessing
 import time
 from typing import Any, Callable, List, Optional
 
-from ..backend import Backend, LoadContext, LoadSpec, Request, RequestContext
+from ..backend import Backend, Batching, LoadContext, LoadSpec, Request, RequestContext
 from ..errors import BadRequest, Cancelled
 from ..options import Options
 
@@ -60,7 +61,8 @@ class Hog(Backend):
 
     def load(self, spec: LoadSpec, ctx: LoadContext) -> None:
         opts = Options(spec)
-        opts.only(["alloc_mib", "leak_kib_per_request", "work_ms", "pool_processes"])
+        opts.only(["alloc_mib", "leak_kib_per_request", "work_ms", "pool_processes", "batch"])
+        self.batch = opts.int("batch", 1, minimum=1)
         self.name = spec.name
         alloc_mib = opts.int("alloc_mib", 0, minimum=0)
         leak_kib = opts.int("leak_kib_per_request", 0, minimum=0)
@@ -77,6 +79,9 @@ class Hog(Backend):
         if processes:
             self._start_pool(processes)
             ctx.progress()
+
+    def batching(self) -> Optional[Batching]:
+        return Batching(self.batch) if self.batch > 1 else None
 
     def _start_pool(self, processes: int) -> None:
         before = {p.pid for p in multiprocessing.active_children()}

@@ -20,6 +20,10 @@ Options:
 - ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (default: the GPU berth placed
   the worker on, else the CPU).
 
+Requests that arrive while a pass runs are batched (up to 64 requests and
+about 8192 tokens, texts sorted by length into passes of 32), each answered
+with its own vectors.
+
 Request: ``{"input": "text"}`` or ``{"input": ["text", ...]}``, and
 optionally ``"encoding": "f32"``.
 Response: ``{"embeddings": [[...], ...], "dim": 384, "tokens": N}``; with
@@ -43,6 +47,7 @@ from tokenizers import Tokenizer
 from berth_worker import (
     Backend,
     BadRequest,
+    Batching,
     Cancelled,
     LoadContext,
     LoadFailed,
@@ -243,9 +248,9 @@ class TorchEmbed(Backend):
         self.dim = self.model.hidden
         ctx.progress()
 
-    def embed(self, texts: Sequence[str]) -> Tuple[torch.Tensor, int]:
-        """Unit-length vectors for ``texts`` in one forward pass, and the
-        number of tokens (padding excluded)."""
+    def embed(self, texts: Sequence[str]) -> Tuple[torch.Tensor, List[int]]:
+        """Unit-length vectors for ``texts`` in one forward pass, and each
+        text's tokens (padding excluded)."""
         encodings = self.tokenizer.encode_batch(list(texts))
         ids = torch.tensor([e.ids for e in encodings], dtype=torch.long, device=self.device)
         types = torch.tensor([e.type_ids for e in encodings], dtype=torch.long, device=self.device)
@@ -257,9 +262,10 @@ class TorchEmbed(Backend):
             m = mask.unsqueeze(2).to(hidden.dtype)
             mean = (hidden * m).sum(1) / m.sum(1)
             vectors = F.normalize(mean, p=2.0, dim=1)
-        return vectors, int(mask.sum())
+        return vectors, [int(n) for n in mask.sum(1)]
 
-    def handle(self, request: Request, ctx: RequestContext) -> Any:
+    def _asked(self, request: Request, name: str) -> Tuple[List[str], str]:
+        """A request's texts and encoding, or BadRequest naming the model."""
         body = request.body
         texts = body.get("input") if isinstance(body, dict) else None
         if isinstance(texts, str):
@@ -267,27 +273,90 @@ class TorchEmbed(Backend):
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise BadRequest(
                 'model `{}`: the request must be {{"input": "text"}} or '
-                '{{"input": ["text", ...]}}'.format(ctx.name)
+                '{{"input": ["text", ...]}}'.format(name)
             )
         if not texts:
             raise BadRequest("`input` is an empty list; give at least one text")
         encoding = body.get("encoding", "json")
         if encoding not in ("json", "f32"):
             raise BadRequest("`encoding` `{}` is not `json` or `f32`".format(encoding))
-        passes: List[torch.Tensor] = []
-        tokens = 0
-        for start in range(0, len(texts), PASS):
-            if ctx.cancelled:
+        return texts, encoding
+
+    def _embed_all(
+        self, texts: List[str], progress: Any, cancelled: Any
+    ) -> Tuple[torch.Tensor, List[int]]:
+        """Vectors and token counts of ``texts``, in passes of at most
+        :data:`PASS`, shortest first so that a pass pads little."""
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        vectors = torch.empty(len(texts), self.dim, dtype=torch.float32)
+        tokens = [0] * len(texts)
+        for start in range(0, len(order), PASS):
+            if cancelled():
                 raise Cancelled("cancelled")
-            v, t = self.embed(texts[start : start + PASS])
-            passes.append(v)
-            tokens += t
-            ctx.progress()
-        vectors = torch.cat(passes).to("cpu", torch.float32)
+            part = order[start : start + PASS]
+            v, t = self.embed([texts[i] for i in part])
+            vectors[part] = v.to("cpu", torch.float32)
+            for i, n in zip(part, t):
+                tokens[i] = n
+            progress()
+        return vectors, tokens
+
+    def _answer(self, vectors: torch.Tensor, tokens: int, encoding: str) -> Any:
         if encoding == "f32":
-            body = {"count": len(texts), "dim": self.dim, "tokens": tokens}
+            body = {"count": int(vectors.shape[0]), "dim": self.dim, "tokens": tokens}
             return Response(body, vectors.numpy().astype("<f4", copy=False))
         return {"embeddings": vectors.tolist(), "dim": self.dim, "tokens": tokens}
+
+    def handle(self, request: Request, ctx: RequestContext) -> Any:
+        texts, encoding = self._asked(request, ctx.name)
+        vectors, tokens = self._embed_all(texts, ctx.progress, lambda: ctx.cancelled)
+        return self._answer(vectors, sum(tokens), encoding)
+
+    def batching(self) -> Batching:
+        """Up to 64 requests and about 8192 tokens in one set of passes."""
+        return Batching(max_batch=64, max_cost=32 * 256)
+
+    def cost(self, request: Request) -> int:
+        body = request.body if isinstance(request.body, dict) else {}
+        texts = body.get("input")
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, list):
+            return 1
+        return sum(min(len(t) // 4 + 2, self.max_length) for t in texts if isinstance(t, str)) or 1
+
+    def handle_batch(self, requests: List[Request], contexts: List[RequestContext]) -> List[Any]:
+        """The texts of every request in one set of passes; each request
+        gets its own vectors. Bad input fails alone; a cancelled request
+        leaves without its vectors."""
+        asked: List[Any] = []
+        texts: List[str] = []
+        owner: List[int] = []
+        for i, (request, ctx) in enumerate(zip(requests, contexts)):
+            try:
+                t, encoding = self._asked(request, ctx.name)
+            except BadRequest as e:
+                asked.append(e)
+                continue
+            asked.append(encoding)
+            texts.extend(t)
+            owner.extend([i] * len(t))
+        out: List[Any] = [a if isinstance(a, BaseException) else None for a in asked]
+        if texts:
+            vectors, tokens = self._embed_all(
+                texts, contexts[0].progress, lambda: all(c.cancelled for c in contexts)
+            )
+            rows: List[List[int]] = [[] for _ in requests]
+            for row, i in enumerate(owner):
+                rows[i].append(row)
+            for i, encoding in enumerate(asked):
+                if isinstance(encoding, BaseException):
+                    continue
+                if contexts[i].cancelled:
+                    out[i] = Cancelled("cancelled")
+                    continue
+                mine = vectors[rows[i]]
+                out[i] = self._answer(mine, sum(tokens[r] for r in rows[i]), encoding)
+        return out
 
     def describe(self) -> Any:
         return {

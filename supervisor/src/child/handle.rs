@@ -458,6 +458,7 @@ impl WorkerHandle {
             commands: self.commands.clone(),
             in_flight: Arc::clone(&self.in_flight),
             unread,
+            run: None,
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
         match self.send(Command::Request { id, body }) {
@@ -570,6 +571,8 @@ pub struct ResponseStream {
     in_flight: Arc<InFlight>,
     /// Chunk bytes routed here and not yet read (see `routes::Waiting`).
     unread: Arc<AtomicU64>,
+    /// How the worker ran it, once it is done.
+    run: Option<berth_protocol::RunInfo>,
 }
 
 impl ResponseStream {
@@ -591,7 +594,8 @@ impl ResponseStream {
                     source,
                 }))
             }
-            Some(Reply::Done(result)) => {
+            Some(Reply::Done(result, run)) => {
+                self.run = Some(run);
                 self.finish();
                 Some(result.map(Piece::Done).map_err(|source| Error::Request {
                     model: self.model.clone(),
@@ -607,6 +611,12 @@ impl ResponseStream {
                 None
             }
         }
+    }
+
+    /// How the worker ran the request (its batch, its compute time), once
+    /// its answer has come.
+    pub fn run(&self) -> Option<berth_protocol::RunInfo> {
+        self.run
     }
 
     fn finish(&mut self) {

@@ -375,6 +375,7 @@ pub(crate) async fn launch(
         },
         system_available_bytes: system_memory().available_bytes,
         details: serde_json::from_str(&info.details).unwrap_or(serde_json::Value::Null),
+        max_batch: info.max_batch.max(1),
     };
     Ok((handle, report))
 }

@@ -29,7 +29,7 @@ pub(super) enum Reply {
     /// A streamed piece refused on arrival (past `max_response`): the
     /// request is cancelled in the worker, which would otherwise go on.
     Refused(WireError),
-    Done(Result<Body, WireError>),
+    Done(Result<Body, WireError>, berth_protocol::RunInfo),
     Died(Arc<Death>),
 }
 
@@ -111,7 +111,7 @@ impl Routes {
 
     pub(super) fn route(&self, id: RequestId, mut reply: Reply) -> Result<(), Violation> {
         let mut inner = self.lock();
-        let done = matches!(reply, Reply::Done(_));
+        let done = matches!(reply, Reply::Done(..));
         let tx = if done {
             inner.pending.remove(&id).map(|w| w.tx)
         } else {
@@ -181,7 +181,7 @@ impl std::fmt::Debug for Reply {
         f.write_str(match self {
             Reply::Chunk(_) => "Chunk",
             Reply::Refused(_) => "Refused",
-            Reply::Done(_) => "Done",
+            Reply::Done(..) => "Done",
             Reply::Died(_) => "Died",
         })
     }
@@ -211,9 +211,9 @@ impl Dispatch {
                 Ok(body) => self.routes.route(id, Reply::Chunk(body)),
                 Err(e) => self.routes.route(id, Reply::Refused(e)),
             },
-            Event::Done { id, result } => {
+            Event::Done { id, result, run } => {
                 let result = result.and_then(|body| bounded(model, body, self.max_response));
-                self.routes.route(id, Reply::Done(result))
+                self.routes.route(id, Reply::Done(result, run))
             }
             Event::Pong { seq, stats } => {
                 let _ = self.pongs.send(Some((seq, stats)));

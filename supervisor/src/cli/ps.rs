@@ -32,8 +32,8 @@ pub fn run(remote: Remote) -> ExitCode {
                 header += &format!(" {:>W$} {:<5}", "VRAM", "GPU");
             }
             println!(
-                "{header} {:>9} {:>9} {:>9}  UNTIL",
-                "UPTIME", "REQUESTS", "IN FLIGHT"
+                "{header} {:>9} {:>9} {:>9} {:>6} {:>15}  UNTIL",
+                "UPTIME", "REQUESTS", "IN FLIGHT", "BATCH", "QUEUE/COMPUTE"
             );
             for m in models {
                 let until = match m.keep_alive_left_s {
@@ -60,8 +60,17 @@ pub fn run(remote: Remote) -> ExitCode {
                         list_or_dash(&gpus, ","),
                     );
                 }
+                // Mean batch size, and mean queueing vs compute per request.
+                let b = &m.batching;
+                let batch = b
+                    .mean_batch_size
+                    .map_or_else(|| "-".into(), |x| format!("{x:.1}"));
+                let split = match (b.mean_queue_ms, b.mean_compute_ms) {
+                    (Some(q), Some(c)) => format!("{q:.1}/{c:.1} ms"),
+                    _ => "-".into(),
+                };
                 println!(
-                    "{line} {:>9} {:>9} {:>9}  {until}",
+                    "{line} {:>9} {:>9} {:>9} {batch:>6} {split:>15}  {until}",
                     humantime::format_duration(Duration::from_secs(m.uptime_s as u64)).to_string(),
                     m.requests,
                     m.in_flight,

@@ -4,7 +4,9 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
 use crate::gpu::DeviceStatus;
-use crate::supervisor::{LATENCY_BUCKETS, ModelCounters, Supervisor};
+use crate::supervisor::{
+    BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters, Supervisor,
+};
 
 fn escape(label: &str) -> String {
     label
@@ -15,6 +17,14 @@ fn escape(label: &str) -> String {
 
 /// A counter family: name, help, and how to read it.
 type Counter = (&'static str, &'static str, fn(&ModelCounters) -> u64);
+
+/// A histogram family: name, help, bucket bounds, and how to read it.
+type HistogramFamily = (
+    &'static str,
+    &'static str,
+    &'static [f64],
+    fn(&ModelCounters) -> HistogramSnapshot,
+);
 
 /// The supervisor's state as Prometheus text exposition.
 pub fn render(supervisor: &Supervisor) -> String {
@@ -68,35 +78,48 @@ pub fn render(supervisor: &Supervisor) -> String {
             let _ = writeln!(out, "{name}{{model=\"{}\"}} {}", escape(model), get(c));
         }
     }
-    family(
-        &mut out,
-        "berth_request_duration_seconds",
-        "histogram",
-        "Request latency, queueing included.",
-    );
-    for (model, c) in &counters {
-        let m = escape(model);
-        let latency = c.latency();
-        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&latency.buckets) {
-            let _ = writeln!(
-                out,
-                "berth_request_duration_seconds_bucket{{model=\"{m}\",le=\"{bound}\"}} {bucket}"
-            );
+    let histograms: [HistogramFamily; 4] = [
+        (
+            "berth_request_duration_seconds",
+            "Request latency, queueing included.",
+            &LATENCY_BUCKETS,
+            |c| c.latency.snapshot(),
+        ),
+        (
+            "berth_request_queue_seconds",
+            "Of a request's time, the part spent waiting (for a slot, a load, its batch), as its worker reported its compute.",
+            &LATENCY_BUCKETS,
+            |c| c.queue.snapshot(),
+        ),
+        (
+            "berth_request_compute_seconds",
+            "Of a request's time, the part the backend spent on its batch.",
+            &LATENCY_BUCKETS,
+            |c| c.compute.snapshot(),
+        ),
+        (
+            "berth_batch_size",
+            "Requests that ran together in each request's batch.",
+            &BATCH_BUCKETS,
+            |c| c.batch.snapshot(),
+        ),
+    ];
+    for (name, help, bounds, get) in histograms {
+        family(&mut out, name, "histogram", help);
+        for (model, c) in &counters {
+            let m = escape(model);
+            let h = get(c);
+            for (bound, bucket) in bounds.iter().zip(&h.buckets) {
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{{model=\"{m}\",le=\"{bound}\"}} {bucket}"
+                );
+            }
+            let count = h.count;
+            let _ = writeln!(out, "{name}_bucket{{model=\"{m}\",le=\"+Inf\"}} {count}");
+            let _ = writeln!(out, "{name}_sum{{model=\"{m}\"}} {}", h.sum);
+            let _ = writeln!(out, "{name}_count{{model=\"{m}\"}} {count}");
         }
-        let count = latency.count;
-        let _ = writeln!(
-            out,
-            "berth_request_duration_seconds_bucket{{model=\"{m}\",le=\"+Inf\"}} {count}"
-        );
-        let sum = latency.sum_s;
-        let _ = writeln!(
-            out,
-            "berth_request_duration_seconds_sum{{model=\"{m}\"}} {sum}"
-        );
-        let _ = writeln!(
-            out,
-            "berth_request_duration_seconds_count{{model=\"{m}\"}} {count}"
-        );
     }
     family(
         &mut out,

@@ -36,11 +36,13 @@ mod slot;
 mod status;
 mod types;
 
-pub use counters::{LATENCY_BUCKETS, ModelCounters};
+pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters};
 
 pub use requests::RequestStream;
 pub use resilience::LastExit;
-pub use types::{CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport};
+pub use types::{
+    BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport,
+};
 
 use admission::Need;
 use slot::{Entry, Slot};

@@ -10,8 +10,7 @@ use berth_protocol::Body;
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::{
-    DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_QUEUE, Inner, ModelCounters, ModelState, RequestOptions,
-    State, Supervisor,
+    DEFAULT_MAX_QUEUE, Inner, ModelCounters, ModelState, RequestOptions, State, Supervisor,
 };
 use crate::child::handle::{Piece, ResponseStream, WorkerHandle};
 use crate::error::{Error, Result};
@@ -89,7 +88,7 @@ impl Supervisor {
             })?;
         }
         let hash = crate::child::handle::body_hash(&body);
-        let (permits, queued, max_queue, counters) = {
+        let (permits, queued, max_queue, counters, concurrency) = {
             let state = self.lock();
             let entry = state
                 .catalogue
@@ -106,6 +105,7 @@ impl Supervisor {
                 Arc::clone(&entry.queued),
                 entry.spec.max_queue.unwrap_or(DEFAULT_MAX_QUEUE),
                 Arc::clone(&entry.counters),
+                entry.concurrency,
             )
         };
         // The deadline covers the whole request: queueing, loading, answering.
@@ -122,10 +122,7 @@ impl Supervisor {
                     counters.errors.fetch_add(1, Ordering::Relaxed);
                     return Err(Error::QueueFull {
                         model: model.into(),
-                        max_concurrency: self
-                            .spec(model)
-                            .and_then(|s| s.max_concurrency)
-                            .unwrap_or(DEFAULT_MAX_CONCURRENCY),
+                        max_concurrency: concurrency,
                         queued: max_queue,
                     });
                 }
@@ -286,7 +283,11 @@ impl Drop for RequestStream {
         if self.failed {
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
         }
-        self.counters.observe_latency(self.started.elapsed());
+        let elapsed = self.started.elapsed();
+        self.counters.observe_latency(elapsed);
+        if let Some(run) = self.inner.run() {
+            self.counters.observe_run(run, elapsed);
+        }
         if let Some(inner) = self.supervisor.upgrade() {
             // One lock per request; a second only for models that recycle.
             if Supervisor::request_finished(&inner, &self.model, self.keep_alive) {

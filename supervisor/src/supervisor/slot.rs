@@ -351,6 +351,16 @@ impl Entry {
     /// A worker of this model finished loading: what it measured plans the
     /// next load.
     pub(super) fn loaded(&mut self, report: &LoadReport) {
+        // A backend that batches gets enough requests to fill a batch,
+        // unless the operator bounded them.
+        if self.spec.max_concurrency.is_none() {
+            let want = (report.max_batch as usize)
+                .clamp(DEFAULT_MAX_CONCURRENCY, crate::config::MAX_CONCURRENCY);
+            if want != self.concurrency {
+                resize(&self.permits, self.concurrency, want);
+                self.concurrency = want;
+            }
+        }
         self.last_peak_bytes = Some(report.peak_rss_bytes);
         self.last_vram_bytes = vram_per_gpu(report).or(self.last_vram_bytes);
         self.counters.loads.fetch_add(1, Ordering::Relaxed);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::{ModelCounters, ModelStatus, Supervisor};
+use super::{BatchingStatus, ModelCounters, ModelStatus, Supervisor};
 use crate::child::handle::WorkerHandle;
 
 impl Supervisor {
@@ -58,6 +58,9 @@ impl Supervisor {
                         rss_growth_per_request_bytes: 0.0,
                         vram_bytes: None,
                         gpus: slot.gpus.clone(),
+                        batching: entry
+                            .map(|e| BatchingStatus::of(&e.counters))
+                            .unwrap_or_default(),
                     };
                     (status, worker)
                 })

@@ -74,6 +74,47 @@ pub struct ModelStatus {
     /// The GPUs (NVML indices) the worker was placed on; empty: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<u32>,
+    /// How requests ran, since the model was registered: batch sizes and
+    /// the split of their time into queueing and compute.
+    #[serde(default)]
+    pub batching: BatchingStatus,
+}
+
+/// Batch sizes and where requests' time went, as a model's workers reported
+/// them (workers that do not report are not counted).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct BatchingStatus {
+    /// Requests counted.
+    pub requests: u64,
+    /// Requests by the size of the batch they ran in, as `[upper bound,
+    /// count]` pairs (1, 2, 4, ... 128, then `null` for anything larger).
+    pub batch_sizes: Vec<(Option<u32>, u64)>,
+    pub mean_batch_size: Option<f64>,
+    /// Mean time a request waited (for a slot, a load, its batch), and
+    /// the mean time the backend spent on its batch, in milliseconds.
+    pub mean_queue_ms: Option<f64>,
+    pub mean_compute_ms: Option<f64>,
+}
+
+impl BatchingStatus {
+    pub(crate) fn of(counters: &super::ModelCounters) -> Self {
+        let batch = counters.batch.snapshot();
+        let mut batch_sizes = Vec::new();
+        let mut below = 0;
+        for (bound, cumulative) in super::BATCH_BUCKETS.iter().zip(&batch.buckets) {
+            batch_sizes.push((Some(*bound as u32), cumulative - below));
+            below = *cumulative;
+        }
+        batch_sizes.push((None, batch.count - below));
+        batch_sizes.retain(|(_, n)| *n > 0);
+        BatchingStatus {
+            requests: batch.count,
+            batch_sizes,
+            mean_batch_size: batch.mean(),
+            mean_queue_ms: counters.queue.snapshot().mean().map(|s| s * 1e3),
+            mean_compute_ms: counters.compute.snapshot().mean().map(|s| s * 1e3),
+        }
+    }
 }
 
 /// A registered model, as the catalogue shows it.

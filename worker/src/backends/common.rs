@@ -4,7 +4,7 @@ use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
 use candle_core::Device;
 use serde::de::DeserializeOwned;
 
-use crate::{LoadContext, Options};
+use crate::{Batching, LoadContext, Options};
 
 /// How to build a worker that runs models on NVIDIA GPUs.
 pub const CUDA_BUILD_HINT: &str = "build it with `cargo build --release -p berth-worker --features cuda` \
@@ -109,4 +109,21 @@ pub fn parse_request<T: DeserializeOwned>(body: &Body, expected: &str) -> Result
             format!("the request is not {expected}: {e}"),
         )
     })
+}
+
+/// The test backends' `batch` option: `N` > 1 gathers up to `N` waiting
+/// requests into a batch served one by one (`Backend::handle_batch`'s
+/// default), so the batching path runs under every test that sets it.
+pub fn batch_option(spec: &LoadSpec, opts: &Options) -> Result<Option<Batching>, WireError> {
+    let n: usize = opts.get_or("batch", 1)?;
+    if n == 0 {
+        return Err(WireError::new(
+            ErrorKind::BadRequest,
+            format!("model `{}`: option `batch` must be at least 1", spec.name),
+        ));
+    }
+    Ok((n > 1).then_some(Batching {
+        max_batch: n,
+        max_cost: usize::MAX,
+    }))
 }

@@ -5,7 +5,8 @@
 //!
 //! Options: `alloc_mib` (held from load on, default 0),
 //! `leak_kib_per_request` (default 0), `work_ms` (each request takes this
-//! long, advancing progress as it goes, like a model computing; default 0).
+//! long, advancing progress as it goes, like a model computing; default 0),
+//! `batch` (take up to that many waiting requests at once; default 1).
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,7 @@ struct Hog {
     held: Vec<Vec<u8>>,
     leak_bytes: usize,
     work: Duration,
+    batching: Option<crate::Batching>,
 }
 
 /// Allocates `bytes` and writes every page so it is resident, not merely reserved.
@@ -36,7 +38,8 @@ fn touched(bytes: usize, ctx_progress: impl Fn()) -> Vec<u8> {
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["alloc_mib", "leak_kib_per_request", "work_ms"])?;
+    opts.only(&["alloc_mib", "leak_kib_per_request", "work_ms", "batch"])?;
+    let batching = crate::backends::common::batch_option(spec, &opts)?;
     let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
     let leak_kib: usize = opts.get_or("leak_kib_per_request", 0)?;
     let too_large = |key: &str| {
@@ -60,6 +63,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         held: vec![block],
         leak_bytes,
         work,
+        batching,
     }))
 }
 
@@ -70,6 +74,10 @@ impl Hog {
 }
 
 impl Backend for Hog {
+    fn batching(&self) -> Option<crate::Batching> {
+        self.batching
+    }
+
     fn handle(&mut self, _request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
         let started = Instant::now();
         while started.elapsed() < self.work {

@@ -230,9 +230,11 @@ fn inbound(frame: wire::Frame<OwnedFd>) -> Result<Inbound, Violation> {
         WorkerMessage::Loaded {
             details,
             load_micros,
+            max_batch,
         } => Inbound::Event(Event::Loaded(LoadInfo {
             details,
             load_micros,
+            max_batch,
         })),
         WorkerMessage::LoadFailed(e) => Inbound::Event(Event::LoadFailed(e)),
         WorkerMessage::Chunk { id, json, bulk: b } => Inbound::Event(Event::Chunk {
@@ -242,8 +244,9 @@ fn inbound(frame: wire::Frame<OwnedFd>) -> Result<Inbound, Violation> {
                 bulk: bulk(b)?,
             },
         }),
-        WorkerMessage::Done { id, result } => Inbound::Event(Event::Done {
+        WorkerMessage::Done { id, result, run } => Inbound::Event(Event::Done {
             id,
+            run,
             result: match result {
                 Ok((json, b)) => Ok(Body {
                     json,
