@@ -54,6 +54,10 @@ def _log_traceback(what: str) -> None:
         pass
 
 
+#: The longest a batch waits for company, in seconds, and then only under load.
+MAX_LINGER = 0.002
+
+
 def _micros_since(started: float) -> int:
     return int((time.monotonic() - started) * 1_000_000)
 
@@ -70,6 +74,8 @@ class Worker:
         self.policy: Optional[Batching] = None
         # Jobs taken while gathering a batch that did not join it: run next.
         self.held: Deque[Frame] = collections.deque()
+        # The last batch: its size and compute seconds (see _gather).
+        self.pace: Tuple[int, float] = (0, 0.0)
         self.spec: Optional[LoadSpec] = None
         self.load_asked = False
         # For messages before a load names the model (BERTH_MODEL).
@@ -140,9 +146,16 @@ class Worker:
             del frame
 
     def _gather(self, policy: Batching, batch: List[Frame]) -> None:
-        """Adds the requests already waiting to ``batch``, within ``policy``,
-        without waiting for more; a job that does not join is held."""
-        total = sum(self._cost(f) for f in batch)
+        """Adds the requests already waiting to ``batch``, within ``policy``;
+        a job that does not join is held. An idle worker never waits; under
+        load (the last batch held more than one request) it waits a little,
+        a twentieth of the last batch's compute time and at most
+        :data:`MAX_LINGER` seconds, for the batch to fill to the last one's
+        size, as the Rust worker does."""
+        last_batch, last_compute = self.pace
+        fill_to = min(last_batch, policy.max_batch)
+        until = time.monotonic() + min(last_compute / 20, MAX_LINGER) if last_batch > 1 else None
+        total: Optional[int] = None  # costs only once a second request is there
         while len(batch) < policy.max_batch:
             if self.held:
                 frame = self.held.popleft()
@@ -150,10 +163,20 @@ class Worker:
                 try:
                     frame = self.jobs.get_nowait()
                 except queue.Empty:
-                    break
+                    if until is None or len(batch) >= fill_to:
+                        break
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        break
+                    try:
+                        frame = self.jobs.get(timeout=left)
+                    except queue.Empty:
+                        break
             if frame.type != "request":
                 self.held.appendleft(frame)
                 break
+            if total is None:
+                total = sum(self._cost(f) for f in batch)
             cost = self._cost(frame)
             if total + cost > policy.max_cost:
                 self.held.appendleft(frame)
@@ -246,7 +269,9 @@ class Worker:
 
     def _request(self, frame: Frame) -> None:
         request_id: int = frame.header["id"]
+        started = time.monotonic()
         out = self._answer(request_id, frame)
+        self.pace = (1, time.monotonic() - started)
         del frame
         self.state.finished(request_id)
         self.conn.send_built(out)
@@ -341,6 +366,7 @@ class Worker:
             for ctx in contexts:
                 ctx.finish()
         run = (n, _micros_since(started))
+        self.pace = (n, run[1] / 1e6)
         del requests
         for frame, result in zip(live, results):
             request_id = frame.header["id"]
