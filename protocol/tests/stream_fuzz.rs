@@ -213,6 +213,18 @@ fn valid_frames_decode_exactly_whatever_the_cuts() {
         if !payload.is_empty() {
             header["bulk"] = serde_json::json!({"inline": payload.len()});
         }
+        // Half say the batch they ran in.
+        let run = if rng.below(2) == 0 {
+            let run = berth_protocol::RunInfo {
+                batch: 1 + rng.below(64) as u32,
+                compute_micros: rng.below(1 << 30),
+            };
+            header["batch"] = run.batch.into();
+            header["compute_us"] = run.compute_micros.into();
+            run
+        } else {
+            berth_protocol::RunInfo::default()
+        };
         let bytes = frame(&serde_json::to_vec(&header).unwrap(), &payload);
         let mut decoder: FrameDecoder<u32> = FrameDecoder::new();
         let mut out = None;
@@ -231,8 +243,10 @@ fn valid_frames_decode_exactly_whatever_the_cuts() {
             WorkerMessage::Done {
                 id: got,
                 result: Ok((json, _)),
+                run: got_run,
             } => {
                 assert_eq!(got, id);
+                assert_eq!(got_run, run);
                 let back: serde_json::Value = serde_json::from_str(&json).unwrap();
                 assert_eq!(back, body);
             }
