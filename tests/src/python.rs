@@ -61,9 +61,10 @@ fn run(what: &str, command: &mut Command) {
     );
 }
 
-/// A virtual environment with `requirements` installed and the
-/// `berth_worker` package from `python/`; returns its `python3`.
-fn venv(name: &str, requirements: &[&str]) -> PathBuf {
+/// A virtual environment with `requirements` installed and, with
+/// `package`, the `berth_worker` package from `python/`; returns its
+/// `python3`.
+fn venv(name: &str, requirements: &[&str], package: bool) -> PathBuf {
     let root = repo_root();
     let dir = crate::target_dir().join(name);
     let python = dir.join("bin").join("python3");
@@ -93,6 +94,10 @@ fn venv(name: &str, requirements: &[&str]) -> PathBuf {
         run("installing the test requirements", &mut pip);
         std::fs::write(&stamp_file, &req_stamp).expect("write the venv stamp");
     }
+    if !package {
+        drop(lock);
+        return python;
+    }
     let mut package = vec![root.join("python/pyproject.toml")];
     files_under(&root.join("python/berth_worker"), &mut package);
     let pkg_stamp = digest(&package);
@@ -118,7 +123,7 @@ fn venv(name: &str, requirements: &[&str]) -> PathBuf {
 pub fn test_python() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
     PYTHON
-        .get_or_init(|| venv("python-test-venv", &["python/requirements-test.txt"]))
+        .get_or_init(|| venv("python-test-venv", &["python/requirements-test.txt"], true))
         .clone()
 }
 
@@ -137,8 +142,18 @@ pub fn examples_python() -> PathBuf {
                     "python/requirements-test.txt",
                     "python/examples/requirements.txt",
                 ],
+                true,
             )
         })
+        .clone()
+}
+
+/// `python3` of the deployment checks' environment: `deploy/requirements.txt`
+/// (the Kubernetes schema validator and a Containerfile parser, pinned).
+pub fn deploy_python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| venv("python-deploy-venv", &["deploy/requirements.txt"], false))
         .clone()
 }
 

@@ -7,7 +7,9 @@
 //! accounting exists). The child joins its cgroup between fork and exec, so
 //! not one page of its own is allocated outside it. Where neither can be
 //! written, the supervisor polls the worker's RSS every 50 ms and kills it
-//! past the limit; the report says which mechanism was used.
+//! past the limit; the report says which mechanism was used. On cgroup v2
+//! the supervisor first moves itself into a leaf of its own subtree when it
+//! has to (a delegated systemd service, a container's cgroup namespace).
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
@@ -24,8 +26,16 @@ pub struct MemoryCap {
     procs: Option<CString>,
 }
 
-/// Where new cgroups for workers go, and which version it is.
+/// Where new cgroups for workers go, and which version it is: decided once
+/// per process, because on cgroup v2 the first cap may move the supervisor
+/// itself into a leaf (see [`enable_memory_below`]), after which its own
+/// cgroup is no longer the base.
 fn cgroup_base() -> Option<(CapMechanism, PathBuf)> {
+    static BASE: std::sync::OnceLock<Option<(CapMechanism, PathBuf)>> = std::sync::OnceLock::new();
+    BASE.get_or_init(find_cgroup_base).clone()
+}
+
+fn find_cgroup_base() -> Option<(CapMechanism, PathBuf)> {
     let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     // Pure v2: one "0::/path" line and the memory controller at the root.
     if let Ok(controllers) = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
@@ -55,6 +65,32 @@ fn write(path: &Path, value: &str) -> std::io::Result<()> {
     std::fs::write(path, value)
 }
 
+/// Enables the memory controller for `base`'s children. cgroup v2 allows
+/// that only in a cgroup without processes of its own (the "no internal
+/// processes" rule), and `base` is where the supervisor itself runs: under
+/// systemd's `Delegate=` or in a container's cgroup namespace, it is the
+/// root of the subtree berth was given. Refused for that reason (EBUSY),
+/// the supervisor moves itself into a leaf, `base/supervisor`, as systemd
+/// recommends for delegated services, and tries again. Done once; later
+/// calls find the controller enabled.
+fn enable_memory_below(base: &Path) -> std::io::Result<()> {
+    let control = base.join("cgroup.subtree_control");
+    match write(&control, "+memory") {
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            let leaf = base.join("supervisor");
+            std::fs::create_dir_all(&leaf)?;
+            // "0": the writing process, all its threads.
+            write(&leaf.join("cgroup.procs"), "0")?;
+            tracing::info!(
+                "moved berth into {} so that its workers' cgroups can have memory caps",
+                leaf.display()
+            );
+            write(&control, "+memory")
+        }
+        other => other,
+    }
+}
+
 fn try_cgroup(model: &str, limit: u64) -> Result<(CapMechanism, PathBuf), String> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let (mechanism, base) = cgroup_base().ok_or("no memory cgroup found")?;
@@ -68,7 +104,7 @@ fn try_cgroup(model: &str, limit: u64) -> Result<(CapMechanism, PathBuf), String
         std::fs::create_dir_all(&parent)?;
         if mechanism == CapMechanism::CgroupV2 {
             // Controllers flow down only where each level enables them.
-            write(&base.join("cgroup.subtree_control"), "+memory")?;
+            enable_memory_below(&base)?;
             write(&parent.join("cgroup.subtree_control"), "+memory")?;
         }
         std::fs::create_dir(&leaf)?;

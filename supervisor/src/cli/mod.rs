@@ -9,6 +9,7 @@ mod embed;
 mod fetch;
 mod generate;
 mod gpus;
+mod health;
 mod http;
 mod load;
 mod output;
@@ -51,6 +52,9 @@ enum Commands {
     Embed(embed::EmbedArgs),
     /// Chat with a model of a running `berth serve`, streaming the answer.
     Generate(generate::GenerateArgs),
+    /// Exit 0 if a running `berth serve` is alive (`--ready`: takes
+    /// requests), else 1: for probes that cannot speak HTTP to a unix socket.
+    Health(health::HealthArgs),
 }
 
 /// The argument that runs this executable as a worker: `berth worker`.
@@ -125,6 +129,7 @@ pub fn main() -> ExitCode {
             Commands::Swap(args) => swap::run(args),
             Commands::Embed(args) => embed::run(args),
             Commands::Generate(args) => generate::run(args),
+            Commands::Health(args) => health::run(args),
         }
     });
     // A blocking task still reading procfs or NVML must not hold the exit.

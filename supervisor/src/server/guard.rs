@@ -13,7 +13,8 @@
 //! - the bearer token, where set, is compared in constant time, with the
 //!   `Bearer` scheme in any case (RFC 7235).
 //!
-//! `/healthz` skips the Host check: probes address a pod by its IP.
+//! `/healthz` and `/readyz` skip the Host and token checks: probes address a
+//! pod by its IP and carry no secret.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -79,6 +80,10 @@ impl Guard {
     }
 
     /// Why `request` is refused, or `None`.
+    ///
+    /// The probes (`/healthz`, `/readyz`) pass without Host or token: a
+    /// kubelet addresses a pod by its IP and cannot carry a secret without
+    /// writing it into the manifest, and they tell nothing but up or ready.
     fn refuse(&self, method: &Method, path: &str, headers: &HeaderMap) -> Option<ApiError> {
         let text = |name| {
             headers
@@ -86,7 +91,7 @@ impl Guard {
                 .and_then(|v: &header::HeaderValue| v.to_str().ok())
         };
         // A missing or unreadable Host fails the check too.
-        if path != "/healthz"
+        if !is_probe(path)
             && let Some(hosts) = &self.hosts
             && let host = text(header::HOST).unwrap_or("")
             && !hosts.contains(&host.to_ascii_lowercase())
@@ -122,7 +127,7 @@ impl Guard {
                  (curl: -H 'Content-Type: application/json')",
             ));
         }
-        if path != "/healthz"
+        if !is_probe(path)
             && let Some(token) = &self.token
             && !bearer_matches(text(header::AUTHORIZATION), token)
         {
@@ -134,6 +139,11 @@ impl Guard {
         }
         None
     }
+}
+
+/// The liveness and readiness probes' paths.
+fn is_probe(path: &str) -> bool {
+    path == "/healthz" || path == "/readyz"
 }
 
 fn is_json(content_type: Option<&str>) -> bool {

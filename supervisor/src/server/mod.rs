@@ -19,6 +19,7 @@ mod guard;
 pub mod listen;
 mod management;
 pub mod metrics;
+pub mod notify;
 mod openai;
 
 pub use error::ApiError;
@@ -251,8 +252,18 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
     tokio::spawn(crate::heap::run_heap_trimmer());
     tracing::info!("berth serve listening on {}", options.listen);
     eprintln!("berth: listening on {}", options.listen);
+    notify::notify(&format!(
+        "READY=1\nSTATUS=listening on {}\nMAINPID={}",
+        options.listen,
+        std::process::id()
+    ));
+    tokio::spawn(notify::watchdog());
     let connections = listen::serve(&bound, app, options.connections, stop).await;
     drop(bound);
+    notify::notify(&format!(
+        "STOPPING=1\nSTATUS=draining requests (at most {}), then stopping every worker",
+        humantime::format_duration(supervisor.config().drain_timeout)
+    ));
     eprintln!(
         "berth: shutting down: draining requests (at most {}), then stopping every worker",
         humantime::format_duration(supervisor.config().drain_timeout)

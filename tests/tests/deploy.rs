@@ -1,0 +1,197 @@
+//! `deploy/`: the systemd unit passes `systemd-analyze verify`, berth speaks
+//! the service manager's readiness protocol, the Kubernetes manifests pass
+//! a pinned version's schemas and the checks in `deploy/check.py`, and
+//! `berth health` answers the probes that cannot speak HTTP.
+
+use std::os::unix::net::UnixDatagram;
+use std::process::Command;
+use std::time::Duration;
+
+use berth_tests::python::{deploy_python, repo_root};
+use berth_tests::{Server, berth_bin};
+
+/// The Kubernetes version the manifests are checked against.
+const KUBERNETES: &str = "1.34.0";
+
+#[test]
+fn the_systemd_unit_verifies_without_a_warning() {
+    let unit = std::fs::read_to_string(repo_root().join("deploy/systemd/berth.service")).unwrap();
+    for line in [
+        "Type=notify",
+        "Delegate=memory pids",
+        "MemoryMax=",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "PrivateTmp=yes",
+        "User=berth",
+        "KillMode=mixed",
+    ] {
+        assert!(unit.contains(line), "the unit lacks `{line}`");
+    }
+    // verify checks that ExecStart exists: point it at the built binary.
+    let dir = std::env::temp_dir().join(format!("berth-unit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("berth.service");
+    let unit = unit.replace("/usr/local/bin/berth", &berth_bin().display().to_string());
+    std::fs::write(&path, unit).unwrap();
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+        .expect("systemd-analyze (Debian's systemd package) runs");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{said}");
+    // An unknown key or a bad value is only a warning: refuse those too.
+    assert!(
+        said.trim().is_empty(),
+        "systemd-analyze verify said:\n{said}"
+    );
+}
+
+fn receive(socket: &UnixDatagram, want: &str) -> String {
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = socket
+            .recv(&mut buf)
+            .unwrap_or_else(|e| panic!("no `{want}` from berth: {e}"));
+        let text = String::from_utf8_lossy(&buf[..n]).to_string();
+        if text.lines().any(|l| l == want) {
+            return text;
+        }
+    }
+}
+
+#[test]
+fn berth_tells_the_service_manager_when_it_is_ready_and_when_it_stops() {
+    let dir = std::env::temp_dir().join(format!("berth-notify-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("notify.sock");
+    let socket = UnixDatagram::bind(&path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let notify = path.display().to_string();
+    let mut server = Server::start_env(
+        "",
+        &[],
+        &[
+            ("NOTIFY_SOCKET", notify.as_str()),
+            ("WATCHDOG_USEC", "200000"),
+        ],
+    );
+    let ready = receive(&socket, "READY=1");
+    assert!(
+        ready.contains(&format!("MAINPID={}", server.pid())),
+        "{ready}"
+    );
+    assert!(ready.contains("STATUS=listening on"), "{ready}");
+    // The watchdog is petted at half of WATCHDOG_USEC.
+    receive(&socket, "WATCHDOG=1");
+    receive(&socket, "WATCHDOG=1");
+    // SIGTERM: it says it is stopping, then exits 0.
+    let pid = server.pid();
+    let status = {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let stopping = receive(&socket, "STOPPING=1");
+        assert!(stopping.contains("STATUS=draining"), "{stopping}");
+        server.terminate(Duration::from_secs(15))
+    };
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn berth_health_answers_probes_and_readyz_needs_no_token() {
+    let server = Server::start_with("", &["--token", "s3cret"]);
+    let url = server.url.clone();
+    let health = |extra: &[&str]| {
+        Command::new(berth_bin())
+            .arg("health")
+            .args(["--url", &url])
+            .args(extra)
+            .env_remove("BERTH_TOKEN")
+            .output()
+            .unwrap()
+    };
+    let alive = health(&[]);
+    assert!(alive.status.success(), "{alive:?}");
+    assert_eq!(String::from_utf8_lossy(&alive.stdout).trim(), "ok");
+    let ready = health(&["--ready"]);
+    assert!(ready.status.success(), "{ready:?}");
+    assert_eq!(String::from_utf8_lossy(&ready.stdout).trim(), "ready");
+    // The rest still wants the token.
+    assert_eq!(server.get("/readyz").0, 200);
+    let (status, _) = ureq::get(format!("{}/api/ps", server.url))
+        .config()
+        .http_status_as_error(false)
+        .build()
+        .call()
+        .map(|r| (r.status().as_u16(), ()))
+        .unwrap();
+    assert_eq!(status, 401);
+    drop(server);
+    // Nothing there: exit 1, saying where it looked.
+    let gone = health(&[]);
+    assert!(!gone.status.success());
+    assert!(
+        String::from_utf8_lossy(&gone.stderr).contains("cannot reach berth"),
+        "{gone:?}"
+    );
+}
+
+#[test]
+fn the_kubernetes_manifests_pass_the_schemas_and_the_deploy_checks() {
+    let python = deploy_python();
+    let validator = python.with_file_name("kubernetes-validate");
+    let manifests: Vec<_> = ["sidecar.yaml", "daemonset.yaml"]
+        .iter()
+        .map(|f| repo_root().join("deploy/k8s").join(f))
+        .collect();
+    let out = Command::new(&validator)
+        .args(["--strict", "-k", KUBERNETES])
+        .args(&manifests)
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    for resource in [
+        "deployment/app",
+        "service/app",
+        "configmap/app-berth-config",
+        "daemonset/berth",
+        "service/berth",
+        "configmap/berth-node-config",
+    ] {
+        assert!(
+            said.contains(&format!("passed for resource {resource}")),
+            "{resource} not validated:\n{said}"
+        );
+    }
+    let out = Command::new(&python)
+        .arg(repo_root().join("deploy/check.py"))
+        .arg(repo_root().join("deploy"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The configs in deploy/ parse as berth configs (unknown keys, bad
+    // sizes and durations are refused); their model folders exist only
+    // once `berth serve` has fetched them on the target host.
+    for config in ["deploy/systemd/berth.toml", "deploy/container/berth.toml"] {
+        berth::server::config::ServeConfig::read(&repo_root().join(config))
+            .unwrap_or_else(|e| panic!("{config}: {e}"));
+    }
+}
