@@ -53,6 +53,36 @@ fn the_systemd_unit_verifies_without_a_warning() {
     );
 }
 
+#[test]
+fn the_sysusers_file_makes_berth_its_user_and_the_build_script_parses() {
+    let root = std::env::temp_dir().join(format!("berth-sysusers-{}", std::process::id()));
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    let out = Command::new("systemd-sysusers")
+        .arg(format!("--root={}", root.display()))
+        .arg(repo_root().join("deploy/systemd/berth.sysusers"))
+        .output()
+        .expect("systemd-sysusers runs");
+    assert!(out.status.success(), "{out:?}");
+    let passwd = std::fs::read_to_string(root.join("etc/passwd")).unwrap();
+    std::fs::remove_dir_all(&root).unwrap();
+    let berth = passwd
+        .lines()
+        .find(|l| l.starts_with("berth:"))
+        .unwrap_or_else(|| panic!("no berth user in {passwd}"));
+    assert!(
+        berth.ends_with(":/var/lib/berth:/usr/sbin/nologin"),
+        "{berth}"
+    );
+    // The image build needs root and a container engine, which this
+    // machine lacks; its script is at least checked for syntax.
+    let out = Command::new("bash")
+        .arg("-n")
+        .arg(repo_root().join("deploy/container/build.sh"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}
+
 fn receive(socket: &UnixDatagram, want: &str) -> String {
     let mut buf = [0u8; 4096];
     loop {
