@@ -159,11 +159,7 @@ async fn spawn_to_ready(sup: &Supervisor) {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = berth_tests::bench::runtime();
     let _ = test_python();
     println!("Python workers ({})\n", machine());
     println!("| what | berth | baseline | ratio, median (p10–p90) | samples |");

@@ -235,11 +235,7 @@ async fn throughput(sup: &Supervisor) {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = berth_tests::bench::runtime();
     let _ = examples_python();
     println!("Python models ({})\n", machine());
     let wanted: Vec<String> = std::env::args()

@@ -86,3 +86,13 @@ pub fn machine() -> String {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     )
 }
+
+/// The runtime the benches run the supervisor on: two worker threads, as
+/// many as this machine has cores.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}

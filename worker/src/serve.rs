@@ -457,6 +457,16 @@ mod tests {
         }
     }
 
+    /// Gathers for `Counting` as a worker whose last batch was one request.
+    fn gather_idle(
+        batch: &mut Vec<(RequestId, Body)>,
+        rx: &mpsc::Receiver<Job>,
+        held: &mut VecDeque<Job>,
+    ) {
+        let policy = Counting.batching().unwrap();
+        gather(&Counting, policy, batch, rx, held, Pace::default());
+    }
+
     fn ids(batch: &[(RequestId, Body)]) -> Vec<RequestId> {
         batch.iter().map(|(id, _)| *id).collect()
     }
@@ -469,14 +479,7 @@ mod tests {
             tx.send(request(id, "ab")).unwrap();
         }
         let mut batch = vec![(1, Body::json("ab"))];
-        gather(
-            &Counting,
-            Counting.batching().unwrap(),
-            &mut batch,
-            &rx,
-            &mut held,
-            Pace::default(),
-        );
+        gather_idle(&mut batch, &rx, &mut held);
         assert_eq!(ids(&batch), [1, 2, 3]);
         // The rest is still there for the next batch; an empty queue ends
         // the gathering at once.
@@ -484,14 +487,7 @@ mod tests {
             unreachable!()
         };
         let mut batch = vec![(id, body)];
-        gather(
-            &Counting,
-            Counting.batching().unwrap(),
-            &mut batch,
-            &rx,
-            &mut held,
-            Pace::default(),
-        );
+        gather_idle(&mut batch, &rx, &mut held);
         assert_eq!(ids(&batch), [4, 5]);
         assert!(held.is_empty());
     }
@@ -508,14 +504,7 @@ mod tests {
         // After a batch of one: nothing waits, so it runs alone at once.
         let started = Instant::now();
         let mut batch = vec![(1, Body::json("a"))];
-        gather(
-            &Counting,
-            policy,
-            &mut batch,
-            &rx,
-            &mut held,
-            Pace::default(),
-        );
+        gather_idle(&mut batch, &rx, &mut held);
         assert_eq!(ids(&batch), [1]);
         assert!(started.elapsed() < Duration::from_millis(250));
         // After a batch of three that took a second: it waits, but no more
@@ -543,14 +532,7 @@ mod tests {
         tx.send(request(2, "12345678")).unwrap(); // 4 + 8 > 10
         tx.send(request(3, "x")).unwrap();
         let mut batch = vec![(1, Body::json("abcd"))];
-        gather(
-            &Counting,
-            Counting.batching().unwrap(),
-            &mut batch,
-            &rx,
-            &mut held,
-            Pace::default(),
-        );
+        gather_idle(&mut batch, &rx, &mut held);
         assert_eq!(ids(&batch), [1]);
         assert!(matches!(held.front(), Some(Job::Request { id: 2, .. })));
         // The held request starts the next batch; a shutdown ends it.
@@ -560,14 +542,7 @@ mod tests {
         tx.send(Job::Shutdown).unwrap();
         tx.send(request(4, "y")).unwrap();
         let mut batch = vec![(id, body)];
-        gather(
-            &Counting,
-            Counting.batching().unwrap(),
-            &mut batch,
-            &rx,
-            &mut held,
-            Pace::default(),
-        );
+        gather_idle(&mut batch, &rx, &mut held);
         assert_eq!(ids(&batch), [2, 3]);
         assert!(matches!(held.front(), Some(Job::Shutdown)));
     }
