@@ -284,7 +284,8 @@ pub(super) struct Entry {
     /// saw it.
     pub(super) last_vram_bytes: Option<u64>,
     pub(super) permits: Arc<Semaphore>,
-    /// The permits `permits` was sized to (the spec's `max_concurrency`).
+    /// The permits `permits` was sized to: the spec's `max_concurrency`,
+    /// else the default, raised to the worker's batch size once loaded.
     pub(super) concurrency: usize,
     pub(super) queued: Arc<AtomicUsize>,
     pub(super) keep_alive: Option<Duration>,
