@@ -269,9 +269,7 @@ class Worker:
 
     def _request(self, frame: Frame) -> None:
         request_id: int = frame.header["id"]
-        started = time.monotonic()
         out = self._answer(request_id, frame)
-        self.pace = (1, time.monotonic() - started)
         del frame
         self.state.finished(request_id)
         self.conn.send_built(out)
@@ -294,7 +292,9 @@ class Worker:
             result: Any = self._handle(request_id, frame)
         except WireError as e:
             result = e
-        return self._encode(request_id, result, (1, _micros_since(started)))
+        run = (1, _micros_since(started))
+        self.pace = (1, run[1] / 1e6)
+        return self._encode(request_id, result, run)
 
     def _cancelled_early(self, request_id: int) -> WireError:
         return Cancelled(

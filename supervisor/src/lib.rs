@@ -38,7 +38,7 @@ pub use config::{ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
 pub use error::{Error, ErrorClass, Result};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport};
 pub use supervisor::{
-    BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, RequestStream,
-    Supervisor, SwapReport,
+    BatchingStatus, CatalogueEntry, ModelCounters, ModelState, ModelStatus, RequestOptions,
+    RequestStream, Supervisor, SwapReport,
 };
 pub use units::{mib, parse_bytes, parse_duration};

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use berth::Body;
+use berth_tests::bench::pct_ms;
 use berth_tests::bench::{Rounds, machine};
 use berth_tests::{Server, default_model, local_backend};
 use berth_worker::RequestContext;
@@ -22,11 +23,6 @@ fn text(i: usize) -> String {
         "request {i}: berth runs every model in a worker process of its own{}",
         ", and batches".repeat(i % 3)
     )
-}
-
-fn pct(samples: &mut [Duration], p: f64) -> f64 {
-    samples.sort();
-    samples[((samples.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
 }
 
 /// `clients` threads sending `per_client` requests each to `model`;
@@ -95,8 +91,8 @@ fn main() {
         let rate = samples.len() as f64 / wall.as_secs_f64();
         println!(
             "| through `berth serve`, {clients} client(s) | {rate:.1} | {:.1} ms | {:.1} ms | {:.2}× |",
-            pct(&mut samples, 0.5),
-            pct(&mut samples, 0.99),
+            pct_ms(&mut samples, 0.5),
+            pct_ms(&mut samples, 0.99),
             rate / batch32
         );
     }
@@ -141,7 +137,7 @@ fn main() {
     for round in 0..15 {
         let p50 = |model: &str| {
             let (mut s, _) = load(&server, model, 1, 20);
-            pct(&mut s, 0.5)
+            pct_ms(&mut s, 0.5)
         };
         let (a, b) = if round % 2 == 0 {
             let a = p50("minilm");

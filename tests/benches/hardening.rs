@@ -9,16 +9,12 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use berth_tests::bench::pct_ms;
 use berth_tests::{Server, default_model};
 use serde_json::json;
 
 fn rss_mib(pid: u32) -> f64 {
     berth::child::memory::resident_bytes(pid).unwrap_or(0) as f64 / (1u64 << 20) as f64
-}
-
-fn pct(samples: &mut [Duration], p: f64) -> f64 {
-    samples.sort();
-    samples[((samples.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
 }
 
 /// 1,000 clients each send half a request head and stop.
@@ -225,7 +221,7 @@ fn ps_polling() {
         })
     };
     let (mut idle, idle_cpu) = measure(&server);
-    let (idle50, idle99) = (pct(&mut idle, 0.5), pct(&mut idle, 0.99));
+    let (idle50, idle99) = (pct_ms(&mut idle, 0.5), pct_ms(&mut idle, 0.99));
     println!(
         "| echo through `berth serve`, 64 models loaded, 2000 requests | p50 | p99 | p50 ratio | p99 ratio | supervisor CPU |"
     );
@@ -242,7 +238,7 @@ fn ps_polling() {
         ("a client polls `/api/ps` back to back", None),
     ] {
         let ((mut samples, cpu), polls) = polled(pause);
-        let (p50, p99) = (pct(&mut samples, 0.5), pct(&mut samples, 0.99));
+        let (p50, p99) = (pct_ms(&mut samples, 0.5), pct_ms(&mut samples, 0.99));
         println!(
             "| {what} ({polls} polls) | {p50:.2} ms | {p99:.2} ms | {:.2} | {:.2} | {:.0}% |",
             p50 / idle50,

@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use berth::{Body, ModelSpec, Supervisor};
+use berth_tests::bench::own_rss;
 use berth_tests::{default_model, local_backend, test_config};
 use berth_worker::{Backend, RequestContext};
 use serde_json::json;
@@ -19,12 +20,6 @@ fn sentences(n: usize) -> Vec<String> {
             )
         })
         .collect()
-}
-
-fn own_rss() -> u64 {
-    berth::child::memory::process_memory(std::process::id())
-        .map(|m| m.rss_bytes)
-        .unwrap_or(0)
 }
 
 fn mib(bytes: u64) -> String {

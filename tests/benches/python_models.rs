@@ -27,19 +27,13 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use berth::{Body, ModelSpec, Supervisor};
+use berth_tests::bench::own_rss;
 use berth_tests::bench::{Rounds, machine, median};
 use berth_tests::python::{example_spec, examples_dir, examples_python, repo_root};
 use berth_tests::{default_model, test_config};
 
 const MIB: f64 = (1 << 20) as f64;
 const CYCLES: usize = 20;
-
-fn own_rss() -> u64 {
-    procfs::process::Process::myself()
-        .and_then(|p| p.statm())
-        .map(|s| s.resident * procfs::page_size())
-        .unwrap_or(0)
-}
 
 /// The backend, options and requests of one cycle, as `status_quo.py`'s
 /// `workload()` has them.

@@ -7,14 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use berth::{Body, ModelSpec, Supervisor};
+use berth_tests::bench::pct_ms;
 use berth_tests::{Server, default_model, local_backend, test_config};
 use berth_worker::RequestContext;
 use serde_json::json;
-
-fn pct(samples: &mut [Duration], p: f64) -> f64 {
-    samples.sort();
-    samples[((samples.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
-}
 
 fn row(what: &str, samples: &mut [Duration], wall: Option<Duration>) {
     let rate = wall
@@ -22,9 +18,9 @@ fn row(what: &str, samples: &mut [Duration], wall: Option<Duration>) {
         .unwrap_or_else(|| "-".into());
     println!(
         "| {what} | {rate} | {:.2} ms | {:.2} ms | {:.2} ms |",
-        pct(samples, 0.5),
-        pct(samples, 0.99),
-        pct(samples, 1.0)
+        pct_ms(samples, 0.5),
+        pct_ms(samples, 0.99),
+        pct_ms(samples, 1.0)
     );
 }
 
@@ -120,13 +116,13 @@ fn swaps(server: &Server) {
     println!("|---|---|---|");
     println!(
         "| swap call → new worker serving | {:.1} ms | {:.1} ms |",
-        pct(&mut to_serving, 0.5),
-        pct(&mut to_serving, 1.0)
+        pct_ms(&mut to_serving, 0.5),
+        pct_ms(&mut to_serving, 1.0)
     );
     println!(
         "| whole swap (old worker drained and stopped) | {:.1} ms | {:.1} ms |",
-        pct(&mut whole, 0.5),
-        pct(&mut whole, 1.0)
+        pct_ms(&mut whole, 0.5),
+        pct_ms(&mut whole, 1.0)
     );
     println!("\n| embedding latency, 1 client | requests/s | p50 | p99 | max |");
     println!("|---|---|---|---|---|");
@@ -175,17 +171,14 @@ async fn recycling() {
                 .unwrap();
             samples.push(t.elapsed());
         }
-        let recycles = sup
-            .counters()
-            .into_iter()
-            .find(|(n, _)| n == model)
-            .map(|(_, c)| c.recycles.load(Ordering::Relaxed))
-            .unwrap_or(0);
+        let recycles = berth_tests::counters_of(&sup, model)
+            .recycles
+            .load(Ordering::Relaxed);
         println!(
             "| {what} | {recycles} | {:.2} ms | {:.2} ms | {:.2} ms |",
-            pct(&mut samples, 0.5),
-            pct(&mut samples, 0.99),
-            pct(&mut samples, 1.0)
+            pct_ms(&mut samples, 0.5),
+            pct_ms(&mut samples, 0.99),
+            pct_ms(&mut samples, 1.0)
         );
     }
     sup.shutdown().await;

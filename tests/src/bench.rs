@@ -1,7 +1,7 @@
 //! What the benches share: medians, percentiles and [`Rounds`], the
 //! interleaved A/B measurement whose ratio comes with its spread.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -95,4 +95,17 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("a tokio runtime")
+}
+
+/// The `p` quantile (0 to 1) of `samples`, in milliseconds.
+pub fn pct_ms(samples: &mut [Duration], p: f64) -> f64 {
+    samples.sort();
+    samples[((samples.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
+}
+
+/// This process's resident memory, in bytes.
+pub fn own_rss() -> u64 {
+    berth::child::memory::process_memory(std::process::id())
+        .map(|m| m.rss_bytes)
+        .unwrap_or(0)
 }

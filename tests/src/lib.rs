@@ -433,6 +433,15 @@ impl Drop for Server {
     }
 }
 
+/// `model`'s counters (they survive its workers).
+pub fn counters_of(sup: &berth::Supervisor, model: &str) -> std::sync::Arc<berth::ModelCounters> {
+    sup.counters()
+        .into_iter()
+        .find(|(n, _)| n == model)
+        .map(|(_, c)| c)
+        .unwrap_or_else(|| panic!("`{model}` has no counters"))
+}
+
 /// The pid of `model`'s worker when it is ready.
 pub fn ready_pid(sup: &berth::Supervisor, model: &str) -> Option<u32> {
     sup.stats()

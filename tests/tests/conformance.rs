@@ -403,12 +403,7 @@ async fn a_leak_is_recycled_by_max_rss_without_a_failed_request(w: Worker) {
         }
     }
     assert!(failed.is_empty(), "{failed:?}");
-    let counters = sup
-        .counters()
-        .into_iter()
-        .find(|(n, _)| n == "leaky")
-        .unwrap()
-        .1;
+    let counters = berth_tests::counters_of(&sup, "leaky");
     let recycles = counters.recycles.load(Ordering::Relaxed);
     assert!(recycles >= 2, "recycled: {recycles}");
     sup.shutdown().await;

@@ -347,12 +347,7 @@ async fn a_leaking_model_is_recycled_and_serves_20000_requests() {
     }
     assert_eq!(failed, 0);
     assert!(growth_seen > 0.0, "the leak shows in ps: {:?}", sup.stats());
-    let counters = sup
-        .counters()
-        .into_iter()
-        .find(|(n, _)| n == "leaky")
-        .unwrap()
-        .1;
+    let counters = berth_tests::counters_of(&sup, "leaky");
     let recycles = counters.recycles.load(Ordering::Relaxed);
     assert!(recycles >= 5, "recycled several times: {recycles}");
     sup.shutdown().await;

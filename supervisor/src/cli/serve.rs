@@ -130,19 +130,25 @@ fn default_state_file(listen: &Listen) -> PathBuf {
 /// (`model = "all-MiniLM-L6-v2"`) and that are missing, as a plain
 /// `berth serve` does.
 fn fetch_named_defaults(models: &[ModelSpec], dir: &std::path::Path) -> Result<(), String> {
-    for spec in models {
-        let Some(path) = &spec.model else { continue };
-        for model in DEFAULT_MODELS {
-            if path.starts_with(dir.join(model.folder)) && !model.is_present(dir) {
-                fetch(model, dir, &mut |line: &str| eprintln!("berth: {line}")).map_err(|e| {
-                    format!(
-                        "model `{}`: cannot fetch default model `{}` into `{}`: {e}",
-                        spec.name,
-                        model.name,
-                        dir.display()
-                    )
-                })?;
-            }
+    for model in DEFAULT_MODELS {
+        let folder = dir.join(model.folder);
+        let Some(spec) = models
+            .iter()
+            .find(|s| s.model.as_ref().is_some_and(|p| p.starts_with(&folder)))
+        else {
+            continue;
+        };
+        // Checked (every file's digest) once per default model, however
+        // many specs name it.
+        if !model.is_present(dir) {
+            fetch(model, dir, &mut |line: &str| eprintln!("berth: {line}")).map_err(|e| {
+                format!(
+                    "model `{}`: cannot fetch default model `{}` into `{}`: {e}",
+                    spec.name,
+                    model.name,
+                    dir.display()
+                )
+            })?;
         }
     }
     Ok(())

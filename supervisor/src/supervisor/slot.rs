@@ -316,7 +316,7 @@ impl Entry {
     /// | | registered anew (the model was unloaded) | swapped (a new worker for the same name) |
     /// |---|---|---|
     /// | counters | kept | kept |
-    /// | permits and queue | new, sized to the spec | kept, resized to the spec's `max_concurrency` |
+    /// | permits and queue | new, sized to the spec | kept, resized to the spec's `max_concurrency` (without one, to the new worker's batch size at its load) |
     /// | keep-alive | the spec's, else the default | the spec's, else the current one (a request's survives) |
     /// | crash history, quarantine | new | kept; quarantine cleared if backend, weights or options changed |
     /// | measured peak and VRAM | new | set by the new worker's load |
@@ -339,6 +339,12 @@ impl Entry {
             }
             if new.spec.keep_alive.is_none() {
                 new.keep_alive = old.keep_alive;
+            }
+            if new.spec.max_concurrency.is_none() {
+                // Sized by the new worker's batch size in `loaded`, which
+                // follows at once: resizing to the default first would only
+                // shrink and regrow the permits under requests in flight.
+                new.concurrency = old.concurrency;
             }
             resize(&old.permits, old.concurrency, new.concurrency);
             new.permits = old.permits;
