@@ -217,7 +217,7 @@ pub enum Strays {
 }
 
 /// Reaps exited children that are not workers (orphans re-parented to a
-/// subreaper). Workers are left to their own waiter threads.
+/// subreaper). Workers are left to their own waiters.
 pub fn reap_strays(which: Strays) -> usize {
     let me = std::process::id() as i32;
     let own_group = nix::unistd::getpgrp().as_raw();

@@ -1,5 +1,5 @@
 //! Heartbeats: a ping per interval, the worker's own stats back, and the
-//! supervisor's own procfs reading of its memory.
+//! supervisor's own reading of its resident memory.
 //!
 //! The pong comes from the worker's command thread, so a worker whose model
 //! code is stuck still answers it; what gives it away is the progress
@@ -37,7 +37,10 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
             if !worker.is_alive() {
                 return;
             }
-            worker.sample_memory();
+            // RSS alone (one `statm` read) keeps admission's budget fresh;
+            // the full reading (smaps_rollup, status) is taken when asked
+            // for, by `ps` or an unload.
+            worker.sample_rss();
             let asked = Instant::now();
             let Some(stats) = worker.ping(policy.heartbeat_timeout).await else {
                 if worker.is_alive() {

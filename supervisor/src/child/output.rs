@@ -17,6 +17,7 @@
 
 use std::collections::VecDeque;
 use std::io::Read;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -30,63 +31,129 @@ pub const MAX_LINE: usize = 4096;
 pub const RATE_BYTES: f64 = 64.0 * 1024.0;
 /// What a stream may send at once before the rate applies.
 pub const BURST_BYTES: f64 = 256.0 * 1024.0;
+/// One read from the pipe.
+const BLOCK: usize = 8 * 1024;
 
 /// The kept tail of stderr.
 pub(crate) type Tail = Arc<Mutex<VecDeque<String>>>;
 
-/// Reads `pipe` on a thread of its own until it closes; `closed` turns true
-/// then.
+/// Reads `pipe` until it closes; `closed` turns true then. On the runtime's
+/// reactor (no thread per worker), or on a thread of its own where there
+/// is no runtime.
 pub(crate) fn forward_lines(
     model: &str,
     pid: u32,
     stream: &'static str,
-    pipe: impl Read + Send + 'static,
+    pipe: impl Into<OwnedFd> + Read + Send + 'static,
     tail: Option<Tail>,
     closed: Option<watch::Sender<bool>>,
 ) {
-    let model = model.to_string();
+    let mut log = Log {
+        model: model.to_string(),
+        pid,
+        stream,
+        tail,
+        bucket: Bucket::new(),
+        dropped: (0, 0),
+    };
+    if let Ok(reactor) = tokio::runtime::Handle::try_current() {
+        match tokio::net::unix::pipe::Receiver::from_owned_fd(pipe.into()) {
+            Ok(pipe) => {
+                reactor.spawn(async move {
+                    let mut lines = Lines::default();
+                    let mut block = vec![0; BLOCK];
+                    loop {
+                        match pipe.try_read(&mut block) {
+                            Ok(0) => break,
+                            Ok(n) => lines.push(&block[..n], &mut |line| log.line(line)),
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                                if pipe.readable().await.is_err() {
+                                    break;
+                                }
+                            }
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(_) => break,
+                        }
+                    }
+                    lines.finish(&mut |line| log.line(line));
+                    log.end(closed);
+                });
+            }
+            Err(e) => tracing::warn!(pid, "cannot read the worker's {stream}: {e}"),
+        }
+        return;
+    }
     let spawned = std::thread::Builder::new()
         .name(format!("berth-{stream}-{pid}"))
         .spawn(move || {
-            let mut lines = Lines::new(pipe);
-            let mut bucket = Bucket::new();
-            let (mut dropped_lines, mut dropped_bytes) = (0u64, 0u64);
-            while let Some(line) = lines.next_line() {
-                if line.is_empty() {
-                    continue;
+            let mut pipe = pipe;
+            let mut lines = Lines::default();
+            let mut block = vec![0; BLOCK];
+            loop {
+                match pipe.read(&mut block) {
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => lines.push(&block[..n], &mut |line| log.line(line)),
                 }
-                // The tail is bounded (20 lines of at most 4 KiB) and keeps
-                // every line, so the one before a crash is never lost to the
-                // rate limit; the log takes what the rate allows.
-                if let Some(tail) = &tail {
-                    let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
-                    if tail.len() == STDERR_TAIL_LINES {
-                        tail.pop_front();
-                    }
-                    tail.push_back(line.clone());
-                }
-                if !bucket.take(line.len()) {
-                    dropped_lines += 1;
-                    dropped_bytes += line.len() as u64;
-                    continue;
-                }
-                if dropped_lines > 0 {
-                    tracing::warn!(target: "berth::worker", model = %model, pid, stream,
-                        "dropped {dropped_lines} lines ({dropped_bytes} bytes) over the output rate limit");
-                    (dropped_lines, dropped_bytes) = (0, 0);
-                }
-                tracing::info!(target: "berth::worker", model = %model, pid, stream, "{line}");
             }
-            if dropped_lines > 0 {
-                tracing::warn!(target: "berth::worker", model = %model, pid, stream,
-                    "dropped {dropped_lines} lines ({dropped_bytes} bytes) over the output rate limit");
-            }
-            if let Some(closed) = closed {
-                let _ = closed.send(true);
-            }
+            lines.finish(&mut |line| log.line(line));
+            log.end(closed);
         });
     if let Err(e) = spawned {
         tracing::warn!(pid, "cannot read the worker's {stream}: {e}");
+    }
+}
+
+/// Where a stream's lines go: the kept tail and, within the rate, the log.
+struct Log {
+    model: String,
+    pid: u32,
+    stream: &'static str,
+    tail: Option<Tail>,
+    bucket: Bucket,
+    /// Lines and bytes dropped from the log since the last one logged.
+    dropped: (u64, u64),
+}
+
+impl Log {
+    fn line(&mut self, line: String) {
+        if line.is_empty() {
+            return;
+        }
+        // The tail is bounded (20 lines of at most 4 KiB) and keeps every
+        // line, so the one before a crash is never lost to the rate limit;
+        // the log takes what the rate allows.
+        if let Some(tail) = &self.tail {
+            let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
+            if tail.len() == STDERR_TAIL_LINES {
+                tail.pop_front();
+            }
+            tail.push_back(line.clone());
+        }
+        if !self.bucket.take(line.len()) {
+            self.dropped.0 += 1;
+            self.dropped.1 += line.len() as u64;
+            return;
+        }
+        self.report_dropped();
+        tracing::info!(target: "berth::worker", model = %self.model, pid = self.pid,
+            stream = self.stream, "{line}");
+    }
+
+    fn report_dropped(&mut self) {
+        let (lines, bytes) = std::mem::take(&mut self.dropped);
+        if lines > 0 {
+            tracing::warn!(target: "berth::worker", model = %self.model, pid = self.pid,
+                stream = self.stream,
+                "dropped {lines} lines ({bytes} bytes) over the output rate limit");
+        }
+    }
+
+    fn end(mut self, closed: Option<watch::Sender<bool>>) {
+        self.report_dropped();
+        if let Some(closed) = closed {
+            let _ = closed.send(true);
+        }
     }
 }
 
@@ -118,75 +185,50 @@ impl Bucket {
     }
 }
 
-/// Lines of at most [`MAX_LINE`] bytes from a pipe, read in fixed blocks.
-struct Lines<R> {
-    pipe: R,
-    block: Box<[u8]>,
-    /// Unconsumed bytes of `block`: `start..end`.
-    start: usize,
-    end: usize,
-    eof: bool,
+/// Splits what a pipe delivers, block by block, into lines of at most
+/// [`MAX_LINE`] bytes: the rest of a longer line is counted, never kept.
+#[derive(Default)]
+struct Lines {
+    line: Vec<u8>,
+    /// Bytes of the current line cut so far.
+    cut: usize,
 }
 
-impl<R: Read> Lines<R> {
-    fn new(pipe: R) -> Self {
-        Lines {
-            pipe,
-            block: vec![0; 64 * 1024].into_boxed_slice(),
-            start: 0,
-            end: 0,
-            eof: false,
-        }
-    }
-
-    fn fill(&mut self) -> bool {
-        if self.eof {
-            return false;
-        }
-        loop {
-            match self.pipe.read(&mut self.block) {
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Ok(0) | Err(_) => {
-                    self.eof = true;
-                    return false;
+impl Lines {
+    /// Hands each line `bytes` completes to `each` (trailing whitespace
+    /// trimmed, cut if too long); keeps the unfinished rest.
+    fn push(&mut self, mut bytes: &[u8], each: &mut impl FnMut(String)) {
+        while !bytes.is_empty() {
+            let newline = bytes.iter().position(|&b| b == b'\n');
+            let piece = &bytes[..newline.unwrap_or(bytes.len())];
+            let room = MAX_LINE.saturating_sub(self.line.len());
+            self.line.extend_from_slice(&piece[..piece.len().min(room)]);
+            self.cut += piece.len().saturating_sub(room);
+            match newline {
+                Some(at) => {
+                    each(self.take());
+                    bytes = &bytes[at + 1..];
                 }
-                Ok(n) => {
-                    (self.start, self.end) = (0, n);
-                    return true;
-                }
+                None => break,
             }
         }
     }
 
-    /// The next line (trailing whitespace trimmed, cut if too long), or
-    /// `None` once the pipe is closed and drained.
-    fn next_line(&mut self) -> Option<String> {
-        let mut line: Vec<u8> = Vec::new();
-        let mut cut = 0usize;
-        loop {
-            if self.start == self.end && !self.fill() {
-                if line.is_empty() && cut == 0 {
-                    return None;
-                }
-                break;
-            }
-            let available = &self.block[self.start..self.end];
-            let newline = available.iter().position(|&b| b == b'\n');
-            let piece = &available[..newline.unwrap_or(available.len())];
-            let room = MAX_LINE.saturating_sub(line.len());
-            line.extend_from_slice(&piece[..piece.len().min(room)]);
-            cut += piece.len().saturating_sub(room);
-            self.start += piece.len();
-            if newline.is_some() {
-                self.start += 1;
-                break;
-            }
+    /// The last line, if the stream ended without a newline.
+    fn finish(&mut self, each: &mut impl FnMut(String)) {
+        if !self.line.is_empty() || self.cut > 0 {
+            each(self.take());
         }
-        let mut text = String::from_utf8_lossy(&line).trim_end().to_string();
-        if cut > 0 {
-            text.push_str(&format!(" [... {cut} more bytes of this line cut]"));
+    }
+
+    fn take(&mut self) -> String {
+        let mut text = String::from_utf8_lossy(&self.line).trim_end().to_string();
+        if self.cut > 0 {
+            text.push_str(&format!(" [... {} more bytes of this line cut]", self.cut));
         }
-        Some(text)
+        self.line.clear();
+        self.cut = 0;
+        text
     }
 }
 
@@ -197,27 +239,42 @@ mod tests {
     #[test]
     fn a_huge_line_is_cut_without_being_buffered() {
         let mut input = vec![b'x'; 10 * 1024 * 1024];
-        input.extend_from_slice(b"\nnext line\n");
-        let mut lines = Lines::new(&input[..]);
-        let first = lines.next_line().unwrap();
-        assert!(first.len() < MAX_LINE + 100, "{}", first.len());
-        assert!(first.ends_with(&format!(
+        input.extend_from_slice(b"\nnext line\nno newline");
+        let mut lines = Lines::default();
+        let mut out = Vec::new();
+        for block in input.chunks(BLOCK) {
+            lines.push(block, &mut |l| out.push(l));
+            assert!(lines.line.len() <= MAX_LINE);
+        }
+        lines.finish(&mut |l| out.push(l));
+        assert_eq!(
+            out.len(),
+            3,
+            "{:?}",
+            out.iter().map(String::len).collect::<Vec<_>>()
+        );
+        assert!(out[0].len() < MAX_LINE + 100, "{}", out[0].len());
+        assert!(out[0].ends_with(&format!(
             "[... {} more bytes of this line cut]",
             10 * 1024 * 1024 - MAX_LINE
         )));
-        assert_eq!(lines.next_line().unwrap(), "next line");
-        assert_eq!(lines.next_line(), None);
+        assert_eq!(out[1], "next line");
+        assert_eq!(out[2], "no newline");
     }
 
     #[test]
     fn lines_split_across_blocks_are_joined() {
         let text: String = (0..20_000).map(|i| format!("line {i}\n")).collect();
-        let mut lines = Lines::new(text.as_bytes());
+        let mut lines = Lines::default();
         let mut n = 0;
-        while let Some(line) = lines.next_line() {
-            assert_eq!(line, format!("line {n}"));
-            n += 1;
+        // Blocks of a prime size cut lines at every offset.
+        for block in text.as_bytes().chunks(997) {
+            lines.push(block, &mut |line| {
+                assert_eq!(line, format!("line {n}"));
+                n += 1;
+            });
         }
+        lines.finish(&mut |line| panic!("no line is left over: {line}"));
         assert_eq!(n, 20_000);
     }
 

@@ -1,9 +1,12 @@
 //! Watching a worker process: its exit status and its output.
 //!
-//! One thread per worker blocks in `wait()` (so every worker is reaped, and
-//! its exit is known the moment it happens); two more read its stdout and
-//! stderr line by line into the log, tagged with the model, keeping the last
-//! lines of stderr for error messages.
+//! Every worker is reaped the moment it exits: a pidfd (Linux 5.3+) turns
+//! readable then, and the runtime's reactor wakes a task that reaps it, so
+//! an idle worker costs no thread. Where `pidfd_open` is refused (an older
+//! kernel, a seccomp filter) a thread blocks in `wait()` instead. Its
+//! stdout and stderr are read line by line into the log the same way
+//! ([`crate::child::output`]), keeping the last lines of stderr for error
+//! messages.
 
 use std::collections::VecDeque;
 use std::process::Child;
@@ -58,22 +61,10 @@ impl ProcessWatch {
         }
         crate::orphans::register(pid, model, mark);
         let (exit_tx, exit) = watch::channel(None);
-        let spawned = std::thread::Builder::new()
-            .name(format!("berth-wait-{pid}"))
-            .spawn(move || {
-                let status = match child.wait() {
-                    Ok(status) => ExitStatus::from_std(status),
-                    Err(_) => ExitStatus::Code(-1),
-                };
-                crate::orphans::unregister(pid);
-                let _ = exit_tx.send(Some(status));
-            });
-        if spawned.is_err() {
-            tracing::error!(
-                pid,
-                "cannot start a waiter thread; the worker will not be reaped promptly"
-            );
-        }
+        reap(child, move |status| {
+            crate::orphans::unregister(pid);
+            let _ = exit_tx.send(Some(status));
+        });
         ProcessWatch {
             pid,
             exit,
@@ -204,4 +195,73 @@ impl ProcessWatch {
             }
         }
     }
+}
+
+/// Reaps `child` once it exits and hands its status to `exited`: on the
+/// runtime through a pidfd, or on a thread of its own where there is no
+/// pidfd or no runtime.
+fn reap(mut child: Child, exited: impl FnOnce(ExitStatus) + Send + 'static) {
+    let pid = child.id();
+    let reactor = tokio::runtime::Handle::try_current().ok();
+    let pidfd = reactor.as_ref().and_then(|_| pidfd_open(pid));
+    if let (Some(reactor), Some(pidfd)) = (reactor, pidfd) {
+        // Registering needs the runtime's context, which this thread has.
+        // SAFETY: an `OwnedFd` is a valid open descriptor that stays open,
+        // and its `as_raw_fd` always names it, until the `AsyncFd` drops it.
+        let registered = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+        };
+        match registered.map_err(|e| e.into_parts().1) {
+            Ok(pidfd) => {
+                reactor.spawn(async move {
+                    let status = loop {
+                        match child.try_wait() {
+                            Ok(Some(status)) => break ExitStatus::from_std(status),
+                            Ok(None) => {}
+                            Err(_) => break ExitStatus::Code(-1),
+                        }
+                        match pidfd.readable().await {
+                            Ok(mut ready) => ready.clear_ready(),
+                            // The reactor is going away (the runtime shuts
+                            // down): nobody is left to tell.
+                            Err(_) => return,
+                        }
+                    };
+                    exited(status);
+                });
+                return;
+            }
+            Err(e) => tracing::debug!(pid, "cannot watch the worker's pidfd ({e}); a thread waits"),
+        }
+    }
+    let spawned = std::thread::Builder::new()
+        .name(format!("berth-wait-{pid}"))
+        .spawn(move || {
+            exited(match child.wait() {
+                Ok(status) => ExitStatus::from_std(status),
+                Err(_) => ExitStatus::Code(-1),
+            })
+        });
+    if spawned.is_err() {
+        tracing::error!(
+            pid,
+            "cannot start a waiter thread; the worker will not be reaped promptly"
+        );
+    }
+}
+
+/// A descriptor that turns readable when process `pid` exits; `None` where
+/// the kernel refuses it. The process is our unreaped child, so its pid
+/// cannot be reused before we reap it.
+fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor
+    // or -1; it touches no memory of ours.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the syscall succeeded, so `fd` is an open descriptor that
+    // nothing else owns. pidfds are close-on-exec.
+    Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
 }

@@ -257,6 +257,15 @@ impl Dispatch {
 
     /// Reads an `ipc-channel` worker (a blocking receive: run it on a
     /// thread of its own) until it is gone or breaks the wire.
+    ///
+    /// This is the one thread an idle worker costs, and it is kept on
+    /// purpose: `ipc-channel` reads the rest of a message that came in
+    /// fragments with blocking reads on the sender, and exposes no
+    /// descriptor to poll, so a shared reader (its `ROUTER`, an
+    /// `IpcReceiverSet`) would let one worker that stops mid-message (frozen,
+    /// stopped under a debugger, thrashing) hold up every other worker's
+    /// answers and heartbeats, and an error it reads ends that reader for
+    /// all of them. One thread each keeps a worker's faults its own.
     pub(super) fn read_ipc(&self, events: &ipc_channel::ipc::IpcReceiver<Event>) {
         loop {
             match events.recv() {

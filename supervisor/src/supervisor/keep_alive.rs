@@ -1,17 +1,33 @@
 //! Keep-alive: idle models are unloaded when theirs runs out.
 
-use std::sync::Weak;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
 
 use super::admission::is_idle;
 use super::{Inner, Supervisor};
 
-/// Unloads idle models whose keep-alive ran out.
-pub(super) async fn keep_alive_reaper(inner: Weak<Inner>) {
-    let mut ticker = tokio::time::interval(Duration::from_millis(100));
+/// How often a model whose keep-alive ran out while it was busy is looked
+/// at again.
+const BUSY_RECHECK: Duration = Duration::from_millis(100);
+
+/// Unloads idle models whose keep-alive ran out. It sleeps until the next
+/// keep-alive ends or `changed` wakes it (a slot changed, a request set a
+/// keep-alive), so idle models cost it no wake-ups.
+pub(super) async fn keep_alive_reaper(inner: Weak<Inner>, changed: Arc<Notify>) {
+    let mut wake_at: Option<Instant> = None;
     loop {
-        ticker.tick().await;
+        match wake_at {
+            Some(at) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(at.into()) => {}
+                    () = changed.notified() => {}
+                }
+            }
+            None => changed.notified().await,
+        }
         let Some(strong) = inner.upgrade() else {
             return;
         };
@@ -19,17 +35,25 @@ pub(super) async fn keep_alive_reaper(inner: Weak<Inner>) {
             return;
         }
         let now = Instant::now();
-        let expired: Vec<String> = {
+        let mut expired = Vec::new();
+        wake_at = None;
+        {
             let state = strong.state.lock().unwrap_or_else(|e| e.into_inner());
-            state
-                .slots
-                .iter()
-                .filter(|(name, slot)| {
-                    slot.expires_at.is_some_and(|t| t <= now) && is_idle(&state, name, slot)
-                })
-                .map(|(name, _)| name.clone())
-                .collect()
-        };
+            for (name, slot) in &state.slots {
+                let Some(at) = slot.expires_at else { continue };
+                let next = if at > now {
+                    at
+                } else if is_idle(&state, name, slot) {
+                    expired.push(name.clone());
+                    continue;
+                } else {
+                    // Busy past its keep-alive: its request's end renews
+                    // it, and nothing wakes the reaper for that.
+                    now + BUSY_RECHECK
+                };
+                wake_at = Some(wake_at.map_or(next, |w| w.min(next)));
+            }
+        }
         let supervisor = Supervisor { inner: strong };
         for name in expired {
             let supervisor = supervisor.clone();

@@ -58,7 +58,7 @@ impl Supervisor {
         })
         .await?;
         let installed = install(&mut self.lock(), &worker, &report);
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         match installed {
             Some(value) => {
                 self.watch_worker(model, &worker);
@@ -119,7 +119,7 @@ impl Supervisor {
             );
         }
         drop(gate);
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
 
         let launched = self
             .launch_into_slot(model, &spec, gpus, |state, worker, report| {
@@ -149,11 +149,11 @@ impl Supervisor {
             Err(e) => {
                 self.lock().slots.remove(model);
                 let _ = done.send(Some(Err(Arc::new(e.shared()))));
-                self.inner.changed.notify_waiters();
+                self.inner.notify_changed();
                 Err(e)
             }
         };
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         result
     }
 
@@ -264,7 +264,7 @@ impl Supervisor {
                     // Nothing runs: a crash backoff is cancelled (the restart
                     // task finds its slot gone and stops), or a failure cleared.
                     state.slots.remove(model);
-                    self.inner.changed.notify_waiters();
+                    self.inner.notify_changed();
                     return Err(Error::NotLoaded {
                         model: model.into(),
                     });
@@ -277,7 +277,7 @@ impl Supervisor {
                 }
             }
         };
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         if !worker.drain(self.inner.config.drain_timeout).await {
             tracing::warn!(
                 model,
@@ -288,7 +288,7 @@ impl Supervisor {
         if let Some(slot) = self.lock().slots.get_mut(model) {
             slot.stopping();
         }
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         let report = stop::stop(&worker, self.inner.config.stop_graces).await;
         {
             let mut state = self.lock();
@@ -297,7 +297,7 @@ impl Supervisor {
                 entry.counters.record_unload(&report);
             }
         }
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         tracing::info!(model, "{report}");
         Ok(report)
     }
@@ -358,7 +358,7 @@ impl Supervisor {
             if let Some(slot) = this.lock().slots.get_mut(&model) {
                 slot.end_swap();
             }
-            this.inner.changed.notify_waiters();
+            this.inner.notify_changed();
         };
         let need = {
             let state = self.lock();
@@ -440,7 +440,7 @@ impl Supervisor {
             }
         };
         let switch_ms = started.elapsed().as_secs_f64() * 1e3;
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         if !old.drain(self.inner.config.drain_timeout).await {
             tracing::warn!(
                 model,
@@ -456,7 +456,7 @@ impl Supervisor {
                 entry.counters.record_unload(&unload);
             }
         }
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         Ok(SwapReport {
             model,
             old_pid: old.pid(),

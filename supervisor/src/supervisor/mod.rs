@@ -71,16 +71,29 @@ struct Inner {
     state: Mutex<State>,
     /// Woken whenever a slot changes state.
     changed: Notify,
+    /// Wakes the keep-alive reaper: a slot changed, or a keep-alive was
+    /// set that may end sooner than the one it waits for.
+    expiry_changed: Arc<Notify>,
     /// Serialises "make room, then reserve" so two loads cannot both count
     /// the same free memory.
     load_gate: tokio::sync::Mutex<()>,
     shutting_down: AtomicBool,
 }
 
+impl Inner {
+    /// Wakes whoever waits for a slot to change, the reaper included.
+    fn notify_changed(&self) {
+        self.changed.notify_waiters();
+        self.expiry_changed.notify_one();
+    }
+}
+
 impl Drop for Inner {
     /// A supervisor dropped without `shutdown()` still leaves no worker
-    /// behind: each group is killed (and reaped by its waiter thread).
+    /// behind: each group is killed (and reaped by its waiter).
     fn drop(&mut self) {
+        // The reaper finds the supervisor gone and ends.
+        self.expiry_changed.notify_one();
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         for slot in state.slots.values() {
             if let Some(worker) = &slot.worker {
@@ -114,11 +127,15 @@ impl Supervisor {
             config,
             state: Mutex::new(State::default()),
             changed: Notify::new(),
+            expiry_changed: Arc::default(),
             load_gate: tokio::sync::Mutex::new(()),
             shutting_down: AtomicBool::new(false),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(keep_alive::keep_alive_reaper(Arc::downgrade(&inner)));
+            runtime.spawn(keep_alive::keep_alive_reaper(
+                Arc::downgrade(&inner),
+                Arc::clone(&inner.expiry_changed),
+            ));
         }
         Supervisor { inner }
     }
@@ -169,7 +186,7 @@ impl Supervisor {
                 let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
                 continue;
             }
-            self.inner.changed.notify_waiters();
+            self.inner.notify_changed();
             let mut tasks = tokio::task::JoinSet::new();
             for name in names {
                 let this = self.clone();
@@ -189,7 +206,7 @@ impl Supervisor {
                 let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
             }
         }
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         reports
     }
 }

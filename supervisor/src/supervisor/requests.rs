@@ -202,6 +202,11 @@ impl Supervisor {
         if let Some(slot) = slots.get_mut(model) {
             slot.used(entry.keep_alive);
         }
+        // A keep-alive the request set may end before the reaper wakes; a
+        // renewed one only ends later, which the reaper finds when it wakes.
+        if keep_alive.is_some() {
+            inner.expiry_changed.notify_one();
+        }
         entry.spec.max_rss.is_some() || entry.spec.max_requests.is_some()
     }
 }

@@ -217,7 +217,7 @@ impl Supervisor {
                 }
             }
         };
-        self.inner.changed.notify_waiters();
+        self.inner.notify_changed();
         if let Some((delay, done, spec)) = restart {
             tokio::spawn(self.clone().restart(model.to_string(), spec, delay, done));
         }
@@ -332,7 +332,7 @@ impl Supervisor {
                         Some(d) => delay = d,
                         None => {
                             let _ = done.send(Some(Err(Arc::new(e.shared()))));
-                            self.inner.changed.notify_waiters();
+                            self.inner.notify_changed();
                             return;
                         }
                     }
