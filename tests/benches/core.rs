@@ -1,53 +1,142 @@
-//! Core benchmarks, printed as the README's table.
+//! Core benchmarks, printed as the README's tables.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench core`
 //!
-//! - echo round trip through a worker vs the same backend called in-process;
-//! - a 64 MiB payload through the worker in shared memory vs inside the
-//!   message, next to a plain memcpy;
-//! - spawn → ready for `echo`;
-//! - unload time and reclaimed bytes for `hog` at 1 GiB.
+//! Against baselines measured in the same run, in alternating rounds (the
+//! ratio is the median of the per-round ratios, with its 10th–90th
+//! percentile spread):
+//! - an `echo` round trip through berth vs a bare `ipc-channel` round trip
+//!   between this process and a peer process that echoes (this bench,
+//!   started again as the peer);
+//! - a 64 MiB payload through the worker in shared memory and inside the
+//!   message vs two plain `memcpy`s of 64 MiB (in and out);
+//! - spawn → ready for `echo` vs spawning and reaping `true`.
+//!
+//! Without a baseline, for scale: the echo backend called in-process. The
+//! unload of 1 GiB against the kernel's own is the `unload` bench.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use berth::{Body, Bulk, ModelSpec, Supervisor};
 use berth_protocol::LoadSpec;
+use berth_tests::bench::{Rounds, machine, median, runtime};
 use berth_tests::test_config;
 use berth_worker::{LoadContext, Registry, RequestContext};
-use ipc_channel::ipc::IpcSharedMemory;
+use ipc_channel::ipc::{self, IpcOneShotServer, IpcReceiver, IpcSender, IpcSharedMemory};
 
-fn percentile(samples: &mut [Duration], p: f64) -> Duration {
-    samples.sort();
-    samples[((samples.len() - 1) as f64 * p).round() as usize]
+/// Set in the peer's environment: the one-shot server to connect to.
+const PEER_ENV: &str = "BERTH_BENCH_IPC_PEER";
+
+/// What the bare peer and this process exchange: first the peer's command
+/// sender, then echoed payloads (the same JSON text berth carries).
+type PeerMessage = (Option<IpcSender<String>>, String);
+
+/// The bare peer: echoes every string back until this process goes away.
+fn run_peer(server: String) {
+    let events = IpcSender::<PeerMessage>::connect(server).expect("the bench's server");
+    let (commands, incoming) = ipc::channel::<String>().unwrap();
+    events.send((Some(commands), String::new())).unwrap();
+    while let Ok(text) = incoming.recv() {
+        if events.send((None, text)).is_err() {
+            break;
+        }
+    }
 }
 
-fn us(d: Duration) -> String {
-    format!("{:.2} µs", d.as_secs_f64() * 1e6)
+/// A bare `ipc-channel` peer process, the same shape as a worker: one
+/// channel each way, started from a one-shot server.
+struct BarePeer {
+    child: std::process::Child,
+    commands: IpcSender<String>,
+    events: IpcReceiver<PeerMessage>,
 }
 
-fn ms(d: Duration) -> String {
-    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+impl BarePeer {
+    fn start() -> BarePeer {
+        let (server, name) = IpcOneShotServer::<PeerMessage>::new().unwrap();
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .env(PEER_ENV, name)
+            .spawn()
+            .unwrap();
+        let (events, (commands, _)) = server.accept().unwrap();
+        BarePeer {
+            child,
+            commands: commands.expect("the peer's command sender"),
+            events,
+        }
+    }
+
+    fn round_trip(&self, text: &str) -> String {
+        self.commands.send(text.to_string()).unwrap();
+        self.events.recv().unwrap().1
+    }
 }
 
-fn row(what: &str, p50: String, p99: String) {
-    println!("| {what} | {p50} | {p99} |");
+impl Drop for BarePeer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Median seconds of `n` round trips of `f`.
+async fn per_call<F: std::future::Future>(n: usize, mut f: impl FnMut() -> F) -> f64 {
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        std::hint::black_box(f().await);
+        v.push(t.elapsed().as_secs_f64());
+    }
+    median(&mut v)
 }
 
 async fn round_trips(sup: &Supervisor) {
-    const N: usize = 5000;
-    let body = || Body::json(r#"{"input":"hello"}"#);
+    const PER_ROUND: usize = 300;
+    const ROUNDS: usize = 30;
+    let text = r#"{"input":"hello"}"#;
     sup.load(ModelSpec::new("echo", "echo")).await.unwrap();
     let worker = sup.worker("echo").unwrap();
-    for _ in 0..500 {
-        worker.call(body()).await.unwrap();
+    let peer = BarePeer::start();
+    assert_eq!(peer.round_trip(text), text);
+    let through_request = || async { sup.request("echo", Body::json(text)).await.unwrap() };
+    let through_handle = || async { worker.call(Body::json(text)).await.unwrap() };
+    let bare = || async { peer.round_trip(text) };
+    for _ in 0..3 {
+        per_call(PER_ROUND, through_request).await;
+        per_call(PER_ROUND, through_handle).await;
+        per_call(PER_ROUND, bare).await;
     }
-    let mut ipc = Vec::with_capacity(N);
-    for _ in 0..N {
-        let t = Instant::now();
-        worker.call(body()).await.unwrap();
-        ipc.push(t.elapsed());
+    let (mut requests, mut calls) = (Rounds::new(), Rounds::new());
+    for round in 0..ROUNDS {
+        // Three sides: each takes each place in turn.
+        let mut times = [0.0; 3];
+        for k in 0..3 {
+            let side = (round + k) % 3;
+            times[side] = match side {
+                0 => per_call(PER_ROUND, through_request).await,
+                1 => per_call(PER_ROUND, through_handle).await,
+                _ => per_call(PER_ROUND, bare).await,
+            };
+        }
+        requests.push(times[0], times[2]);
+        calls.push(times[1], times[2]);
     }
+    requests.print(
+        "echo round trip",
+        "`Supervisor::request`",
+        "bare `ipc-channel`",
+        "µs",
+        1e6,
+    );
+    calls.print(
+        "echo round trip",
+        "the worker's handle (`call`)",
+        "bare `ipc-channel`",
+        "µs",
+        1e6,
+    );
     sup.unload("echo").await.unwrap();
+    drop(peer);
 
     let spec = LoadSpec {
         name: "echo".into(),
@@ -59,167 +148,132 @@ async fn round_trips(sup: &Supervisor) {
         .load(&spec, &LoadContext::standalone())
         .unwrap();
     let ctx = RequestContext::standalone();
-    let mut local = Vec::with_capacity(N);
-    for _ in 0..N {
-        let t = Instant::now();
-        std::hint::black_box(backend.handle(body(), &ctx).unwrap());
-        local.push(t.elapsed());
-    }
-    row(
-        "echo round trip, through a worker",
-        us(percentile(&mut ipc, 0.5)),
-        us(percentile(&mut ipc, 0.99)),
-    );
-    row(
-        "echo call, in-process",
-        us(percentile(&mut local, 0.5)),
-        us(percentile(&mut local, 0.99)),
+    let local = per_call(5000, || {
+        let reply = backend.handle(Body::json(text), &ctx).unwrap();
+        async move { reply }
+    })
+    .await;
+    println!(
+        "| echo call, in-process (for scale) | {:.2} µs | | | |",
+        local * 1e6
     );
 }
 
 async fn bulk(sup: &Supervisor) {
     const SIZE: usize = 64 << 20;
-    const N: usize = 10;
+    const ROUNDS: usize = 12;
     sup.load(ModelSpec::new("echo", "echo")).await.unwrap();
     let worker = sup.worker("echo").unwrap();
     let data: Vec<u8> = (0..SIZE).map(|i| (i % 253) as u8).collect();
-
-    let mut fresh = Vec::new();
-    for _ in 0..N {
+    // From the caller's bytes to the answer's bytes readable: filling the
+    // region (or the message) is part of the round trip.
+    let round_trip = async |shared: bool| {
         let t = Instant::now();
-        let shm = IpcSharedMemory::from_bytes(&data);
+        let bulk = if shared {
+            Bulk::Shared(IpcSharedMemory::from_bytes(&data))
+        } else {
+            Bulk::Inline(data.clone())
+        };
         let reply = worker
             .call(Body {
                 json: String::new(),
-                bulk: Bulk::Shared(shm),
+                bulk,
             })
             .await
             .unwrap();
-        assert_eq!(reply.bulk_bytes().len(), SIZE);
-        fresh.push(t.elapsed());
-    }
-    let region = IpcSharedMemory::from_bytes(&data);
-    let mut reused = Vec::new();
-    for _ in 0..N {
-        let t = Instant::now();
-        let reply = worker
-            .call(Body {
-                json: String::new(),
-                bulk: Bulk::Shared(region.clone()),
-            })
-            .await
-            .unwrap();
-        assert_eq!(reply.bulk_bytes().len(), SIZE);
-        reused.push(t.elapsed());
-    }
-    let mut inline = Vec::new();
-    for _ in 0..N {
-        let t = Instant::now();
-        let reply = worker
-            .call(Body {
-                json: String::new(),
-                bulk: Bulk::Inline(data.clone()),
-            })
-            .await
-            .unwrap();
-        assert_eq!(reply.bulk_bytes().len(), SIZE);
-        inline.push(t.elapsed());
-    }
-    sup.unload("echo").await.unwrap();
-    let mut copy = Vec::new();
+        let back = reply.bulk_bytes();
+        assert_eq!(back.len(), SIZE);
+        // Read the answer, as a caller would: a page of every 4 KiB.
+        std::hint::black_box(back.iter().step_by(4096).map(|&b| b as u64).sum::<u64>());
+        t.elapsed().as_secs_f64()
+    };
     let mut dst = vec![0u8; SIZE];
-    for _ in 0..N {
+    let mut copies = || {
         let t = Instant::now();
+        // In, into memory already mapped; out, into fresh memory (as the
+        // worker's answer is).
         dst.copy_from_slice(std::hint::black_box(&data));
-        std::hint::black_box(&dst);
-        copy.push(t.elapsed());
+        let back = std::hint::black_box(&dst).clone();
+        std::hint::black_box(back.iter().step_by(4096).map(|&b| b as u64).sum::<u64>());
+        t.elapsed().as_secs_f64()
+    };
+    let (mut shared, mut inline) = (Rounds::new(), Rounds::new());
+    round_trip(true).await;
+    for round in 0..ROUNDS {
+        // The baseline goes first in odd rounds, last in even ones.
+        let before = (round % 2 == 1).then(&mut copies);
+        let a = round_trip(true).await;
+        let c = round_trip(false).await;
+        let b = before.unwrap_or_else(&mut copies);
+        shared.push(a, b);
+        inline.push(c, b);
     }
-    row(
-        "64 MiB round trip, new shared region each time",
-        ms(percentile(&mut fresh, 0.5)),
-        ms(percentile(&mut fresh, 0.99)),
+    shared.print(
+        "64 MiB round trip",
+        "in a new shared region",
+        "two `memcpy`s of 64 MiB",
+        "ms",
+        1e3,
     );
-    row(
-        "64 MiB round trip, reused shared region",
-        ms(percentile(&mut reused, 0.5)),
-        ms(percentile(&mut reused, 0.99)),
+    inline.print(
+        "64 MiB round trip",
+        "inside the message",
+        "two `memcpy`s of 64 MiB",
+        "ms",
+        1e3,
     );
-    row(
-        "64 MiB round trip, copied inside the message",
-        ms(percentile(&mut inline, 0.5)),
-        ms(percentile(&mut inline, 0.99)),
-    );
-    row(
-        "64 MiB plain memcpy, in-process (one way)",
-        ms(percentile(&mut copy, 0.5)),
-        ms(percentile(&mut copy, 0.99)),
-    );
+    sup.unload("echo").await.unwrap();
 }
 
 async fn spawn_to_ready(sup: &Supervisor) {
-    const N: usize = 50;
-    let mut loads = Vec::new();
+    const ROUNDS: usize = 30;
+    let spawn_true = || {
+        let t = Instant::now();
+        std::process::Command::new("true").status().unwrap();
+        t.elapsed().as_secs_f64()
+    };
+    let mut loads = Rounds::new();
     let mut unloads = Vec::new();
-    for _ in 0..N {
+    for round in 0..ROUNDS {
+        let b = if round % 2 == 1 { spawn_true() } else { 0.0 };
         let t = Instant::now();
         sup.load(ModelSpec::new("echo", "echo")).await.unwrap();
-        loads.push(t.elapsed());
+        let a = t.elapsed().as_secs_f64();
+        let b = if round % 2 == 0 { spawn_true() } else { b };
+        loads.push(a, b);
         let t = Instant::now();
         sup.unload("echo").await.unwrap();
         unloads.push(t.elapsed());
     }
-    row(
-        "spawn → ready, `echo`",
-        ms(percentile(&mut loads, 0.5)),
-        ms(percentile(&mut loads, 0.99)),
+    loads.print(
+        "spawn → ready",
+        "`echo` worker",
+        "spawn and reap `true`",
+        "ms",
+        1e3,
     );
-    row(
-        "unload (graceful), `echo`",
-        ms(percentile(&mut unloads, 0.5)),
-        ms(percentile(&mut unloads, 0.99)),
-    );
-}
-
-async fn hog_unload(sup: &Supervisor) {
-    const N: usize = 3;
-    let mut took = Vec::new();
-    let mut reclaimed = Vec::new();
-    for _ in 0..N {
-        sup.load(ModelSpec::new("hog", "hog").option("alloc_mib", 1024))
-            .await
-            .unwrap();
-        let report = sup.unload("hog").await.unwrap();
-        took.push(Duration::from_secs_f64(report.took_ms / 1e3));
-        reclaimed.push(report.reclaimed_bytes);
-    }
-    row(
-        "unload `hog` at 1 GiB",
-        ms(percentile(&mut took, 0.5)),
-        ms(percentile(&mut took, 0.99)),
-    );
-    let min = reclaimed.iter().min().unwrap();
+    unloads.sort();
     println!(
-        "| reclaimed by that unload (min of {N}) | {:.1} MiB ({:.1}% of 1 GiB) | |",
-        *min as f64 / (1 << 20) as f64,
-        *min as f64 / (1u64 << 30) as f64 * 100.0
+        "| unload (graceful), `echo` | {:.1} ms | | | |",
+        unloads[unloads.len() / 2].as_secs_f64() * 1e3
     );
 }
 
 fn main() {
+    if let Ok(server) = std::env::var(PEER_ENV) {
+        return run_peer(server);
+    }
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    runtime().block_on(async {
         let sup = Supervisor::new(test_config());
-        println!("| what | p50 | p99 |");
-        println!("|---|---|---|");
+        println!("Core ({})\n", machine());
+        println!("| what | berth | baseline | ratio, median (p10–p90) | samples |");
+        println!("|---|---|---|---|---|");
         round_trips(&sup).await;
         bulk(&sup).await;
         spawn_to_ready(&sup).await;
-        hog_unload(&sup).await;
+        sup.shutdown().await;
     });
 }

@@ -5,21 +5,24 @@
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench generate`
 //! (fetches the model first if it is missing).
 //!
-//! Each figure is the median of 3 greedy runs of one fixed prompt (about 100
-//! tokens with the chat template) and `max_tokens` 64, after a warm-up.
-//! Prompt tokens/s = `prompt_tokens` / `prompt_ms`; decode tokens/s =
-//! one-token forward passes / `decode_ms` (the backend's
-//! `decode_tokens_per_s`).
+//! The worker and the in-process backend are loaded side by side and take
+//! turns (the order flips each round), one greedy run of one fixed prompt
+//! (about 100 tokens with the chat template) and `max_tokens` 64 each per
+//! round, after a warm-up; the ratio is the median of the per-round ratios,
+//! with its 10th–90th percentile spread. Prompt tokens/s = `prompt_tokens`
+//! / `prompt_ms`; decode tokens/s = one-token forward passes / `decode_ms`
+//! (the backend's `decode_tokens_per_s`).
 
 use std::path::{Path, PathBuf};
 
 use berth::{Body, ModelSpec, Supervisor};
 use berth_protocol::LoadSpec;
+use berth_tests::bench::{Rounds, machine};
 use berth_tests::{default_model, test_config};
 use berth_worker::{LoadContext, Registry, RequestContext};
 use serde_json::{Value, json};
 
-const RUNS: usize = 3;
+const ROUNDS: usize = 8;
 const MAX_TOKENS: usize = 64;
 
 fn request(max_tokens: usize) -> Body {
@@ -61,49 +64,51 @@ impl Run {
     }
 }
 
-/// Medians of `RUNS` runs of `call` (after one short warm-up).
-fn median(mut call: impl FnMut(Body) -> Body) -> Run {
-    call(request(4));
-    let runs: Vec<Run> = (0..RUNS)
-        .map(|_| Run::from_body(&call(request(MAX_TOKENS))))
-        .collect();
-    let mid = |f: fn(&Run) -> f64| {
-        let mut v: Vec<f64> = runs.iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    Run {
-        prompt_tokens: runs[0].prompt_tokens,
-        completion_tokens: runs[0].completion_tokens,
-        prompt_per_s: mid(|r| r.prompt_per_s),
-        decode_per_s: mid(|r| r.decode_per_s),
-    }
-}
-
-async fn through_worker(sup: &Supervisor, model: &Path, quant: &str) -> (Run, f64) {
-    let spec = ModelSpec::new("smollm2", "generate")
-        .model(model)
-        .option("quant", quant);
-    let report = sup.load(spec).await.unwrap();
-    let handle = tokio::runtime::Handle::current();
-    let run = tokio::task::block_in_place(|| {
-        median(|body| handle.block_on(sup.request("smollm2", body)).unwrap())
-    });
-    sup.unload("smollm2").await.unwrap();
-    (run, report.backend_load_ms)
-}
-
-fn in_process(model: &Path, quant: &str) -> Run {
+fn in_process(model: &Path, quant: &str) -> Box<dyn berth_worker::Backend> {
     let spec = LoadSpec {
         name: "smollm2".into(),
         backend: "generate".into(),
         model: Some(model.display().to_string()),
         options: [("quant".to_string(), quant.to_string())].into(),
     };
-    let mut backend = Registry::builtin()
+    Registry::builtin()
         .load(&spec, &LoadContext::standalone())
-        .unwrap();
-    median(|body| backend.handle(body, &RequestContext::standalone()).unwrap())
+        .unwrap()
+}
+
+/// Prompt and decode rounds, worker (A) against in-process (B), and the
+/// worker's backend load time.
+async fn compare(sup: &Supervisor, model: &Path, quant: &str) -> (Rounds, Rounds, Run, f64) {
+    let spec = ModelSpec::new("smollm2", "generate")
+        .model(model)
+        .option("quant", quant);
+    let report = sup.load(spec).await.unwrap();
+    let mut local = in_process(model, quant);
+    let handle = tokio::runtime::Handle::current();
+    let (mut prompt, mut decode) = (Rounds::new(), Rounds::new());
+    let last = tokio::task::block_in_place(|| {
+        let worker = |body| Run::from_body(&handle.block_on(sup.request("smollm2", body)).unwrap());
+        let mut here =
+            |body| Run::from_body(&local.handle(body, &RequestContext::standalone()).unwrap());
+        worker(request(4));
+        here(request(4));
+        let mut last = None;
+        for round in 0..ROUNDS {
+            let (a, b) = if round % 2 == 0 {
+                let a = worker(request(MAX_TOKENS));
+                (a, here(request(MAX_TOKENS)))
+            } else {
+                let b = here(request(MAX_TOKENS));
+                (worker(request(MAX_TOKENS)), b)
+            };
+            prompt.push(a.prompt_per_s, b.prompt_per_s);
+            decode.push(a.decode_per_s, b.decode_per_s);
+            last = Some(a);
+        }
+        last.unwrap()
+    });
+    sup.unload("smollm2").await.unwrap();
+    (prompt, decode, last, report.backend_load_ms)
 }
 
 fn main() {
@@ -123,14 +128,14 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "### Generation: SmolLM2-135M-Instruct, greedy, {MAX_TOKENS} new tokens, {cores} cores (median of {RUNS})\n"
+        "### Generation: SmolLM2-135M-Instruct, greedy, {MAX_TOKENS} new tokens ({})\n",
+        machine()
     );
     println!(
-        "| weights | prompt | prompt tokens/s: worker | in-process | ratio | decode tokens/s: worker | in-process | ratio | load (worker) |"
+        "| weights, phase | through a worker | in-process | worker / in-process, median (p10–p90) | samples |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|");
     for (label, model, quant) in [
         ("Q4_1 (shipped)", &shipped, "native"),
         ("Q8_0 (quant=q8_0)", &copy, "q8_0"),
@@ -149,23 +154,21 @@ fn main() {
                 sup.unload("convert").await.unwrap();
             });
         }
-        let (worker, load_ms) = runtime.block_on(through_worker(&sup, model, quant));
+        let (prompt, decode, last, load_ms) = runtime.block_on(compare(&sup, model, quant));
         runtime.block_on(sup.shutdown());
-        let here = in_process(model, quant);
-        println!(
-            "| {label} | {} tokens | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.3} | {load_ms:.0} ms |",
-            worker.prompt_tokens,
-            worker.prompt_per_s,
-            here.prompt_per_s,
-            worker.prompt_per_s / here.prompt_per_s,
-            worker.decode_per_s,
-            here.decode_per_s,
-            worker.decode_per_s / here.decode_per_s,
+        prompt.print(
+            &format!("{label}, prompt ({} tokens)", last.prompt_tokens),
+            "",
+            "",
+            "tokens/s",
+            1.0,
         );
-        if worker.completion_tokens != MAX_TOKENS as u64 {
+        decode.print(&format!("{label}, decode"), "", "", "tokens/s", 1.0);
+        println!("| {label}, worker's load | {load_ms:.0} ms | | | |");
+        if last.completion_tokens != MAX_TOKENS as u64 {
             println!(
                 "\n(note: {label} stopped after {} tokens)\n",
-                worker.completion_tokens
+                last.completion_tokens
             );
         }
     }

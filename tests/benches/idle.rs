@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use berth::{ModelSpec, Supervisor};
-use berth_tests::bench::{machine, runtime};
+use berth_tests::bench::{machine, median, percentile, runtime};
 use berth_tests::test_config;
 
 /// utime + stime of `pid` (or this process), in seconds.
@@ -20,6 +20,19 @@ fn cpu_seconds(pid: Option<u32>) -> f64 {
         .and_then(|p| p.stat())
         .map(|s| (s.utime + s.stime) as f64 / procfs::ticks_per_second() as f64)
         .unwrap_or(0.0)
+}
+
+/// Nanoseconds on a CPU of `pid`'s live threads (`schedstat`: exact, where
+/// `stat` counts in 10 ms ticks).
+fn cpu_nanos(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
 }
 
 fn own_status() -> (u64, u64) {
@@ -36,9 +49,9 @@ fn main() {
     let runtime = runtime();
     println!("Idle workers ({})\n", machine());
     println!(
-        "| idle `echo` workers | supervisor CPU | per worker | supervisor RSS | supervisor threads | workers' CPU, all together |"
+        "| idle `echo` workers | supervisor CPU, 20 s | 2 s windows: median (p10–p90) | per worker | supervisor RSS | supervisor threads | workers' CPU, all together |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     runtime.block_on(async {
         let sup = Supervisor::new(test_config());
         let mut loaded = 0;
@@ -55,15 +68,28 @@ fn main() {
             let own = cpu_seconds(None);
             let workers: f64 = pids.iter().map(|p| cpu_seconds(Some(*p))).sum();
             let started = Instant::now();
-            tokio::time::sleep(Duration::from_secs(20)).await;
+            // Ten windows of 2 s: the spread of the supervisor's CPU.
+            let mut windows = Vec::new();
+            for _ in 0..10 {
+                let (t, before) = (Instant::now(), cpu_nanos(std::process::id()));
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                let used = cpu_nanos(std::process::id()).saturating_sub(before) as f64 / 1e9;
+                windows.push(used / t.elapsed().as_secs_f64() * 100.0);
+            }
             let wall = started.elapsed().as_secs_f64();
             let own = (cpu_seconds(None) - own) / wall * 100.0;
             let workers = (pids.iter().map(|p| cpu_seconds(Some(*p))).sum::<f64>() - workers)
                 / wall
                 * 100.0;
+            let spread = format!(
+                "{:.2}% ({:.2}–{:.2}%)",
+                median(&mut windows),
+                percentile(&mut windows, 0.1),
+                percentile(&mut windows, 0.9)
+            );
             let (rss, threads) = own_status();
             println!(
-                "| {n} | {own:.2}% of a core | {:.3}% | {:.1} MiB | {threads} | {workers:.2}% of a core |",
+                "| {n} | {own:.2}% of a core | {spread} | {:.3}% | {:.1} MiB | {threads} | {workers:.2}% of a core |",
                 own / n as f64,
                 rss as f64 / (1 << 20) as f64,
             );

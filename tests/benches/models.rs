@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use berth::{Body, ModelSpec, Supervisor};
-use berth_tests::bench::own_rss;
+use berth_tests::bench::{Rounds, machine, own_rss};
 use berth_tests::{default_model, local_backend, test_config};
 use berth_worker::{Backend, RequestContext};
 use serde_json::json;
@@ -49,16 +49,24 @@ fn in_process_residue() -> (u64, u64, u64) {
     (before, after_drop, after_trim)
 }
 
-fn throughput(mut call: impl FnMut(&[String]), batch: usize, total: usize) -> f64 {
-    let texts = sentences(total);
-    call(&texts[..batch]); // warm-up
+/// Sentences per second of `calls` calls of `call` on `batch` sentences each.
+fn throughput(
+    call: &mut impl FnMut(&[String]),
+    texts: &[String],
+    batch: usize,
+    calls: usize,
+) -> f64 {
     let started = Instant::now();
-    for chunk in texts.chunks(batch) {
-        call(chunk);
+    for i in 0..calls {
+        let at = (i * batch) % (texts.len() - batch + 1);
+        call(&texts[at..at + batch]);
     }
-    total as f64 / started.elapsed().as_secs_f64()
+    (calls * batch) as f64 / started.elapsed().as_secs_f64()
 }
 
+/// Through a worker and in-process, both loaded, in alternating rounds (the
+/// order flips each round): the ratio comes from figures taken seconds
+/// apart, never from two runs of the machine's noise.
 async fn embed_speed(sup: &Supervisor) {
     sup.load(ModelSpec::new("minilm", "embed").model(default_model("minilm")))
         .await
@@ -67,33 +75,40 @@ async fn embed_speed(sup: &Supervisor) {
     let handle = tokio::runtime::Handle::current();
     let mut local = local_embed(&[]);
     let ctx = RequestContext::standalone();
-    println!("| batch | through a worker | in-process | ratio |");
-    println!("|---|---|---|---|");
-    for (batch, total) in [(1, 64), (32, 256)] {
-        let remote = tokio::task::block_in_place(|| {
-            throughput(
-                |texts| {
-                    handle
-                        .block_on(worker.call(Body::json(json!({ "input": texts }).to_string())))
-                        .unwrap();
-                },
-                batch,
-                total,
-            )
+    let texts = sentences(256);
+    let mut remote = |texts: &[String]| {
+        handle
+            .block_on(worker.call(Body::json(json!({ "input": texts }).to_string())))
+            .unwrap();
+    };
+    let mut here = |texts: &[String]| {
+        local
+            .handle(Body::json(json!({ "input": texts }).to_string()), &ctx)
+            .unwrap();
+    };
+    println!(
+        "| batch | through a worker | in-process | worker / in-process, median (p10–p90) | samples |"
+    );
+    println!("|---|---|---|---|---|");
+    // (batch, calls per side per round, rounds): about 0.2 s a side a round.
+    for (batch, calls, rounds_n) in [(1, 16, 25), (32, 2, 21)] {
+        let mut rounds = Rounds::new();
+        tokio::task::block_in_place(|| {
+            // Warm-up, both sides.
+            throughput(&mut remote, &texts, batch, calls);
+            throughput(&mut here, &texts, batch, calls);
+            for round in 0..rounds_n {
+                let (a, b) = if round % 2 == 0 {
+                    let a = throughput(&mut remote, &texts, batch, calls);
+                    (a, throughput(&mut here, &texts, batch, calls))
+                } else {
+                    let b = throughput(&mut here, &texts, batch, calls);
+                    (throughput(&mut remote, &texts, batch, calls), b)
+                };
+                rounds.push(a, b);
+            }
         });
-        let here = throughput(
-            |texts| {
-                local
-                    .handle(Body::json(json!({ "input": texts }).to_string()), &ctx)
-                    .unwrap();
-            },
-            batch,
-            total,
-        );
-        println!(
-            "| {batch} | {remote:.1} sentences/s | {here:.1} sentences/s | {:.3} |",
-            remote / here
-        );
+        rounds.print(&format!("{batch}"), "", "", "sentences/s", 1.0);
     }
     sup.unload("minilm").await.unwrap();
 }
@@ -174,7 +189,10 @@ fn main() {
             "| berth: the supervisor's own RSS change over the cycle | {} |\n",
             mib(sup_after.saturating_sub(sup_before))
         );
-        println!("### Embeddings: all-MiniLM-L6-v2, sentences/s\n");
+        println!(
+            "### Embeddings: all-MiniLM-L6-v2, sentences/s ({})\n",
+            machine()
+        );
         embed_speed(&sup).await;
         println!("\n### Load time and memory by load mode (median of 3 loads, max memory)\n");
         println!("| model | load_mode | load | rss after load | peak rss |");

@@ -1,13 +1,14 @@
 //! Sidecar and recycling benchmarks, printed as the README's tables.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench sidecar`
+//! (`-- --recycling`: the recycling section alone)
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use berth::{Body, ModelSpec, Supervisor};
-use berth_tests::bench::pct_ms;
+use berth_tests::bench::{Rounds, machine, pct_ms, runtime};
 use berth_tests::{Server, default_model, local_backend, test_config};
 use berth_worker::RequestContext;
 use serde_json::json;
@@ -26,53 +27,98 @@ fn row(what: &str, samples: &mut [Duration], wall: Option<Duration>) {
 
 const TEXT: &str = "berth runs every model in a worker process of its own.";
 
+/// One client through `berth serve` against the same backend in-process,
+/// in alternating rounds (the per-round p50s give the ratio and its
+/// spread); then 4 clients, for the queueing.
 fn sidecar(server: &Server) {
+    const ROUNDS: usize = 20;
+    const PER_ROUND: usize = 20;
     let body = json!({ "model": "minilm", "input": TEXT });
-    for _ in 0..20 {
-        server.post("/v1/embeddings", body.clone());
-    }
-    println!("| embeddings, 1 text per request | requests/s | p50 | p99 | max |");
-    println!("|---|---|---|---|---|");
-    for clients in [1usize, 4] {
-        let samples = Mutex::new(Vec::new());
-        let started = Instant::now();
-        std::thread::scope(|scope| {
-            for _ in 0..clients {
-                scope.spawn(|| {
-                    let mut mine = Vec::new();
-                    for _ in 0..(200 / clients) {
-                        let t = Instant::now();
-                        let (status, _) = server.post("/v1/embeddings", body.clone());
-                        assert_eq!(status, 200);
-                        mine.push(t.elapsed());
-                    }
-                    samples.lock().unwrap().extend(mine);
-                });
-            }
-        });
-        let wall = started.elapsed();
-        row(
-            &format!("through `berth serve`, {clients} client(s)"),
-            &mut samples.into_inner().unwrap(),
-            Some(wall),
-        );
-    }
     let mut local = local_backend("embed", Some(&default_model("minilm")), &[]);
     let ctx = RequestContext::standalone();
-    let mut samples = Vec::new();
-    let started = Instant::now();
-    for _ in 0..200 {
+    let mut served = || {
+        let t = Instant::now();
+        let (status, _) = server.post("/v1/embeddings", body.clone());
+        assert_eq!(status, 200);
+        t.elapsed()
+    };
+    let mut here = || {
         let t = Instant::now();
         local
             .handle(Body::json(json!({ "input": TEXT }).to_string()), &ctx)
             .unwrap();
-        samples.push(t.elapsed());
+        t.elapsed()
+    };
+    for _ in 0..20 {
+        served();
+        here();
     }
+    let (mut all_served, mut all_here) = (Vec::new(), Vec::new());
+    let (mut wall_served, mut wall_here) = (Duration::ZERO, Duration::ZERO);
+    let mut rounds = Rounds::new();
+    for round in 0..ROUNDS {
+        let side =
+            |f: &mut dyn FnMut() -> Duration, all: &mut Vec<Duration>, wall: &mut Duration| {
+                let started = Instant::now();
+                let mut mine: Vec<Duration> = (0..PER_ROUND).map(|_| f()).collect();
+                *wall += started.elapsed();
+                all.extend(&mine);
+                pct_ms(&mut mine, 0.5)
+            };
+        let (a, b) = if round % 2 == 0 {
+            let a = side(&mut served, &mut all_served, &mut wall_served);
+            (a, side(&mut here, &mut all_here, &mut wall_here))
+        } else {
+            let b = side(&mut here, &mut all_here, &mut wall_here);
+            (side(&mut served, &mut all_served, &mut wall_served), b)
+        };
+        rounds.push(a, b);
+    }
+    println!("| embeddings, 1 text per request | requests/s | p50 | p99 | max |");
+    println!("|---|---|---|---|---|");
+    row(
+        "through `berth serve`, 1 client",
+        &mut all_served,
+        Some(wall_served),
+    );
     row(
         "the same backend in-process",
-        &mut samples,
-        Some(started.elapsed()),
+        &mut all_here,
+        Some(wall_here),
     );
+    let clients = 4;
+    let samples = Mutex::new(Vec::new());
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..clients {
+            scope.spawn(|| {
+                let mut mine = Vec::new();
+                for _ in 0..(200 / clients) {
+                    let t = Instant::now();
+                    let (status, _) = server.post("/v1/embeddings", body.clone());
+                    assert_eq!(status, 200);
+                    mine.push(t.elapsed());
+                }
+                samples.lock().unwrap().extend(mine);
+            });
+        }
+    });
+    let wall = started.elapsed();
+    row(
+        &format!("through `berth serve`, {clients} clients"),
+        &mut samples.into_inner().unwrap(),
+        Some(wall),
+    );
+    println!("\n| what | berth | baseline | ratio of p50s, median (p10–p90) | samples |");
+    println!("|---|---|---|---|---|");
+    rounds.print(
+        "embedding latency, 1 client, p50",
+        "through `berth serve`",
+        "in-process",
+        "ms",
+        1.0,
+    );
+    println!();
 }
 
 fn swaps(server: &Server) {
@@ -134,7 +180,14 @@ fn swaps(server: &Server) {
     );
 }
 
+/// Recycling against never recycling, in the same run: three `hog`
+/// models that leak alike take turns (each side in each place in turn),
+/// 150 requests a side a round; the per-round p50s give the ratio and its
+/// spread. Every recycle of the `max_requests` model falls inside some
+/// round.
 async fn recycling() {
+    const ROUNDS: usize = 20;
+    const PER_ROUND: usize = 150;
     let sup = Supervisor::new(test_config());
     let leak = |name: &str| {
         ModelSpec::new(name, "hog")
@@ -148,39 +201,69 @@ async fn recycling() {
     let mut held = leak("held");
     held.max_rss = Some(96 << 20);
     sup.load(held).await.unwrap();
+    let models = ["steady", "recycled", "held"];
+    let mut all: [Vec<Duration>; 3] = Default::default();
+    let (mut by_requests, mut by_rss) = (Rounds::new(), Rounds::new());
+    let mut i = 0u64;
+    for round in 0..ROUNDS {
+        let mut p50 = [0.0; 3];
+        for k in 0..3 {
+            let side = (round + k) % 3;
+            let mut samples = Vec::with_capacity(PER_ROUND);
+            for _ in 0..PER_ROUND {
+                i += 1;
+                let t = Instant::now();
+                sup.request(models[side], Body::json(format!("{{\"i\":{i}}}")))
+                    .await
+                    .unwrap();
+                samples.push(t.elapsed());
+            }
+            p50[side] = pct_ms(&mut samples, 0.5);
+            all[side].extend(samples);
+        }
+        by_requests.push(p50[1], p50[0]);
+        by_rss.push(p50[2], p50[0]);
+    }
     println!(
-        "\n| `hog` 64 MiB leaking 256 KiB per request, 3000 requests, 1 client | recycles | p50 | p99 | max |"
+        "\n| `hog` 64 MiB leaking 256 KiB per request, 1 client, {} requests each | recycles | p50 | p99 | max |",
+        ROUNDS * PER_ROUND
     );
     println!("|---|---|---|---|---|");
-    for (model, what) in [
-        ("steady", "never recycled (steady state)"),
-        (
-            "recycled",
-            "`max_requests = 500`: swap-style, old worker serves until the new one is ready",
-        ),
-        (
-            "held",
-            "`max_rss = 96MiB`: past the limit, requests wait for the new worker",
-        ),
-    ] {
-        let mut samples = Vec::new();
-        for i in 0..3000 {
-            let t = Instant::now();
-            sup.request(model, Body::json(format!("{{\"i\":{i}}}")))
-                .await
-                .unwrap();
-            samples.push(t.elapsed());
-        }
-        let recycles = berth_tests::counters_of(&sup, model)
+    for (side, what) in [
+        "never recycled (steady state)",
+        "`max_requests = 500`: swap-style, old worker serves until the new one is ready",
+        "`max_rss = 96MiB`: past the limit, requests wait for the new worker",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let recycles = berth_tests::counters_of(&sup, models[side])
             .recycles
             .load(Ordering::Relaxed);
+        let samples = &mut all[side];
         println!(
             "| {what} | {recycles} | {:.2} ms | {:.2} ms | {:.2} ms |",
-            pct_ms(&mut samples, 0.5),
-            pct_ms(&mut samples, 0.99),
-            pct_ms(&mut samples, 1.0)
+            pct_ms(samples, 0.5),
+            pct_ms(samples, 0.99),
+            pct_ms(samples, 1.0)
         );
     }
+    println!("\n| what | berth | baseline | ratio of p50s, median (p10–p90) | samples |");
+    println!("|---|---|---|---|---|");
+    by_requests.print(
+        "request latency, p50",
+        "recycled by `max_requests`",
+        "never recycled",
+        "µs",
+        1e3,
+    );
+    by_rss.print(
+        "request latency, p50",
+        "recycled by `max_rss`",
+        "never recycled",
+        "µs",
+        1e3,
+    );
     sup.shutdown().await;
 }
 
@@ -188,6 +271,11 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
+    if std::env::args().any(|a| a == "--recycling") {
+        println!("Recycling ({})", machine());
+        return runtime().block_on(recycling());
+    }
+    println!("Sidecar ({})\n", machine());
     let minilm = default_model("minilm");
     let server = Server::start(&format!(
         "[[model]]\nname = \"minilm\"\nbackend = \"embed\"\nmodel = \"{}\"\n",
@@ -196,9 +284,5 @@ fn main() {
     sidecar(&server);
     swaps(&server);
     drop(server);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(recycling());
+    runtime().block_on(recycling());
 }

@@ -47,10 +47,18 @@ impl Rounds {
     /// `unit`), the ratio with its spread, and the number of rounds.
     pub fn print(&self, what: &str, a_name: &str, b_name: &str, unit: &str, scale: f64) {
         let (p10, p50, p90) = self.ratio();
+        let cell = |name: &str, v: &[f64]| {
+            let figure = format!("{:.1} {unit}", median(&mut v.to_vec()) * scale);
+            if name.is_empty() {
+                figure
+            } else {
+                format!("{name} {figure}")
+            }
+        };
         println!(
-            "| {what} | {a_name} {:.1} {unit} | {b_name} {:.1} {unit} | {p50:.2}× ({p10:.2}–{p90:.2}) | {} rounds |",
-            median(&mut self.a.clone()) * scale,
-            median(&mut self.b.clone()) * scale,
+            "| {what} | {} | {} | {p50:.2}× ({p10:.2}–{p90:.2}) | {} rounds |",
+            cell(a_name, &self.a),
+            cell(b_name, &self.b),
             self.a.len()
         );
     }

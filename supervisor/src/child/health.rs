@@ -22,12 +22,26 @@ pub(crate) struct HealthPolicy {
     pub stall_timeout: Option<Duration>,
 }
 
+/// The next instant on the process-wide grid of `interval`: every worker's
+/// heartbeat ticks on the same instants, so one wake-up of the runtime
+/// sends all the pings and their pongs come back together, instead of a
+/// wake-up per worker spread over each second (on a VM, the context
+/// switches were most of what idle workers cost).
+fn aligned(interval: Duration) -> tokio::time::Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let step = interval.as_nanos().max(1);
+    let periods = Instant::now().duration_since(epoch).as_nanos() / step + 1;
+    let offset = Duration::from_nanos(u64::try_from(periods * step).unwrap_or(u64::MAX));
+    (epoch + offset).into()
+}
+
 /// Starts the heartbeat task. It ends when the worker dies or its handle is dropped.
 pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
     tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(policy.interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        ticker.tick().await;
+        let mut ticker = tokio::time::interval_at(aligned(policy.interval), policy.interval);
+        // Late ticks are skipped, not shifted: the phase stays shared.
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut last_progress: Option<(u64, Instant)> = None;
         loop {
             ticker.tick().await;

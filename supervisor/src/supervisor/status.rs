@@ -70,9 +70,9 @@ impl Supervisor {
             .into_iter()
             .map(|(mut status, worker)| {
                 if let Some(w) = worker {
-                    // Heartbeats sample every worker each second; a status
-                    // view reuses that reading rather than walking procfs
-                    // again for each poll.
+                    // At most one full procfs reading per worker a second,
+                    // however many clients poll, and none when nobody asks
+                    // (heartbeats read only the resident size).
                     let memory = w.recent_memory(Duration::from_secs(1)).unwrap_or_default();
                     status.rss_bytes = memory.rss_bytes;
                     status.pss_bytes = memory.pss_bytes;
