@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use berth_tests::bench::pct_ms;
+use berth_tests::bench::{Rounds, machine, pct_ms};
 use berth_tests::{Server, default_model};
 use serde_json::json;
 
@@ -172,8 +172,12 @@ fn cpu_s(pid: u32) -> f64 {
 
 /// Echo latency through the sidecar with 64 models loaded: idle, while
 /// another client polls `/api/ps` ten times a second (a dashboard), and
-/// while it polls as fast as it can; with the supervisor's CPU use.
+/// while it polls as fast as it can; with the supervisor's CPU use. The
+/// three take turns, 200 requests a side a round, each side in each place
+/// in turn; the ratios are of per-round p50s and p99s against idle.
 fn ps_polling() {
+    const ROUNDS: usize = 12;
+    const PER_ROUND: usize = 200;
     let mut config = String::new();
     for i in 0..64 {
         config.push_str(&format!("[[model]]\nname = \"e{i}\"\nbackend = \"echo\"\n"));
@@ -186,18 +190,14 @@ fn ps_polling() {
     let pid = server.pid();
     let measure = |server: &Server| {
         let mut samples = Vec::new();
-        for _ in 0..50 {
-            server.post("/api/models/e0/infer", json!({ "input": 1 }));
-        }
         let (cpu, t) = (cpu_s(pid), Instant::now());
-        for _ in 0..2000 {
+        for _ in 0..PER_ROUND {
             let t = Instant::now();
             let (status, _) = server.post("/api/models/e0/infer", json!({ "input": 1 }));
             assert_eq!(status, 200);
             samples.push(t.elapsed());
         }
-        let share = (cpu_s(pid) - cpu) / t.elapsed().as_secs_f64();
-        (samples, share)
+        (samples, cpu_s(pid) - cpu, t.elapsed().as_secs_f64())
     };
     let polled = |pause: Option<Duration>| {
         let stop = std::sync::atomic::AtomicBool::new(false);
@@ -220,30 +220,71 @@ fn ps_polling() {
             (result, poller.join().unwrap())
         })
     };
-    let (mut idle, idle_cpu) = measure(&server);
-    let (idle50, idle99) = (pct_ms(&mut idle, 0.5), pct_ms(&mut idle, 0.99));
-    println!(
-        "| echo through `berth serve`, 64 models loaded, 2000 requests | p50 | p99 | p50 ratio | p99 ratio | supervisor CPU |"
-    );
-    println!("|---|---|---|---|---|---|");
-    println!(
-        "| idle | {idle50:.2} ms | {idle99:.2} ms | 1.00 | 1.00 | {:.0}% |",
-        idle_cpu * 100.0
-    );
-    for (what, pause) in [
+    for _ in 0..50 {
+        server.post("/api/models/e0/infer", json!({ "input": 1 }));
+    }
+    let sides: [(&str, Option<Option<Duration>>); 3] = [
+        ("idle", None),
         (
             "a client polls `/api/ps` 10 times a second",
-            Some(Duration::from_millis(100)),
+            Some(Some(Duration::from_millis(100))),
         ),
-        ("a client polls `/api/ps` back to back", None),
-    ] {
-        let ((mut samples, cpu), polls) = polled(pause);
-        let (p50, p99) = (pct_ms(&mut samples, 0.5), pct_ms(&mut samples, 0.99));
+        ("a client polls `/api/ps` back to back", Some(None)),
+    ];
+    let mut all: [Vec<Duration>; 3] = Default::default();
+    let mut cpu = [(0.0, 0.0); 3];
+    let mut polls = [0u64; 3];
+    let mut per_round = [
+        (Vec::new(), Vec::new()),
+        (Vec::new(), Vec::new()),
+        (Vec::new(), Vec::new()),
+    ];
+    for round in 0..ROUNDS {
+        for k in 0..3 {
+            let side = (round + k) % 3;
+            let ((mut samples, used, wall), n) = match sides[side].1 {
+                None => (measure(&server), 0),
+                Some(pause) => polled(pause),
+            };
+            polls[side] += n;
+            cpu[side].0 += used;
+            cpu[side].1 += wall;
+            per_round[side].0.push(pct_ms(&mut samples, 0.5));
+            per_round[side].1.push(pct_ms(&mut samples, 0.99));
+            all[side].extend(samples);
+        }
+    }
+    println!(
+        "| echo through `berth serve`, 64 models loaded, {} requests a side | p50 | p99 | p50 / idle, median (p10–p90) | p99 / idle, median (p10–p90) | supervisor CPU |",
+        ROUNDS * PER_ROUND
+    );
+    println!("|---|---|---|---|---|---|");
+    for (side, (what, _)) in sides.iter().enumerate() {
+        let ratio = |i: usize| {
+            let mut rounds = Rounds::new();
+            let (mine, idle) = if i == 0 {
+                (&per_round[side].0, &per_round[0].0)
+            } else {
+                (&per_round[side].1, &per_round[0].1)
+            };
+            for (a, b) in mine.iter().zip(idle) {
+                rounds.push(*a, *b);
+            }
+            let (p10, p50, p90) = rounds.ratio();
+            format!("{p50:.2}× ({p10:.2}–{p90:.2})")
+        };
+        let polled = if side == 0 {
+            String::new()
+        } else {
+            format!(" ({} polls)", polls[side])
+        };
         println!(
-            "| {what} ({polls} polls) | {p50:.2} ms | {p99:.2} ms | {:.2} | {:.2} | {:.0}% |",
-            p50 / idle50,
-            p99 / idle99,
-            cpu * 100.0
+            "| {what}{polled} | {:.2} ms | {:.2} ms | {} | {} | {:.0}% |",
+            pct_ms(&mut all[side], 0.5),
+            pct_ms(&mut all[side], 0.99),
+            ratio(0),
+            ratio(1),
+            cpu[side].0 / cpu[side].1 * 100.0
         );
     }
     println!();
@@ -251,6 +292,7 @@ fn ps_polling() {
 
 fn main() {
     berth::server::listen::raise_descriptor_limit();
+    println!("Hostile clients and workers ({})\n", machine());
     let which = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
     let run = |name: &str| which.as_deref().is_none_or(|w| w == name);
     if run("connections") {

@@ -468,3 +468,135 @@ async fn quant_q8_0_converts_once_caches_and_answers() {
     sup.shutdown().await;
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+/// The forward pass berth runs (weights shared, each sequence's cache its
+/// own) against candle's `quantized_llama` on the shipped file: the same
+/// greedy tokens, and logits that agree.
+#[test]
+fn the_forward_pass_agrees_with_candles_llama() {
+    let path = model_file();
+    let mut file = std::fs::File::open(&path).unwrap();
+    let content = Content::read(&mut file).unwrap();
+    let tokenizer = berth_worker::backends::generate::tokenizer_from_gguf(&content).unwrap();
+    let prompt = tokenizer
+        .encode(
+            "<|im_start|>user\nName three rivers.<|im_end|>\n<|im_start|>assistant\n",
+            false,
+        )
+        .unwrap();
+    let agreement =
+        berth_worker::backends::generate::agreement_with_candle(&path, prompt.get_ids(), 12)
+            .unwrap();
+    assert_eq!(agreement.ours, agreement.candle, "{agreement:?}");
+    assert!(agreement.max_logit_diff < 1e-3, "{agreement:?}");
+}
+
+/// Requests sent at once decode together, one token each per forward
+/// pass; each gets the answer it gets alone (greedy), with its own
+/// settings and stop strings; a bad one fails alone, one given up
+/// mid-stream leaves without disturbing the others, and one that arrives
+/// mid-decode joins and is answered as soon as it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_decode_together_and_each_gets_its_own_answer() {
+    let sup = supervisor();
+    let report = load(&sup, "smollm2", &model_file(), &[]).await;
+    assert_eq!(report.max_batch, 8);
+    let requests: Vec<Value> = vec![
+        ask(QUESTION, 24),
+        ask("Name a colour.", 12),
+        ask("Write one sentence about ships in a harbour at night.", 20),
+        json!({
+            "messages": [{ "role": "user", "content": "Count from one to ten in words." }],
+            "max_tokens": 30,
+            "stop": ["4."],
+        }),
+    ];
+    let mut alone = Vec::new();
+    for request in &requests {
+        alone.push(generate(&sup, "smollm2", request).await);
+    }
+    assert!(
+        !text(&alone[3]).contains("4.") && alone[3]["finish_reason"] == "stop",
+        "{}",
+        alone[3]
+    );
+    // A stream given up after its first piece, then the rest at once, with
+    // bad input among them.
+    let mut abandoned = sup
+        .request_stream(
+            "smollm2",
+            Body::json(ask("Tell me a long story.", 200).to_string()),
+        )
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for request in requests
+        .iter()
+        .cloned()
+        .chain([json!({ "input": "x", "temperature": -1 })])
+    {
+        let sup = sup.clone();
+        tasks.push(tokio::spawn(async move {
+            sup.request("smollm2", Body::json(request.to_string()))
+                .await
+        }));
+    }
+    assert!(matches!(abandoned.next().await, Some(Ok(Piece::Chunk(_)))));
+    drop(abandoned);
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(task.await.unwrap());
+    }
+    let bad = results.pop().unwrap().unwrap_err();
+    assert!(bad.to_string().contains("temperature"), "{bad}");
+    for (i, result) in results.into_iter().enumerate() {
+        let body = result.unwrap_or_else(|e| panic!("request {i}: {e}"));
+        let out: Value = serde_json::from_str(&body.json).unwrap();
+        assert_eq!(
+            text(&out),
+            text(&alone[i]),
+            "request {i}: {out} vs {}",
+            alone[i]
+        );
+        assert_eq!(
+            out["completion_tokens"], alone[i]["completion_tokens"],
+            "request {i}"
+        );
+        assert_eq!(
+            out["finish_reason"], alone[i]["finish_reason"],
+            "request {i}"
+        );
+    }
+    let status = sup
+        .stats()
+        .into_iter()
+        .find(|m| m.name == "smollm2")
+        .unwrap();
+    let b = &status.batching;
+    assert!(b.mean_batch_size.unwrap() > 1.0, "they ran together: {b:?}");
+
+    // Continuous: a request that arrives while another decodes joins it
+    // and is answered when it ends, not when the batch does.
+    let mut long = sup
+        .request_stream(
+            "smollm2",
+            Body::json(ask("Tell me a long story.", 80).to_string()),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(long.next().await, Some(Ok(Piece::Chunk(_)))));
+    let short = generate(&sup, "smollm2", &requests[1]).await;
+    assert_eq!(text(&short), text(&alone[1]));
+    let mut after = 0;
+    while let Some(piece) = long.next().await {
+        match piece.unwrap() {
+            Piece::Chunk(_) => after += 1,
+            Piece::Done(_) => break,
+        }
+    }
+    assert!(
+        after > 0,
+        "the long request was still decoding when the short one ended"
+    );
+    sup.shutdown().await;
+}

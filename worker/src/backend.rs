@@ -61,6 +61,34 @@ pub trait Backend: Send {
             .map(|(body, ctx)| self.handle(body, ctx))
             .collect()
     }
+
+    /// For a backend whose work on a request is a loop of steps (a decoder,
+    /// a token at a time): the worker then batches continuously. Requests
+    /// begin as they arrive (within [`Backend::batching`]'s limits), each
+    /// step advances all that have begun, and each is answered the moment
+    /// it ends, rather than a batch being gathered, run and answered
+    /// whole. `None` (the default): [`Backend::handle_batch`].
+    fn stepping(&mut self) -> Option<&mut dyn Stepping> {
+        None
+    }
+}
+
+/// Continuous batching: see [`Backend::stepping`].
+pub trait Stepping {
+    /// Takes a request on (parsing it, feeding its prompt). An error answers
+    /// it at once; the requests already begun go on.
+    fn begin(&mut self, request: Body, ctx: RequestContext) -> Result<(), WireError>;
+
+    /// Advances every request begun and not ended by one step; returns
+    /// those that ended, each with its answer (an error ends only its own).
+    fn step(&mut self) -> Vec<(RequestId, Result<Body, WireError>)>;
+
+    /// Requests begun and not ended.
+    fn active(&self) -> usize;
+
+    /// Drops every request begun: after a panic in [`Stepping::step`] the
+    /// worker fails them all.
+    fn abandon(&mut self);
 }
 
 /// How a backend takes requests in batches (see [`Backend::batching`]).

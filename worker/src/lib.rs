@@ -13,7 +13,9 @@ mod options;
 mod serve;
 mod stats;
 
-pub use backend::{Backend, Batching, LoadContext, LoadFn, Progress, Registry, RequestContext};
+pub use backend::{
+    Backend, Batching, LoadContext, LoadFn, Progress, Registry, RequestContext, Stepping,
+};
 pub use berth_protocol as protocol;
 pub use options::Options;
 pub use serve::{serve, serve_with_args};

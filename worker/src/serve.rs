@@ -3,7 +3,9 @@
 //! Two threads. The main thread reads commands and answers pings at once, so
 //! heartbeats flow while a request runs; the executor thread owns the backend
 //! and runs loads and requests one at a time, or, for a backend that
-//! batches, the requests that arrived while the last batch ran, together. Stats carry a progress counter
+//! batches, the requests that arrived while the last batch ran, together;
+//! for a backend that steps (a decoder), requests join and leave the running
+//! batch between steps. Stats carry a progress counter
 //! advanced by the backend itself, which is what tells a supervisor that a
 //! worker answering pings is still getting anywhere.
 
@@ -230,6 +232,10 @@ fn execute(
                     );
                     continue;
                 };
+                if b.stepping().is_some() {
+                    run_stepping(&mut **b, (id, body), &jobs, &mut held, events, shared);
+                    continue;
+                }
                 let mut batch = vec![(id, body)];
                 if let Some(policy) = b.batching() {
                     gather(&**b, policy, &mut batch, &jobs, &mut held, pace);
@@ -385,6 +391,108 @@ fn run_batch(
         finish(shared, events, id, result, run);
     }
     pace
+}
+
+/// Continuous batching: begins `first` and every request that arrives
+/// while others run (within the backend's batch size and token budget),
+/// steps them all together, and answers each as it ends; returns once none
+/// is left. A job that is not a request (a shutdown) waits, held, until
+/// the running requests have ended; no request begins after it.
+fn run_stepping(
+    backend: &mut dyn Backend,
+    first: (RequestId, Body),
+    jobs: &mpsc::Receiver<Job>,
+    held: &mut VecDeque<Job>,
+    events: &IpcSender<Event>,
+    shared: &Shared,
+) {
+    let policy = backend.batching().unwrap_or(Batching {
+        max_batch: 1,
+        max_cost: usize::MAX,
+    });
+    // Request id -> (began at, its cost).
+    let mut active: std::collections::HashMap<RequestId, (Instant, usize)> = Default::default();
+    let mut next = Some(first);
+    let mut blocked = false;
+    loop {
+        // Admit what waits.
+        while !blocked && active.len() < policy.max_batch.max(1) {
+            let (id, body) = match next.take() {
+                Some(request) => request,
+                None => match held.pop_front().or_else(|| jobs.try_recv().ok()) {
+                    Some(Job::Request { id, body }) => (id, body),
+                    Some(other) => {
+                        held.push_front(other);
+                        blocked = true;
+                        break;
+                    }
+                    None => break,
+                },
+            };
+            let cost = backend.cost(&body);
+            let used: usize = active.values().map(|(_, c)| c).sum();
+            if !active.is_empty() && used.saturating_add(cost) > policy.max_cost {
+                held.push_front(Job::Request { id, body });
+                break;
+            }
+            if is_cancelled(shared, id) {
+                let e = WireError::new(ErrorKind::Cancelled, "cancelled before it started");
+                finish(shared, events, id, Err(e), RunInfo::default());
+                continue;
+            }
+            let ctx = RequestContext::ipc(
+                id,
+                events.clone(),
+                Arc::clone(&shared.cancelled),
+                shared.progress.clone(),
+            );
+            let started = Instant::now();
+            let Some(stepping) = backend.stepping() else {
+                return;
+            };
+            match guarded(|| stepping.begin(body, ctx)) {
+                Ok(()) => {
+                    active.insert(id, (started, cost));
+                }
+                Err(e) => finish(shared, events, id, Err(e), RunInfo::default()),
+            }
+        }
+        if active.is_empty() {
+            return;
+        }
+        let Some(stepping) = backend.stepping() else {
+            return;
+        };
+        let running = active.len() as u32;
+        let ended = match catch_unwind(AssertUnwindSafe(|| stepping.step())) {
+            Ok(ended) => ended,
+            Err(panic) => {
+                let e = panicked(panic);
+                let _ = catch_unwind(AssertUnwindSafe(|| stepping.abandon()));
+                active
+                    .keys()
+                    .map(|id| (*id, Err(e.clone())))
+                    .collect::<Vec<_>>()
+            }
+        };
+        for (id, result) in ended {
+            // An id the backend never began, or answered already, is ignored.
+            if let Some((started, _)) = active.remove(&id) {
+                let run = RunInfo {
+                    batch: running,
+                    compute_micros: started.elapsed().as_micros() as u64,
+                };
+                finish(shared, events, id, result, run);
+            }
+        }
+        if stepping.active() == 0 && !active.is_empty() {
+            // The backend forgot requests it never answered.
+            let e = WireError::new(ErrorKind::Internal, "the backend dropped the request");
+            for id in active.drain().map(|(id, _)| id).collect::<Vec<_>>() {
+                finish(shared, events, id, Err(e.clone()), RunInfo::default());
+            }
+        }
+    }
 }
 
 /// Answers request `id` and forgets it.

@@ -11,6 +11,8 @@
 //! - `device` = `cpu` | `cuda` | `cuda:N` (default: the GPU the supervisor
 //!   placed the worker on, else the CPU; CUDA needs a worker built with the
 //!   `cuda` feature);
+//! - `max_batch`: requests decoded together at most (default 8; 1 turns
+//!   batching off);
 //! - `quant` = `native` (default; `q4_1` is accepted for a Q4_1 file: the
 //!   weights as the file has them) or `q8_0`: convert the weights once to
 //!   Q8_0, cached next to the file as `<stem>.Q8_0.gguf` and reused while it
@@ -41,11 +43,23 @@
 //!   how much generated text may be streamed;
 //! - `gguf.rs`: the GGUF file's metadata and the tokenizer it describes;
 //! - `weights.rs`: the model file's bytes and the cached Q8_0 conversion;
-//! - `decode.rs`: one request's prefill, sampling and streamed deltas;
+//! - `model.rs`: the Llama forward pass, weights shared, each sequence's
+//!   KV cache its own, so that a decode step runs several sequences;
+//! - `decode.rs`: each request's prefill, then the batch's decode steps,
+//!   sampling and streamed deltas per request;
 //! - this file: the options, `load` and the `Backend` glue.
+//!
+//! Batching: requests that arrive while a batch runs are gathered by the
+//! worker (up to `max_batch`, default 8, and a budget of 16,384 tokens of
+//! prompt and reply) and decoded together, one token each per forward pass:
+//! the weights are read once per step for all of them. Each is prefilled on
+//! its own, samples with its own settings, streams its own deltas, and ends
+//! (stop, length, cancellation, error) on its own. A request that arrives
+//! while a batch decodes waits for that batch to end (no joining mid-way).
 
 mod decode;
 mod gguf;
+mod model;
 mod request;
 mod template;
 mod weights;
@@ -54,19 +68,21 @@ use std::collections::HashSet;
 use std::io::Cursor;
 use std::path::Path;
 
-use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
-use candle_core::Device;
+use berth_protocol::{Body, ErrorKind, LoadSpec, RequestId, WireError};
 use candle_core::quantized::gguf_file::Value;
-use candle_transformers::models::quantized_llama::{MAX_SEQ_LEN, ModelWeights};
 use serde_json::json;
 use tokenizers::Tokenizer;
 
 use crate::backends::{LoadMode, choose_device, configure_threads, device_name};
-use crate::{Backend, LoadContext, RequestContext};
+use crate::{Backend, Batching, LoadContext, RequestContext, Stepping};
 
 pub use gguf::tokenizer_from_gguf;
+#[doc(hidden)]
+pub use model::{Agreement, agreement_with_candle};
 
+use decode::{Ctx, Job};
 use gguf::{check_architecture, dominant_dtype, md_str, md_u32, parse_gguf};
+use model::{Llama, MAX_SEQ_LEN};
 use request::{Settings, parse_request};
 use template::{ChatMl, IM_END, IM_START};
 use weights::{Counted, Data, Source, open_data, q8_0_source};
@@ -76,20 +92,28 @@ const OPTIONS: &[&str] = &[
     "threads",
     "device",
     "quant",
+    "max_batch",
     "max_tokens",
     "temperature",
     "top_p",
     "seed",
 ];
 const DEFAULT_MAX_TOKENS: usize = 256;
+const DEFAULT_MAX_BATCH: usize = 8;
+/// Prompt and reply tokens of one batch at most: their KV caches (46 KB a
+/// token for SmolLM2-135M) stay under ~0.75 GiB.
+const MAX_BATCH_TOKENS: usize = 16_384;
 
 #[derive(Debug)]
 struct Generate {
     name: String,
-    /// Never run: each request runs a clone (the tensors are shared, only
-    /// the KV caches and masks are per clone), so a request starts from an
-    /// empty cache and its memory goes when it ends.
-    model: ModelWeights,
+    /// Shared by every request; each request's KV cache is its own, and
+    /// goes when it ends.
+    model: Llama,
+    max_batch: usize,
+    /// Requests being decoded (continuous batching), each with its own
+    /// context.
+    running: Vec<Job<'static>>,
     tokenizer: Tokenizer,
     chat: ChatMl,
     /// Tokens that end the reply (end of turn, end of text).
@@ -98,7 +122,6 @@ struct Generate {
     context_length: usize,
     defaults: Settings,
     details: serde_json::Value,
-    device: Device,
 }
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
@@ -115,6 +138,12 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     })?;
     let load_mode = LoadMode::from_options(spec, &opts)?;
     let quant = opts.str("quant").unwrap_or("native");
+    let max_batch: usize = opts.get_or("max_batch", DEFAULT_MAX_BATCH)?;
+    if max_batch == 0 {
+        return Err(fail(
+            "`max_batch` must be at least 1 (1 turns batching off)".into(),
+        ));
+    }
     if !matches!(quant, "native" | "q4_1" | "q8_0") {
         return Err(fail(format!("`quant={quant}`: use native, q4_1 or q8_0")));
     }
@@ -200,6 +229,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         "threads": threads,
         "device": device_name(&device),
         "load_mode": load_mode.as_str(),
+        "max_batch": max_batch,
         "chat_template": "chatml",
         "default_system_prompt": chat.default_system,
         "defaults": {
@@ -214,13 +244,15 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         inner: Cursor::new(&*data),
         progress,
     };
-    let model = ModelWeights::from_gguf(content, &mut reader, &device)
+    let model = Llama::from_gguf(content, &mut reader, &device)
         .map_err(|e| fail(format!("cannot build the model from `{file}`: {e}")))?;
     drop(data);
     progress.advance();
     Ok(Box::new(Generate {
         name: spec.name.clone(),
         model,
+        max_batch,
+        running: Vec::new(),
         tokenizer,
         chat,
         end_ids,
@@ -228,7 +260,6 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         context_length,
         defaults,
         details,
-        device,
     }))
 }
 
@@ -238,11 +269,91 @@ impl Generate {
     }
 }
 
+impl Generate {
+    fn begin_job<'a>(&self, body: Body, ctx: Ctx<'a>) -> Result<Job<'a>, WireError> {
+        let req = parse_request(&body.json, &self.defaults)
+            .map_err(|e| self.error(ErrorKind::BadRequest, e))?;
+        self.start(req, ctx)
+    }
+}
+
+impl Stepping for Generate {
+    fn begin(&mut self, request: Body, ctx: RequestContext) -> Result<(), WireError> {
+        let job = self.begin_job(request, Ctx::Owned(ctx))?;
+        self.running.push(job);
+        Ok(())
+    }
+
+    fn step(&mut self) -> Vec<(RequestId, Result<Body, WireError>)> {
+        let mut running = std::mem::take(&mut self.running);
+        let ended = self.step_jobs(&mut running);
+        self.running = running;
+        ended
+    }
+
+    fn active(&self) -> usize {
+        self.running.len()
+    }
+
+    fn abandon(&mut self) {
+        self.running.clear();
+    }
+}
+
 impl Backend for Generate {
     fn handle(&mut self, request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
-        let req = parse_request(&request.json, &self.defaults)
-            .map_err(|e| self.error(ErrorKind::BadRequest, e))?;
-        self.generate(&req, ctx)
+        self.handle_batch(vec![(request, ctx)])
+            .pop()
+            .unwrap_or_else(|| Err(self.error(ErrorKind::Internal, "no answer")))
+    }
+
+    fn batching(&self) -> Option<Batching> {
+        (self.max_batch > 1).then_some(Batching {
+            max_batch: self.max_batch,
+            max_cost: MAX_BATCH_TOKENS,
+        })
+    }
+
+    /// Prompt and reply tokens, estimated: about one per three bytes of the
+    /// request, plus the reply's `max_tokens`.
+    fn cost(&self, request: &Body) -> usize {
+        let reply = parse_request(&request.json, &self.defaults)
+            .map(|r| r.settings.max_tokens)
+            .unwrap_or(0);
+        request.json.len() / 3 + reply
+    }
+
+    /// Each request parsed and prefilled on its own (a bad one fails
+    /// alone), then all decoded together until the last ends.
+    fn handle_batch(
+        &mut self,
+        batch: Vec<(Body, &RequestContext)>,
+    ) -> Vec<Result<Body, WireError>> {
+        let ids: Vec<_> = batch.iter().map(|(_, ctx)| ctx.id()).collect();
+        let mut answers = std::collections::HashMap::new();
+        let mut active = Vec::new();
+        for (body, ctx) in batch {
+            match self.begin_job(body, Ctx::Borrowed(ctx)) {
+                Ok(job) => active.push(job),
+                Err(e) => {
+                    answers.insert(ctx.id(), Err(e));
+                }
+            }
+        }
+        while !active.is_empty() {
+            answers.extend(self.step_jobs(&mut active));
+        }
+        ids.iter()
+            .map(|id| {
+                answers
+                    .remove(id)
+                    .unwrap_or_else(|| Err(self.error(ErrorKind::Internal, "no answer")))
+            })
+            .collect()
+    }
+
+    fn stepping(&mut self) -> Option<&mut dyn Stepping> {
+        Some(self)
     }
 
     fn describe(&self) -> serde_json::Value {
