@@ -27,6 +27,7 @@ from .backend import (
     Request,
     RequestContext,
     Response,
+    Stepping,
 )
 from .errors import (
     KINDS,
@@ -62,6 +63,7 @@ __all__ = [
     "Request",
     "RequestContext",
     "Response",
+    "Stepping",
     "UnknownBackend",
     "WireError",
     "__version__",

@@ -257,6 +257,15 @@ class Backend:
         token estimate, say). 1 by default."""
         return 1
 
+    def stepping(self) -> "Optional[Stepping]":
+        """For a backend whose work on a request is a loop of steps (a
+        decoder, a token at a time): the worker then batches continuously.
+        Requests begin as they arrive (within :meth:`batching`'s limits),
+        each :meth:`Stepping.step` advances all that have begun, and each is
+        answered the moment it ends. ``None`` (the default):
+        :meth:`handle_batch`."""
+        return None
+
     def handle_batch(self, requests: List[Request], contexts: List[RequestContext]) -> List[Any]:
         """Serves a batch: one result per request, in order. A result is
         what :meth:`handle` returns, or an exception (a
@@ -270,3 +279,28 @@ class Backend:
             except Exception as e:  # this request's failure, not the batch's
                 out.append(e)
         return out
+
+
+class Stepping:
+    """Continuous batching: see :meth:`Backend.stepping`."""
+
+    def begin(self, request: Request, ctx: RequestContext) -> None:
+        """Takes a request on (parsing it, feeding its prompt). An exception
+        answers it at once; the requests already begun go on."""
+        raise NotImplementedError
+
+    def step(self) -> List[Tuple[int, Any]]:
+        """Advances every request begun and not ended by one step; returns
+        those that ended as ``(request id, result)``, a result being what
+        :meth:`Backend.handle` returns or an exception (which fails only its
+        own request)."""
+        raise NotImplementedError
+
+    def active(self) -> int:
+        """Requests begun and not ended."""
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """Drops every request begun: after an exception out of
+        :meth:`step` the worker fails them all."""
+        raise NotImplementedError

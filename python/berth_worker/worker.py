@@ -26,6 +26,7 @@ from .backend import (
     Request,
     RequestContext,
     Response,
+    Stepping,
 )
 from .connection import Connection
 from .errors import (
@@ -132,6 +133,11 @@ class Worker:
             if kind == "load":
                 self._load(frame)
             elif kind == "request":
+                stepping = self.backend.stepping() if self.backend is not None else None
+                if stepping is not None:
+                    self._run_stepping(stepping, frame)
+                    del frame
+                    continue
                 batch = [frame]
                 if self.policy is not None:
                     self._gather(self.policy, batch)
@@ -373,6 +379,95 @@ class Worker:
             out = self._encode(request_id, result, run)
             self.state.finished(request_id)
             self.conn.send_built(out)
+
+    def _run_stepping(self, stepping: Stepping, first: Frame) -> None:
+        """Continuous batching, as the Rust worker does it: begins ``first``
+        and every request that arrives while others run (within the
+        backend's batch size and token budget), steps them all together and
+        answers each as it ends; returns once none is left. A job that is
+        not a request (a shutdown) waits, held, until the running requests
+        have ended."""
+        name = self._name()
+        policy = self.policy or Batching(1)
+        # request id -> (context, began at, cost)
+        active: Dict[int, Tuple[RequestContext, float, int]] = {}
+        pending: Optional[Frame] = first
+        blocked = False
+        while True:
+            while not blocked and len(active) < policy.max_batch:
+                if pending is not None:
+                    frame, pending = pending, None
+                elif self.held:
+                    frame = self.held.popleft()
+                else:
+                    try:
+                        frame = self.jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                if frame.type != "request":
+                    self.held.appendleft(frame)
+                    blocked = True
+                    break
+                cost = self._cost(frame)
+                used = sum(c for _, _, c in active.values())
+                if active and used + cost > policy.max_cost:
+                    self.held.appendleft(frame)
+                    break
+                request_id = frame.header["id"]
+                if self.state.is_cancelled(request_id):
+                    self._finish_stepped(request_id, None, self._cancelled_early(request_id), None)
+                    continue
+                ctx = RequestContext(request_id, name, self.state, self._send_chunk)
+                try:
+                    stepping.begin(self._request_of(frame), ctx)
+                except Exception as e:
+                    if not isinstance(e, WireError):
+                        _log_traceback("model `{}`: request {} failed".format(name, request_id))
+                    self._finish_stepped(request_id, ctx, e, None)
+                    continue
+                active[request_id] = (ctx, time.monotonic(), cost)
+                del frame
+            if not active:
+                return
+            running = len(active)
+            try:
+                ended = list(stepping.step())
+            except Exception as e:
+                _log_traceback("model `{}`: a step of {} requests failed".format(name, running))
+                error = BackendError(
+                    "model `{}`: a step of {} requests failed: {}".format(
+                        name, running, describe_exception(e)
+                    )
+                )
+                try:
+                    stepping.abandon()
+                except Exception:
+                    _log_traceback("model `{}`: abandon() failed".format(name))
+                ended = [(request_id, error) for request_id in active]
+            for request_id, result in ended:
+                # An id the backend never began, or answered already, is ignored.
+                entry = active.pop(request_id, None)
+                if entry is not None:
+                    ctx, began, _ = entry
+                    self._finish_stepped(request_id, ctx, result, (running, _micros_since(began)))
+            if active and stepping.active() == 0:
+                lost = Internal("model `{}`: the backend dropped the request".format(name))
+                for request_id, (ctx, _, _) in list(active.items()):
+                    self._finish_stepped(request_id, ctx, lost, None)
+                active.clear()
+
+    def _finish_stepped(
+        self,
+        request_id: int,
+        ctx: Optional[RequestContext],
+        result: Any,
+        run: Optional[Tuple[int, int]],
+    ) -> None:
+        if ctx is not None:
+            ctx.finish()
+        out = self._encode(request_id, result, run)
+        self.state.finished(request_id)
+        self.conn.send_built(out)
 
     def _handle(self, request_id: int, frame: Frame) -> Any:
         assert self.backend is not None

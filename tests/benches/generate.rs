@@ -3,6 +3,8 @@
 //! README's tables.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench generate`
+//! (`-- --batching`: the concurrent-chats section alone; `-- --compare`:
+//! the worker-vs-in-process section alone)
 //! (fetches the model first if it is missing).
 //!
 //! The worker and the in-process backend are loaded side by side and take
@@ -111,10 +113,109 @@ async fn compare(sup: &Supervisor, model: &Path, quant: &str) -> (Rounds, Rounds
     (prompt, decode, last, report.backend_load_ms)
 }
 
+/// Concurrent chats: `clients` requests at once, each a different
+/// question and `max_tokens` 48, through a model that batches
+/// (`max_batch` 8, the default) and one that cannot (`max_batch = 1`),
+/// both loaded, taking turns round by round. Completion tokens per second
+/// of the whole round, and each request's latency.
+async fn concurrent(sup: &Supervisor, model: &Path, quant: &str, label: &str) {
+    const ROUNDS: usize = 5;
+    let questions = [
+        "Name three rivers and the seas they reach.",
+        "Write two sentences about a lighthouse.",
+        "Explain what a harbour master does.",
+        "List four kinds of ships.",
+        "Why do tides happen?",
+        "Describe a calm morning at sea.",
+        "What is a berth, in a port?",
+        "Give three tips for sailing in fog.",
+    ];
+    for (name, max_batch) in [("batched", "8"), ("single", "1")] {
+        sup.load(
+            ModelSpec::new(name, "generate")
+                .model(model)
+                .option("quant", quant)
+                .option("max_batch", max_batch),
+        )
+        .await
+        .unwrap();
+    }
+    let round = async |name: &str, clients: usize| -> (f64, Vec<f64>) {
+        let started = std::time::Instant::now();
+        let tasks: Vec<_> = (0..clients)
+            .map(|i| {
+                let sup = sup.clone();
+                let body = json!({
+                    "messages": [{ "role": "user", "content": questions[i % questions.len()] }],
+                    "max_tokens": 48,
+                    "temperature": 0,
+                })
+                .to_string();
+                let name = name.to_string();
+                tokio::spawn(async move {
+                    let t = std::time::Instant::now();
+                    let out = sup.request(&name, Body::json(body)).await.unwrap();
+                    let v: Value = serde_json::from_str(&out.json).unwrap();
+                    (
+                        v["completion_tokens"].as_u64().unwrap(),
+                        t.elapsed().as_secs_f64(),
+                    )
+                })
+            })
+            .collect();
+        let mut tokens = 0;
+        let mut latencies = Vec::new();
+        for task in tasks {
+            let (n, latency) = task.await.unwrap();
+            tokens += n;
+            latencies.push(latency);
+        }
+        (tokens as f64 / started.elapsed().as_secs_f64(), latencies)
+    };
+    round("batched", 2).await;
+    round("single", 2).await;
+    for clients in [4usize, 8] {
+        let (mut rate, mut p50) = (Rounds::new(), Rounds::new());
+        for r in 0..ROUNDS {
+            let ((a, mut la), (b, mut lb)) = if r % 2 == 0 {
+                let a = round("batched", clients).await;
+                (a, round("single", clients).await)
+            } else {
+                let b = round("single", clients).await;
+                (round("batched", clients).await, b)
+            };
+            rate.push(a, b);
+            p50.push(
+                berth_tests::bench::median(&mut la),
+                berth_tests::bench::median(&mut lb),
+            );
+        }
+        rate.print(
+            &format!("{label}, {clients} concurrent chats: completion tokens/s"),
+            "batched",
+            "`max_batch = 1`",
+            "tokens/s",
+            1.0,
+        );
+        p50.print(
+            &format!("{label}, {clients} concurrent chats: p50 latency"),
+            "batched",
+            "`max_batch = 1`",
+            "s",
+            1.0,
+        );
+    }
+    for name in ["batched", "single"] {
+        sup.unload(name).await.unwrap();
+    }
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
+    let batching_only = std::env::args().any(|a| a == "--batching");
+    let compare_only = std::env::args().any(|a| a == "--compare");
     let shipped = default_model("smollm2");
     // The Q8_0 conversion is cached next to its source: convert a copy in a
     // scratch folder, not the shared download.
@@ -136,11 +237,16 @@ fn main() {
         "| weights, phase | through a worker | in-process | worker / in-process, median (p10–p90) | samples |"
     );
     println!("|---|---|---|---|---|");
+    let mut batching = Vec::new();
     for (label, model, quant) in [
         ("Q4_1 (shipped)", &shipped, "native"),
         ("Q8_0 (quant=q8_0)", &copy, "q8_0"),
     ] {
         let sup = Supervisor::new(test_config());
+        batching.push((label, model.clone(), quant));
+        if batching_only {
+            continue;
+        }
         if quant == "q8_0" {
             // Convert once, outside the measured loads.
             runtime.block_on(async {
@@ -171,6 +277,21 @@ fn main() {
                 last.completion_tokens
             );
         }
+    }
+    if compare_only {
+        let _ = std::fs::remove_dir_all(&scratch);
+        return;
+    }
+    println!(
+        "\n### Concurrent chats: batched decoding against none ({})\n",
+        machine()
+    );
+    println!("| what | batched (`max_batch` 8) | baseline | ratio, median (p10–p90) | samples |");
+    println!("|---|---|---|---|---|");
+    for (label, model, quant) in batching {
+        let sup = Supervisor::new(test_config());
+        runtime.block_on(concurrent(&sup, &model, quant, label));
+        runtime.block_on(sup.shutdown());
     }
     let _ = std::fs::remove_dir_all(&scratch);
 }

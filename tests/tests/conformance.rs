@@ -58,7 +58,137 @@ both!(
     sigkill_of_berth_serve_leaves_no_worker,
     a_swap_is_make_before_break,
     a_worker_streaming_faster_than_its_reader_is_refused_not_queued,
+    continuous_batching_answers_each_request_as_it_ends,
+    a_failed_step_fails_its_batch_and_the_worker_goes_on,
 );
+
+/// Reads a stream to its end: the chunks and the final body's JSON.
+async fn drain(mut stream: berth::RequestStream) -> (usize, serde_json::Value) {
+    let mut chunks = 0;
+    while let Some(piece) = stream.next().await {
+        match piece.unwrap() {
+            berth::Piece::Chunk(_) => chunks += 1,
+            berth::Piece::Done(body) => return (chunks, serde_json::from_str(&body.json).unwrap()),
+        }
+    }
+    panic!("the stream ended without a final body");
+}
+
+/// A stepping backend (`echo` with `stepping`): requests join a running
+/// batch between steps, each streams its own chunks and is answered when
+/// its own steps are done, while a longer one goes on; one cancelled
+/// mid-way leaves alone.
+async fn continuous_batching_answers_each_request_as_it_ends(w: Worker) {
+    let sup = supervisor();
+    let report = sup
+        .load(
+            w.spec("steps", "echo")
+                .option("stepping", true)
+                .option("batch", 8),
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.max_batch, 8);
+    let mut long = sup
+        .request_stream("steps", Body::json(r#"{"steps":100000,"n":0}"#))
+        .await
+        .unwrap();
+    assert!(matches!(
+        long.next().await,
+        Some(Ok(berth::Piece::Chunk(_)))
+    ));
+    let mut dropped = sup
+        .request_stream("steps", Body::json(r#"{"steps":100000,"n":-1}"#))
+        .await
+        .unwrap();
+    assert!(matches!(
+        dropped.next().await,
+        Some(Ok(berth::Piece::Chunk(_)))
+    ));
+    drop(dropped);
+    let mut short = Vec::new();
+    for n in 1..=5 {
+        let stream = sup
+            .request_stream(
+                "steps",
+                Body::json(format!(r#"{{"steps":{},"n":{n}}}"#, n * 3)),
+            )
+            .await
+            .unwrap();
+        short.push(tokio::spawn(drain(stream)));
+    }
+    for (i, task) in short.into_iter().enumerate() {
+        let n = i + 1;
+        let (chunks, done) = task.await.unwrap();
+        assert_eq!(chunks, n * 3, "request {n} streamed its own steps");
+        assert_eq!(done["n"], n, "request {n} got its own answer");
+    }
+    // The long one is still running: the short ones were answered as they
+    // ended, not when the batch did.
+    assert!(matches!(
+        long.next().await,
+        Some(Ok(berth::Piece::Chunk(_)))
+    ));
+    let status = sup.stats().into_iter().find(|m| m.name == "steps").unwrap();
+    assert!(
+        status.batching.mean_batch_size.unwrap() > 1.0,
+        "{:?}",
+        status.batching
+    );
+    drop(long);
+    assert!(
+        eventually(Duration::from_secs(10), || sup.stats()[0].in_flight == 0).await,
+        "the cancelled ones left the batch"
+    );
+    sup.shutdown().await;
+}
+
+/// A step that fails (a panic in Rust, an exception in Python) fails every
+/// request in that step with a clear error; the worker goes on serving.
+async fn a_failed_step_fails_its_batch_and_the_worker_goes_on(w: Worker) {
+    let sup = supervisor();
+    sup.load(
+        w.spec("steps", "echo")
+            .option("stepping", true)
+            .option("batch", 8),
+    )
+    .await
+    .unwrap();
+    let pid = sup.worker("steps").unwrap().pid();
+    let mut running = sup
+        .request_stream("steps", Body::json(r#"{"steps":100000}"#))
+        .await
+        .unwrap();
+    assert!(matches!(
+        running.next().await,
+        Some(Ok(berth::Piece::Chunk(_)))
+    ));
+    let err = sup
+        .request("steps", Body::json(r#"{"panic_in_step":true}"#))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("a panic in a step"), "{err}");
+    let err = loop {
+        match running.next().await {
+            Some(Ok(berth::Piece::Chunk(_))) => continue,
+            Some(Err(e)) => break e,
+            other => panic!("the running request fails with the step, not {other:?}"),
+        }
+    };
+    assert!(err.to_string().contains("a panic in a step"), "{err}");
+    let done = sup
+        .request("steps", Body::json(r#"{"steps":2,"ok":1}"#))
+        .await
+        .unwrap();
+    let done: serde_json::Value = serde_json::from_str(&done.json).unwrap();
+    assert_eq!(done, serde_json::json!({"steps": 2, "ok": 1}));
+    assert_eq!(
+        ready_pid(&sup, "steps"),
+        Some(pid),
+        "the same worker serves on"
+    );
+    sup.shutdown().await;
+}
 
 async fn a_worker_streaming_faster_than_its_reader_is_refused_not_queued(w: Worker) {
     let sup = berth::Supervisor::new(berth::SupervisorConfig {

@@ -499,7 +499,10 @@ fn the_forward_pass_agrees_with_candles_llama() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_decode_together_and_each_gets_its_own_answer() {
     let sup = supervisor();
-    let report = load(&sup, "smollm2", &model_file(), &[]).await;
+    // Q4_1, the shipped file, does not batch by default (no gain there).
+    assert_eq!(load(&sup, "plain", &model_file(), &[]).await.max_batch, 1);
+    sup.unload("plain").await.unwrap();
+    let report = load(&sup, "smollm2", &model_file(), &[("max_batch", "8")]).await;
     assert_eq!(report.max_batch, 8);
     let requests: Vec<Value> = vec![
         ask(QUESTION, 24),

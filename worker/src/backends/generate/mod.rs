@@ -11,8 +11,11 @@
 //! - `device` = `cpu` | `cuda` | `cuda:N` (default: the GPU the supervisor
 //!   placed the worker on, else the CPU; CUDA needs a worker built with the
 //!   `cuda` feature);
-//! - `max_batch`: requests decoded together at most (default 8; 1 turns
-//!   batching off);
+//! - `max_batch`: requests decoded together at most (1 turns batching
+//!   off). Default 8, but 1 for Q4_1 weights: candle's Q4_1 kernel has no
+//!   SIMD path, so a step over 8 rows costs about 8 single steps, and
+//!   batching Q4_1 measured no gain in throughput (1.03x) and a later
+//!   median answer (1.3-1.6x);
 //! - `quant` = `native` (default; `q4_1` is accepted for a Q4_1 file: the
 //!   weights as the file has them) or `q8_0`: convert the weights once to
 //!   Q8_0, cached next to the file as `<stem>.Q8_0.gguf` and reused while it
@@ -50,7 +53,7 @@
 //! - this file: the options, `load` and the `Backend` glue.
 //!
 //! Batching: requests that arrive while a batch runs are gathered by the
-//! worker (up to `max_batch`, default 8, and a budget of 16,384 tokens of
+//! worker (up to `max_batch` and a budget of 16,384 tokens of
 //! prompt and reply) and decoded together, one token each per forward pass:
 //! the weights are read once per step for all of them. Each is prefilled on
 //! its own, samples with its own settings, streams its own deltas, and ends
@@ -138,8 +141,8 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     })?;
     let load_mode = LoadMode::from_options(spec, &opts)?;
     let quant = opts.str("quant").unwrap_or("native");
-    let max_batch: usize = opts.get_or("max_batch", DEFAULT_MAX_BATCH)?;
-    if max_batch == 0 {
+    let max_batch: Option<usize> = opts.get("max_batch")?;
+    if max_batch == Some(0) {
         return Err(fail(
             "`max_batch` must be at least 1 (1 turns batching off)".into(),
         ));
@@ -180,6 +183,11 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     let content = parse_gguf(&data, &file, progress).map_err(fail)?;
     check_architecture(&content, &file).map_err(fail)?;
     let dtype = dominant_dtype(&content);
+    let max_batch = max_batch.unwrap_or(if dtype == "q4_1" {
+        1
+    } else {
+        DEFAULT_MAX_BATCH
+    });
     if quant == "q4_1" && dtype != "q4_1" {
         return Err(fail(format!(
             "`quant=q4_1` asks for Q4_1 weights but `{file}` is {dtype}; use quant=native (the file as it is) or quant=q8_0"
