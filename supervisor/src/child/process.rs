@@ -5,7 +5,7 @@
 //! an idle worker costs no thread. Where `pidfd_open` is refused (an older
 //! kernel, a seccomp filter) a thread blocks in `wait()` instead. Its
 //! stdout and stderr are read line by line into the log the same way
-//! ([`crate::child::output`]), keeping the last lines of stderr for error
+//! (`child/output.rs`), keeping the last lines of stderr for error
 //! messages.
 
 use std::collections::VecDeque;
