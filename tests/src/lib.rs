@@ -399,6 +399,21 @@ impl Server {
     }
 
     /// SIGTERM, then the exit status within `timeout`.
+    /// Waits up to `timeout` for the server to exit on its own (after a
+    /// signal the test sent: a second one would be berth's "stop at once").
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         // Already reaped: its pid may be another process's by now.
         if let Ok(Some(status)) = self.child.try_wait() {

@@ -132,7 +132,8 @@ fn berth_tells_the_service_manager_when_it_is_ready_and_when_it_stops() {
         );
         let stopping = receive(&socket, "STOPPING=1");
         assert!(stopping.contains("STATUS=draining"), "{stopping}");
-        server.terminate(Duration::from_secs(15))
+        // Not `terminate`: a second SIGTERM means "stop at once" (exit 130).
+        server.wait_exit(Duration::from_secs(15))
     };
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
     std::fs::remove_dir_all(&dir).unwrap();
