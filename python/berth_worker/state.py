@@ -76,6 +76,11 @@ class WorkerState:
             self._cancelled.discard(request_id)
             self._requests_done += 1
 
+    def in_flight(self) -> int:
+        """Requests received and not yet answered."""
+        with self._lock:
+            return len(self._in_flight)
+
     def counts(self) -> Dict[str, int]:
         """``progress``, ``requests_done`` and ``in_flight``, for a pong."""
         progress = self.progress.get()

@@ -56,7 +56,7 @@ def _log_traceback(what: str) -> None:
 
 
 #: The longest a batch waits for company, in seconds, and then only under load.
-MAX_LINGER = 0.002
+MAX_LINGER = 0.010
 
 
 def _micros_since(started: float) -> int:
@@ -75,8 +75,9 @@ class Worker:
         self.policy: Optional[Batching] = None
         # Jobs taken while gathering a batch that did not join it: run next.
         self.held: Deque[Frame] = collections.deque()
-        # The last batch: its size and compute seconds (see _gather).
-        self.pace: Tuple[int, float] = (0, 0.0)
+        # The last batch: its size, its compute seconds, and the requests
+        # waiting when it was answered (see _gather).
+        self.pace: Tuple[int, float, int] = (0, 0.0, 0)
         self.spec: Optional[LoadSpec] = None
         self.load_asked = False
         # For messages before a load names the model (BERTH_MODEL).
@@ -156,10 +157,12 @@ class Worker:
         a job that does not join is held. An idle worker never waits; under
         load (the last batch held more than one request) it waits a little,
         a twentieth of the last batch's compute time and at most
-        :data:`MAX_LINGER` seconds, for the batch to fill to the last one's
-        size, as the Rust worker does."""
-        last_batch, last_compute = self.pace
-        fill_to = min(last_batch, policy.max_batch)
+        :data:`MAX_LINGER` seconds, for the batch to fill to the requests
+        that were outstanding when the last batch was answered (those it
+        answered, whose clients are sending their next, and those already
+        waiting), as the Rust worker does."""
+        last_batch, last_compute, waiting = self.pace
+        fill_to = min(last_batch + waiting, policy.max_batch)
         until = time.monotonic() + min(last_compute / 20, MAX_LINGER) if last_batch > 1 else None
         total: Optional[int] = None  # costs only once a second request is there
         while len(batch) < policy.max_batch:
@@ -299,7 +302,7 @@ class Worker:
         except WireError as e:
             result = e
         run = (1, _micros_since(started))
-        self.pace = (1, run[1] / 1e6)
+        self.pace = (1, run[1] / 1e6, 0)
         return self._encode(request_id, result, run)
 
     def _cancelled_early(self, request_id: int) -> WireError:
@@ -372,13 +375,14 @@ class Worker:
             for ctx in contexts:
                 ctx.finish()
         run = (n, _micros_since(started))
-        self.pace = (n, run[1] / 1e6)
         del requests
         for frame, result in zip(live, results):
             request_id = frame.header["id"]
             out = self._encode(request_id, result, run)
             self.state.finished(request_id)
             self.conn.send_built(out)
+        # Received and not answered: every one of them is waiting.
+        self.pace = (n, run[1] / 1e6, self.state.in_flight())
 
     def _run_stepping(self, stepping: Stepping, first: Frame) -> None:
         """Continuous batching, as the Rust worker does it: begins ``first``

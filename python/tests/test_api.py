@@ -141,6 +141,59 @@ class InProcessTests(unittest.TestCase):
                 os.environ["BERTH_GPUS"] = saved
 
 
+class GatherTests(unittest.TestCase):
+    """How a batch is gathered, on the worker's own queue (no process)."""
+
+    class Costly(berth_worker.Backend):
+        def handle(self, request, ctx):
+            return request.body
+
+        def cost(self, request) -> int:
+            return 1
+
+    def worker(self, pace) -> "berth_worker.worker.Worker":
+        from berth_worker.worker import Worker
+
+        w = Worker({}, conn=None, model_name="m")  # type: ignore[arg-type]
+        w.backend = self.Costly()
+        w.pace = pace
+        return w
+
+    @staticmethod
+    def frame(request_id: int):
+        from berth_worker.wire import Frame
+
+        return Frame({"type": "request", "id": request_id, "body": {}}, None)
+
+    def test_an_idle_worker_takes_what_waits_and_never_waits(self) -> None:
+        w = self.worker((1, 1.0, 5))
+        w.jobs.put(self.frame(2))
+        batch = [self.frame(1)]
+        started = time.monotonic()
+        w._gather(berth_worker.Batching(8), batch)
+        self.assertEqual([f.header["id"] for f in batch], [1, 2])
+        self.assertLess(time.monotonic() - started, 0.5)
+
+    def test_a_busy_worker_waits_for_every_request_that_was_outstanding(self) -> None:
+        from berth_worker.worker import MAX_LINGER
+
+        # The last batch answered two while one more waited: three clients.
+        # Two are here, as many as the last batch held; it still waits for
+        # the third client's, at most MAX_LINGER.
+        w = self.worker((2, 1.0, 1))
+        w.jobs.put(self.frame(2))
+        batch = [self.frame(1)]
+        started = time.monotonic()
+        w._gather(berth_worker.Batching(8), batch)
+        self.assertEqual([f.header["id"] for f in batch], [1, 2])
+        self.assertGreaterEqual(time.monotonic() - started, MAX_LINGER)
+        # One that comes in time joins.
+        w.jobs.put(self.frame(4))
+        batch = [self.frame(3)]
+        w._gather(berth_worker.Batching(8), batch)
+        self.assertEqual([f.header["id"] for f in batch], [3, 4])
+
+
 class CustomWorkerTests(unittest.TestCase):
     """A worker written against the package, served end to end."""
 

@@ -1,278 +1,46 @@
-//! The serve loop: hello, then commands until `Shutdown`.
-//!
-//! Two threads. The main thread reads commands and answers pings at once, so
-//! heartbeats flow while a request runs; the executor thread owns the backend
-//! and runs loads and requests one at a time, or, for a backend that
-//! batches, the requests that arrived while the last batch ran, together;
-//! for a backend that steps (a decoder), requests join and leave the running
-//! batch between steps. Stats carry a progress counter
-//! advanced by the backend itself, which is what tells a supervisor that a
-//! worker answering pings is still getting anywhere.
+//! Running requests in batches: gathering the requests that wait into one
+//! batch for a backend that batches ([`gather`], [`run_batch`]), and
+//! continuous batching for one that steps ([`run_stepping`]).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
-use std::thread;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use berth_protocol::{
-    Body, Command, ErrorKind, Event, Hello, LoadInfo, LoadSpec, PROTOCOL_VERSION, RequestId,
-    RunInfo, WireError, WorkerStats,
-};
-use ipc_channel::IpcError;
-use ipc_channel::ipc::{self, IpcSender};
+use berth_protocol::{Body, ErrorKind, Event, RequestId, RunInfo, WireError};
+use ipc_channel::ipc::IpcSender;
 
-use crate::backend::{Backend, Batching, LoadContext, Progress, Registry, RequestContext};
-use crate::hygiene;
+use super::{Job, Shared, finish, guarded, is_cancelled, panicked};
+use crate::backend::{Backend, Batching, RequestContext};
 
-/// Runs a worker process: call it from `main` with the backends this binary
-/// offers. Never returns; the process exits 0 after `Shutdown`.
-///
-/// Arguments: `--version` and `--backends` print what they say and exit; any
-/// other argument is refused (the supervisor passes none).
-pub fn serve(registry: Registry) -> ! {
-    serve_with_args(registry, std::env::args().skip(1))
-}
-
-/// [`serve`] with the worker's own arguments given: for a program that is a
-/// worker in one of its roles (`berth worker`), which passes what follows
-/// the role's name.
-pub fn serve_with_args(registry: Registry, args: impl IntoIterator<Item = String>) -> ! {
-    let mut args = args.into_iter();
-    match args.next().as_deref() {
-        None => {}
-        Some("--version") => {
-            println!(
-                "berth-worker {} (protocol {PROTOCOL_VERSION})",
-                env!("CARGO_PKG_VERSION")
-            );
-            std::process::exit(0);
-        }
-        Some("--backends") => {
-            println!("{}", registry.names().join("\n"));
-            std::process::exit(0);
-        }
-        Some(other) => {
-            eprintln!(
-                "berth-worker: unknown argument `{other}` (it takes --version or --backends; \
-                 otherwise it is started by the berth supervisor)"
-            );
-            std::process::exit(2);
-        }
-    }
-    let boot = match hygiene::start() {
-        Ok(boot) => boot,
-        Err(msg) => {
-            eprintln!("berth-worker: {msg}");
-            std::process::exit(2);
-        }
-    };
-    match run(registry, &boot.server_name) {
-        Ok(()) => std::process::exit(0),
-        Err(msg) => {
-            eprintln!("berth-worker: {msg}");
-            std::process::exit(1);
-        }
-    }
-}
-
-/// State shared by the command thread and the executor.
-#[derive(Default)]
-struct Shared {
-    cancelled: Arc<Mutex<HashSet<RequestId>>>,
-    progress: Progress,
-    requests_done: AtomicU64,
-    in_flight: AtomicU32,
-}
-
-impl Shared {
-    fn stats(&self) -> WorkerStats {
-        let (rss_bytes, peak_rss_bytes) = crate::stats::self_memory();
-        WorkerStats {
-            rss_bytes,
-            peak_rss_bytes,
-            progress: self.progress.get(),
-            requests_done: self.requests_done.load(Ordering::Relaxed),
-            in_flight: self.in_flight.load(Ordering::Relaxed),
-        }
-    }
-}
-
-enum Job {
-    Load(LoadSpec),
-    Request { id: RequestId, body: Body },
-    Shutdown,
-}
-
-fn run(registry: Registry, server_name: &str) -> Result<(), String> {
-    let events: IpcSender<Event> = IpcSender::connect(server_name.to_string())
-        .map_err(|e| format!("cannot connect to the supervisor at {server_name}: {e}"))?;
-    let (commands, command_rx) =
-        ipc::channel::<Command>().map_err(|e| format!("cannot create the command channel: {e}"))?;
-    events
-        .send(Event::Hello(Hello {
-            protocol_version: PROTOCOL_VERSION,
-            pid: std::process::id(),
-            worker_version: env!("CARGO_PKG_VERSION").to_string(),
-            backends: registry.names(),
-            commands,
-        }))
-        .map_err(|e| format!("cannot send the hello: {e}"))?;
-
-    let shared = Arc::new(Shared::default());
-    let (jobs, job_rx) = mpsc::channel::<Job>();
-    let executor = {
-        let events = events.clone();
-        let shared = Arc::clone(&shared);
-        thread::Builder::new()
-            .name("berth-executor".into())
-            .spawn(move || execute(&registry, job_rx, &events, &shared))
-            .map_err(|e| format!("cannot start the executor thread: {e}"))?
-    };
-
-    loop {
-        let command = match command_rx.recv() {
-            Ok(command) => command,
-            // The supervisor dropped its end: it is gone or gave up on us.
-            Err(IpcError::Disconnected) => return Err("the supervisor closed the channel".into()),
-            // A signal landed during the wait (a grandchild's SIGCHLD, say): not an error.
-            Err(IpcError::Io(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(format!("cannot read a command: {e}")),
-        };
-        match command {
-            Command::Ping { seq } => {
-                // A failed send means the supervisor is gone; the next recv says so.
-                let _ = events.send(Event::Pong {
-                    seq,
-                    stats: shared.stats(),
-                });
-            }
-            Command::Load(spec) => {
-                let _ = jobs.send(Job::Load(spec));
-            }
-            Command::Request { id, body } => {
-                shared.in_flight.fetch_add(1, Ordering::Relaxed);
-                let _ = jobs.send(Job::Request { id, body });
-            }
-            Command::Cancel { id } => {
-                shared
-                    .cancelled
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(id);
-            }
-            Command::Shutdown => {
-                let _ = jobs.send(Job::Shutdown);
-                let _ = executor.join();
-                return Ok(());
-            }
-        }
-    }
-}
-
-fn execute(
-    registry: &Registry,
-    jobs: mpsc::Receiver<Job>,
-    events: &IpcSender<Event>,
-    shared: &Shared,
-) {
-    let mut backend: Option<Box<dyn Backend>> = None;
-    // Jobs taken off the channel while gathering a batch that did not join
-    // it; they run next, in the order they came.
-    let mut held: VecDeque<Job> = VecDeque::new();
-    let mut pace = Pace::default();
-    loop {
-        let job = match held.pop_front() {
-            Some(job) => job,
-            None => match jobs.recv() {
-                Ok(job) => job,
-                Err(_) => return,
-            },
-        };
-        match job {
-            Job::Load(spec) => {
-                let event = if backend.is_some() {
-                    Event::LoadFailed(WireError::new(
-                        ErrorKind::Internal,
-                        format!(
-                            "model `{}`: this worker has already loaded a model",
-                            spec.name
-                        ),
-                    ))
-                } else {
-                    let started = Instant::now();
-                    let ctx = LoadContext::new(shared.progress.clone());
-                    match guarded(|| registry.load(&spec, &ctx)) {
-                        Ok(loaded) => {
-                            let details = loaded.describe().to_string();
-                            let max_batch = loaded
-                                .batching()
-                                .map_or(1, |b| b.max_batch.clamp(1, u32::MAX as usize) as u32);
-                            backend = Some(loaded);
-                            Event::Loaded(LoadInfo {
-                                details,
-                                load_micros: started.elapsed().as_micros() as u64,
-                                max_batch,
-                            })
-                        }
-                        Err(e) => Event::LoadFailed(e),
-                    }
-                };
-                let _ = events.send(event);
-            }
-            Job::Request { id, body } => {
-                let Some(b) = backend.as_mut() else {
-                    finish(
-                        shared,
-                        events,
-                        id,
-                        Err(WireError::new(ErrorKind::NotLoaded, "no model is loaded")),
-                        RunInfo::default(),
-                    );
-                    continue;
-                };
-                if b.stepping().is_some() {
-                    run_stepping(&mut **b, (id, body), &jobs, &mut held, events, shared);
-                    continue;
-                }
-                let mut batch = vec![(id, body)];
-                if let Some(policy) = b.batching() {
-                    gather(&**b, policy, &mut batch, &jobs, &mut held, pace);
-                }
-                pace = run_batch(&mut **b, batch, events, shared);
-            }
-            Job::Shutdown => {
-                if let Some(b) = backend.as_mut() {
-                    b.shutdown();
-                }
-                return;
-            }
-        }
-    }
-}
-
-/// The batch that ran last: how large, and how long it took.
+/// The batch that ran last: how large, how long it took, and how many
+/// requests were waiting when it was answered.
 #[derive(Debug, Clone, Copy, Default)]
-struct Pace {
+pub(super) struct Pace {
     batch: usize,
     compute: Duration,
+    waiting: usize,
 }
 
 /// The longest a batch waits for company, and then only under load.
-const MAX_LINGER: Duration = Duration::from_millis(2);
+const MAX_LINGER: Duration = Duration::from_millis(10);
 
 /// Adds to `batch` the requests already waiting, within `policy`. A job
 /// that does not join (a request over the budget, a shutdown) is held to
 /// run next.
 ///
 /// An idle worker never waits. Under load (the last batch held more than
-/// one request) it waits a little for the batch to fill to the last one's
-/// size: the clients answered by that batch are sending their next
-/// requests, and without the wait the next batch would take the one or two
-/// that made it and run nearly as long for them as for all. The wait is a
-/// twentieth of the last batch's compute time, at most [`MAX_LINGER`].
-fn gather(
+/// one request) it waits a little for the batch to fill to the requests
+/// that were outstanding when the last batch was answered: those it
+/// answered (their clients are sending their next requests) and those
+/// that were already waiting. Without the wait the next batch would take
+/// the ones that made it and run nearly as long for them as for all; with
+/// a target of only the last batch's size, a load of 16 clients settles
+/// into batches that split it in two (10 and 6, and so on) and never
+/// joins again. The wait is a twentieth of the last batch's compute time,
+/// at most [`MAX_LINGER`].
+pub(super) fn gather(
     backend: &dyn Backend,
     policy: Batching,
     batch: &mut Vec<(RequestId, Body)>,
@@ -281,7 +49,7 @@ fn gather(
     pace: Pace,
 ) {
     let max_batch = policy.max_batch.max(1);
-    let fill_to = pace.batch.min(max_batch);
+    let fill_to = pace.batch.saturating_add(pace.waiting).min(max_batch);
     let linger_until =
         (pace.batch > 1).then(|| Instant::now() + (pace.compute / 20).min(MAX_LINGER));
     // Costs are computed only once a second request is there: a lone
@@ -326,7 +94,7 @@ fn gather(
 
 /// Runs `batch` (one request or several) and answers each request. Those
 /// cancelled while they waited are answered at once and do not run.
-fn run_batch(
+pub(super) fn run_batch(
     backend: &mut dyn Backend,
     batch: Vec<(RequestId, Body)>,
     events: &IpcSender<Event>,
@@ -379,18 +147,21 @@ fn run_batch(
             Err(panic) => vec![Err(panicked(panic)); n],
         }
     };
-    let pace = Pace {
-        batch: ids.len(),
-        compute: started.elapsed(),
-    };
+    let compute = started.elapsed();
     let run = RunInfo {
         batch: ids.len() as u32,
-        compute_micros: pace.compute.as_micros() as u64,
+        compute_micros: compute.as_micros() as u64,
     };
+    let batch = ids.len();
     for (id, result) in ids.into_iter().zip(results) {
         finish(shared, events, id, result, run);
     }
-    pace
+    Pace {
+        batch,
+        compute,
+        // Received and not answered: every one of them is waiting.
+        waiting: shared.in_flight.load(Ordering::Relaxed) as usize,
+    }
 }
 
 /// Continuous batching: begins `first` and every request that arrives
@@ -398,7 +169,7 @@ fn run_batch(
 /// steps them all together, and answers each as it ends; returns once none
 /// is left. A job that is not a request (a shutdown) waits, held, until
 /// the running requests have ended; no request begins after it.
-fn run_stepping(
+pub(super) fn run_stepping(
     backend: &mut dyn Backend,
     first: (RequestId, Body),
     jobs: &mpsc::Receiver<Job>,
@@ -495,46 +266,6 @@ fn run_stepping(
     }
 }
 
-/// Answers request `id` and forgets it.
-fn finish(
-    shared: &Shared,
-    events: &IpcSender<Event>,
-    id: RequestId,
-    result: Result<Body, WireError>,
-    run: RunInfo,
-) {
-    shared
-        .cancelled
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&id);
-    shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-    shared.requests_done.fetch_add(1, Ordering::Relaxed);
-    let _ = events.send(Event::Done { id, result, run });
-}
-
-fn is_cancelled(shared: &Shared, id: RequestId) -> bool {
-    shared
-        .cancelled
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .contains(&id)
-}
-
-/// Turns a panic in backend code into an error for this one call.
-fn guarded<T>(f: impl FnOnce() -> Result<T, WireError>) -> Result<T, WireError> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| Err(panicked(panic)))
-}
-
-fn panicked(panic: Box<dyn std::any::Any + Send>) -> WireError {
-    let msg = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
-    WireError::new(ErrorKind::Internal, format!("the backend panicked: {msg}"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -621,6 +352,7 @@ mod tests {
         let busy = Pace {
             batch: 3,
             compute: Duration::from_secs(1),
+            waiting: 0,
         };
         let mut batch = vec![(1, Body::json("a"))];
         gather(&Counting, policy, &mut batch, &rx, &mut held, busy);
@@ -631,6 +363,33 @@ mod tests {
             "{waited:?}"
         );
         late.join().unwrap();
+    }
+
+    #[test]
+    fn a_busy_worker_waits_for_every_request_that_was_outstanding() {
+        let (tx, rx) = mpsc::channel();
+        let mut held = VecDeque::new();
+        let policy = Counting.batching().unwrap();
+        // The last batch answered two while one more waited: three clients.
+        // Two requests are here, as many as the last batch held; it still
+        // waits for the third client's.
+        let pace = Pace {
+            batch: 2,
+            compute: Duration::from_secs(1),
+            waiting: 1,
+        };
+        tx.send(request(2, "b")).unwrap();
+        let started = Instant::now();
+        let mut batch = vec![(1, Body::json("a"))];
+        gather(&Counting, policy, &mut batch, &rx, &mut held, pace);
+        assert_eq!(ids(&batch), [1, 2]);
+        assert!(started.elapsed() >= MAX_LINGER);
+        // When it comes in time, it joins.
+        let late = std::thread::spawn(move || tx.send(request(4, "d")).unwrap());
+        let mut batch = vec![(3, Body::json("c"))];
+        late.join().unwrap();
+        gather(&Counting, policy, &mut batch, &rx, &mut held, pace);
+        assert_eq!(ids(&batch), [3, 4]);
     }
 
     #[test]
