@@ -485,3 +485,34 @@ async fn a_load_waits_for_a_model_being_unloaded_instead_of_refusing() {
     assert_eq!(names, ["arriving"]);
     sup.shutdown().await;
 }
+
+/// A host that drops its runtime while a worker runs (no unload) still has
+/// the worker reaped when it exits: the task that watched its pidfd is
+/// gone, and a thread takes over the wait, so no zombie is left.
+#[test]
+fn a_worker_outliving_its_runtime_is_still_reaped() {
+    let sup = supervisor();
+    let runtime = berth_tests::bench::runtime();
+    let load = runtime
+        .block_on(sup.load(ModelSpec::new("outlives", "echo")))
+        .unwrap();
+    drop(runtime);
+    assert!(alive(load.pid));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(load.pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let me = std::process::id();
+    assert!(
+        wait_for(Duration::from_secs(10), || !children_of(me)
+            .iter()
+            .any(|(pid, _)| *pid == load.pid)),
+        "worker {} left as {:?}",
+        load.pid,
+        children_of(me)
+            .into_iter()
+            .find(|(pid, _)| *pid == load.pid)
+    );
+    drop(sup);
+}

@@ -65,7 +65,14 @@ pub(crate) fn forward_lines(
                     loop {
                         match pipe.try_read(&mut block) {
                             Ok(0) => break,
-                            Ok(n) => lines.push(&block[..n], &mut |line| log.line(line)),
+                            Ok(n) => {
+                                lines.push(&block[..n], &mut |line| log.line(line));
+                                // A worker that writes without pause would
+                                // otherwise keep this task reading forever
+                                // and hold one of the runtime's threads:
+                                // give way once the task's budget is spent.
+                                tokio::task::coop::consume_budget().await;
+                            }
                             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                                 if pipe.readable().await.is_err() {
                                     break;

@@ -200,8 +200,9 @@ impl ProcessWatch {
 /// Reaps `child` once it exits and hands its status to `exited`: on the
 /// runtime through a pidfd, or on a thread of its own where there is no
 /// pidfd or no runtime.
-fn reap(mut child: Child, exited: impl FnOnce(ExitStatus) + Send + 'static) {
+fn reap(child: Child, exited: impl FnOnce(ExitStatus) + Send + 'static) {
     let pid = child.id();
+    let mut unreaped = Unreaped(Some((child, Box::new(exited))));
     let reactor = tokio::runtime::Handle::try_current().ok();
     let pidfd = reactor.as_ref().and_then(|_| pidfd_open(pid));
     if let (Some(reactor), Some(pidfd)) = (reactor, pidfd) {
@@ -214,39 +215,73 @@ fn reap(mut child: Child, exited: impl FnOnce(ExitStatus) + Send + 'static) {
         match registered.map_err(|e| e.into_parts().1) {
             Ok(pidfd) => {
                 reactor.spawn(async move {
-                    let status = loop {
-                        match child.try_wait() {
-                            Ok(Some(status)) => break ExitStatus::from_std(status),
-                            Ok(None) => {}
-                            Err(_) => break ExitStatus::Code(-1),
+                    loop {
+                        if unreaped.try_reap() {
+                            return;
                         }
                         match pidfd.readable().await {
                             Ok(mut ready) => ready.clear_ready(),
-                            // The reactor is going away (the runtime shuts
-                            // down): nobody is left to tell.
+                            // The reactor is going away: `unreaped`'s drop
+                            // hands the wait to a thread.
                             Err(_) => return,
                         }
-                    };
-                    exited(status);
+                    }
                 });
                 return;
             }
             Err(e) => tracing::debug!(pid, "cannot watch the worker's pidfd ({e}); a thread waits"),
         }
     }
-    let spawned = std::thread::Builder::new()
-        .name(format!("berth-wait-{pid}"))
-        .spawn(move || {
-            exited(match child.wait() {
-                Ok(status) => ExitStatus::from_std(status),
-                Err(_) => ExitStatus::Code(-1),
-            })
-        });
-    if spawned.is_err() {
-        tracing::error!(
-            pid,
-            "cannot start a waiter thread; the worker will not be reaped promptly"
-        );
+    drop(unreaped);
+}
+
+/// A worker not yet reaped, and who to tell when it is. Dropped unreaped
+/// (no pidfd, or the runtime shut down with the reaping task pending), it
+/// hands the blocking wait to a thread, so no worker is left a zombie and
+/// its pid is never forgotten while it could still be reused.
+struct Unreaped(Option<(Child, Exited)>);
+
+/// Who is told of a worker's exit status, once.
+type Exited = Box<dyn FnOnce(ExitStatus) + Send>;
+
+impl Unreaped {
+    /// Reaps it if it has exited; true once it is reaped and told.
+    fn try_reap(&mut self) -> bool {
+        let Some((child, _)) = self.0.as_mut() else {
+            return true;
+        };
+        let status = match child.try_wait() {
+            Ok(Some(status)) => ExitStatus::from_std(status),
+            Ok(None) => return false,
+            Err(_) => ExitStatus::Code(-1),
+        };
+        if let Some((_, exited)) = self.0.take() {
+            exited(status);
+        }
+        true
+    }
+}
+
+impl Drop for Unreaped {
+    fn drop(&mut self) {
+        let Some((mut child, exited)) = self.0.take() else {
+            return;
+        };
+        let pid = child.id();
+        let spawned = std::thread::Builder::new()
+            .name(format!("berth-wait-{pid}"))
+            .spawn(move || {
+                exited(match child.wait() {
+                    Ok(status) => ExitStatus::from_std(status),
+                    Err(_) => ExitStatus::Code(-1),
+                })
+            });
+        if spawned.is_err() {
+            tracing::error!(
+                pid,
+                "cannot start a waiter thread; the worker will not be reaped promptly"
+            );
+        }
     }
 }
 
