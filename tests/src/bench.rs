@@ -64,6 +64,22 @@ impl Rounds {
     }
 }
 
+/// `rounds` rounds of `a` and `b`, each a figure, the order flipping each
+/// round so that neither side always runs first.
+pub fn alternate(rounds: usize, mut a: impl FnMut() -> f64, mut b: impl FnMut() -> f64) -> Rounds {
+    let mut out = Rounds::new();
+    for round in 0..rounds {
+        if round % 2 == 0 {
+            let x = a();
+            out.push(x, b());
+        } else {
+            let y = b();
+            out.push(a(), y);
+        }
+    }
+    out
+}
+
 /// Times `n` calls of `f`, returns the median in seconds.
 pub fn timed(n: usize, mut f: impl FnMut()) -> f64 {
     let mut v: Vec<f64> = (0..n)

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod chaos;
+pub mod infinity;
 pub mod python;
 
 use std::path::PathBuf;
@@ -398,7 +399,6 @@ impl Server {
             .collect()
     }
 
-    /// SIGTERM, then the exit status within `timeout`.
     /// Waits up to `timeout` for the server to exit on its own (after a
     /// signal the test sent: a second one would be berth's "stop at once").
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
@@ -414,6 +414,7 @@ impl Server {
         }
     }
 
+    /// SIGTERM, then the exit status within `timeout`.
     pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         // Already reaped: its pid may be another process's by now.
         if let Ok(Some(status)) = self.child.try_wait() {
@@ -423,16 +424,7 @@ impl Server {
             nix::unistd::Pid::from_raw(self.pid() as i32),
             nix::sys::signal::Signal::SIGTERM,
         );
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if std::time::Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.wait_exit(timeout)
     }
 }
 

@@ -64,7 +64,7 @@ fn run(what: &str, command: &mut Command) {
 /// A virtual environment with `requirements` installed and, with
 /// `package`, the `berth_worker` package from `python/`; returns its
 /// `python3`.
-fn venv(name: &str, requirements: &[&str], package: bool) -> PathBuf {
+pub(crate) fn venv(name: &str, requirements: &[&str], package: bool) -> PathBuf {
     let root = repo_root();
     let dir = crate::target_dir().join(name);
     let python = dir.join("bin").join("python3");
