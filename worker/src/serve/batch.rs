@@ -74,14 +74,17 @@ pub(super) fn gather(
         };
         match job {
             Job::Request { id, body } => {
-                let so_far =
-                    *cost.get_or_insert_with(|| batch.iter().map(|(_, b)| backend.cost(b)).sum());
-                let c = backend.cost(&body);
+                let so_far = *cost.get_or_insert_with(|| {
+                    batch.iter().fold(0, |sum: usize, (_, b)| {
+                        sum.saturating_add(cost_of(backend, b))
+                    })
+                });
+                let c = cost_of(backend, &body);
                 if so_far.saturating_add(c) > policy.max_cost {
                     held.push_front(Job::Request { id, body });
                     break;
                 }
-                cost = Some(so_far + c);
+                cost = Some(so_far.saturating_add(c));
                 batch.push((id, body));
             }
             other => {
@@ -90,6 +93,12 @@ pub(super) fn gather(
             }
         }
     }
+}
+
+/// A request's cost as the backend estimates it; 1 where the estimate
+/// panics (the request fails on its own when it runs).
+fn cost_of(backend: &dyn Backend, body: &Body) -> usize {
+    catch_unwind(AssertUnwindSafe(|| backend.cost(body))).unwrap_or(1)
 }
 
 /// Runs `batch` (one request or several) and answers each request. Those
@@ -200,8 +209,10 @@ pub(super) fn run_stepping(
                     None => break,
                 },
             };
-            let cost = backend.cost(&body);
-            let used: usize = active.values().map(|(_, c)| c).sum();
+            let cost = cost_of(backend, &body);
+            let used = active
+                .values()
+                .fold(0, |sum: usize, (_, c)| sum.saturating_add(*c));
             if !active.is_empty() && used.saturating_add(cost) > policy.max_cost {
                 held.push_front(Job::Request { id, body });
                 break;
@@ -219,6 +230,14 @@ pub(super) fn run_stepping(
             );
             let started = Instant::now();
             let Some(stepping) = backend.stepping() else {
+                finish(
+                    shared,
+                    events,
+                    id,
+                    Err(stopped_stepping()),
+                    RunInfo::default(),
+                );
+                fail_all(&mut active, shared, events, stopped_stepping());
                 return;
             };
             match guarded(|| stepping.begin(body, ctx)) {
@@ -232,6 +251,7 @@ pub(super) fn run_stepping(
             return;
         }
         let Some(stepping) = backend.stepping() else {
+            fail_all(&mut active, shared, events, stopped_stepping());
             return;
         };
         let running = active.len() as u32;
@@ -256,13 +276,31 @@ pub(super) fn run_stepping(
                 finish(shared, events, id, result, run);
             }
         }
-        if stepping.active() == 0 && !active.is_empty() {
+        let left = catch_unwind(AssertUnwindSafe(|| stepping.active())).unwrap_or(0);
+        if left == 0 && !active.is_empty() {
             // The backend forgot requests it never answered.
             let e = WireError::new(ErrorKind::Internal, "the backend dropped the request");
-            for id in active.drain().map(|(id, _)| id).collect::<Vec<_>>() {
-                finish(shared, events, id, Err(e.clone()), RunInfo::default());
-            }
+            fail_all(&mut active, shared, events, e);
         }
+    }
+}
+
+fn stopped_stepping() -> WireError {
+    WireError::new(
+        ErrorKind::Internal,
+        "the backend stopped stepping with requests begun",
+    )
+}
+
+/// Fails every request in `active` with `e`.
+fn fail_all<T>(
+    active: &mut std::collections::HashMap<RequestId, T>,
+    shared: &Shared,
+    events: &IpcSender<Event>,
+    e: WireError,
+) {
+    for id in active.drain().map(|(id, _)| id).collect::<Vec<_>>() {
+        finish(shared, events, id, Err(e.clone()), RunInfo::default());
     }
 }
 
@@ -390,6 +428,42 @@ mod tests {
         late.join().unwrap();
         gather(&Counting, policy, &mut batch, &rx, &mut held, pace);
         assert_eq!(ids(&batch), [3, 4]);
+    }
+
+    /// A backend whose cost estimate panics.
+    struct Panicky;
+
+    impl Backend for Panicky {
+        fn handle(&mut self, request: Body, _: &RequestContext) -> Result<Body, WireError> {
+            Ok(request)
+        }
+        fn cost(&self, _: &Body) -> usize {
+            panic!("no estimate")
+        }
+    }
+
+    #[test]
+    fn a_panicking_cost_estimate_counts_as_one_and_gathers_on() {
+        let (tx, rx) = mpsc::channel();
+        let mut held = VecDeque::new();
+        tx.send(request(2, "b")).unwrap();
+        tx.send(request(3, "c")).unwrap();
+        let policy = Batching {
+            max_batch: 8,
+            max_cost: 2,
+        };
+        let mut batch = vec![(1, Body::json("a"))];
+        gather(
+            &Panicky,
+            policy,
+            &mut batch,
+            &rx,
+            &mut held,
+            Pace::default(),
+        );
+        // 1 + 1 fits the budget of 2; the third is held for the next batch.
+        assert_eq!(ids(&batch), [1, 2]);
+        assert!(matches!(held.front(), Some(Job::Request { id: 3, .. })));
     }
 
     #[test]

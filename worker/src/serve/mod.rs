@@ -131,13 +131,39 @@ fn run(registry: Registry, server_name: &str) -> Result<(), String> {
         let shared = Arc::clone(&shared);
         thread::Builder::new()
             .name("berth-executor".into())
-            .spawn(move || execute(&registry, job_rx, &events, &shared))
+            .spawn(move || {
+                match catch_unwind(AssertUnwindSafe(|| {
+                    execute(&registry, job_rx, &events, &shared)
+                })) {
+                    // The backend has shut down: the worker's work is done,
+                    // whatever the command thread is waiting for.
+                    Ok(Ended::Shutdown) => std::process::exit(0),
+                    // The command thread is gone and exits the process.
+                    Ok(Ended::Orphaned) => {}
+                    // Backend code outside a request's guard (its cost
+                    // estimate, `describe`) panicked: a worker that answers
+                    // heartbeats and never serves again would be worse than
+                    // a crash the supervisor sees and restarts.
+                    Err(_) => {
+                        eprintln!("berth-worker: the executor thread panicked; exiting");
+                        std::process::exit(101);
+                    }
+                }
+            })
             .map_err(|e| format!("cannot start the executor thread: {e}"))?
     };
 
+    // After a shutdown this thread goes on answering heartbeats and taking
+    // cancels while the running requests end; the executor exits the
+    // process once the backend has shut down.
+    let mut stopping = false;
     loop {
         let command = match command_rx.recv() {
             Ok(command) => command,
+            Err(IpcError::Disconnected) if stopping => {
+                let _ = executor.join();
+                return Ok(());
+            }
             // The supervisor dropped its end: it is gone or gave up on us.
             Err(IpcError::Disconnected) => return Err("the supervisor closed the channel".into()),
             // A signal landed during the wait (a grandchild's SIGCHLD, say): not an error.
@@ -168,11 +194,18 @@ fn run(registry: Registry, server_name: &str) -> Result<(), String> {
             }
             Command::Shutdown => {
                 let _ = jobs.send(Job::Shutdown);
-                let _ = executor.join();
-                return Ok(());
+                stopping = true;
             }
         }
     }
+}
+
+/// Why the executor stopped.
+enum Ended {
+    /// It ran `Shutdown`.
+    Shutdown,
+    /// The command thread dropped the job queue (it is exiting).
+    Orphaned,
 }
 
 fn execute(
@@ -180,7 +213,7 @@ fn execute(
     jobs: mpsc::Receiver<Job>,
     events: &IpcSender<Event>,
     shared: &Shared,
-) {
+) -> Ended {
     let mut backend: Option<Box<dyn Backend>> = None;
     // Jobs taken off the channel while gathering a batch that did not join
     // it; they run next, in the order they came.
@@ -191,7 +224,7 @@ fn execute(
             Some(job) => job,
             None => match jobs.recv() {
                 Ok(job) => job,
-                Err(_) => return,
+                Err(_) => return Ended::Orphaned,
             },
         };
         match job {
@@ -250,7 +283,7 @@ fn execute(
                 if let Some(b) = backend.as_mut() {
                     b.shutdown();
                 }
-                return;
+                return Ended::Shutdown;
             }
         }
     }

@@ -58,7 +58,8 @@
 //! the weights are read once per step for all of them. Each is prefilled on
 //! its own, samples with its own settings, streams its own deltas, and ends
 //! (stop, length, cancellation, error) on its own. A request that arrives
-//! while a batch decodes waits for that batch to end (no joining mid-way).
+//! while a batch decodes joins it between two steps (continuous batching,
+//! the worker library's `Stepping`), prefilled alone first.
 
 mod decode;
 mod gguf;
@@ -323,12 +324,16 @@ impl Backend for Generate {
     }
 
     /// Prompt and reply tokens, estimated: about one per three bytes of the
-    /// request, plus the reply's `max_tokens`.
+    /// request, plus the reply's `max_tokens` as generation clamps it (to
+    /// the context), so that a client asking for a million tokens is not
+    /// costed past the batch's budget and run alone.
     fn cost(&self, request: &Body) -> usize {
         let reply = parse_request(&request.json, &self.defaults)
             .map(|r| r.settings.max_tokens)
             .unwrap_or(0);
-        request.json.len() / 3 + reply
+        (request.json.len() / 3)
+            .saturating_add(reply)
+            .min(self.context_length)
     }
 
     /// Each request parsed and prefilled on its own (a bad one fails
