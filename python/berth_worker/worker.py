@@ -435,14 +435,18 @@ class Worker:
                 return
             running = len(active)
             try:
-                ended = list(stepping.step())
+                ended = [(request_id, result) for request_id, result in stepping.step()]
             except Exception as e:
-                _log_traceback("model `{}`: a step of {} requests failed".format(name, running))
-                error = BackendError(
-                    "model `{}`: a step of {} requests failed: {}".format(
-                        name, running, describe_exception(e)
+                error: WireError
+                if isinstance(e, WireError):
+                    error = e
+                else:
+                    _log_traceback("model `{}`: a step of {} requests failed".format(name, running))
+                    error = BackendError(
+                        "model `{}`: a step of {} requests failed: {}".format(
+                            name, running, describe_exception(e)
+                        )
                     )
-                )
                 try:
                     stepping.abandon()
                 except Exception:
@@ -454,7 +458,12 @@ class Worker:
                 if entry is not None:
                     ctx, began, _ = entry
                     self._finish_stepped(request_id, ctx, result, (running, _micros_since(began)))
-            if active and stepping.active() == 0:
+            try:
+                left = stepping.active()
+            except Exception:
+                _log_traceback("model `{}`: active() failed".format(name))
+                left = 0
+            if active and left == 0:
                 lost = Internal("model `{}`: the backend dropped the request".format(name))
                 for request_id, (ctx, _, _) in list(active.items()):
                     self._finish_stepped(request_id, ctx, lost, None)

@@ -8,6 +8,7 @@ use tokio::sync::Notify;
 
 use super::admission::is_idle;
 use super::{Inner, Supervisor};
+use crate::ModelState;
 
 /// How often a model whose keep-alive ran out while it was busy is looked
 /// at again.
@@ -46,10 +47,16 @@ pub(super) async fn keep_alive_reaper(inner: Weak<Inner>, changed: Arc<Notify>) 
                 } else if is_idle(&state, name, slot) {
                     expired.push(name.clone());
                     continue;
-                } else {
+                } else if slot.state == ModelState::Ready {
                     // Busy past its keep-alive: its request's end renews
                     // it, and nothing wakes the reaper for that.
                     now + BUSY_RECHECK
+                } else {
+                    // Loading, restarting, failed, stopping: a change of
+                    // state wakes the reaper; until then there is nothing
+                    // to look at (a failed model would otherwise be looked
+                    // at ten times a second for ever).
+                    continue;
                 };
                 wake_at = Some(wake_at.map_or(next, |w| w.min(next)));
             }
