@@ -140,8 +140,8 @@ fn run(registry: Registry, server_name: &str) -> Result<(), String> {
                     Ok(Ended::Shutdown) => std::process::exit(0),
                     // The command thread is gone and exits the process.
                     Ok(Ended::Orphaned) => {}
-                    // Backend code outside a request's guard (its cost
-                    // estimate, `describe`) panicked: a worker that answers
+                    // Backend code outside a request's guard (`describe`,
+                    // `stepping`, `shutdown`) panicked: a worker that answers
                     // heartbeats and never serves again would be worse than
                     // a crash the supervisor sees and restarts.
                     Err(_) => {
