@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use berth::Body;
 use berth_tests::bench::{alternate, machine, pct_ms};
 use berth_tests::infinity::Infinity;
-use berth_tests::{Server, default_model, local_backend};
+use berth_tests::{Server, cosine, default_model, local_backend};
 use berth_worker::RequestContext;
 use serde_json::{Value, json};
 
@@ -135,7 +135,7 @@ fn in_process(local: &mut Box<dyn berth_worker::Backend>, batch: usize, calls: u
 }
 
 /// The vectors `target` gives for `texts`, as JSON numbers.
-fn vectors(target: Target, texts: &[String]) -> Vec<Vec<f64>> {
+fn vectors(target: Target, texts: &[String]) -> Vec<Vec<f32>> {
     let (status, v) = target.embed(json!(texts), "float");
     assert_eq!(status, 200, "{v}");
     v["data"]
@@ -147,16 +147,10 @@ fn vectors(target: Target, texts: &[String]) -> Vec<Vec<f64>> {
                 .as_array()
                 .expect("a vector")
                 .iter()
-                .map(|x| x.as_f64().unwrap())
+                .map(|x| x.as_f64().unwrap() as f32)
                 .collect()
         })
         .collect()
-}
-
-fn cosine(a: &[f64], b: &[f64]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
-    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
-    dot / (norm(a) * norm(b))
 }
 
 /// A row of the clients table.
@@ -288,6 +282,6 @@ fn main() {
         .iter()
         .zip(&theirs)
         .map(|(a, b)| cosine(a, b))
-        .fold(f64::INFINITY, f64::min);
+        .fold(f32::INFINITY, f32::min);
     println!("\nberth's and infinity's vectors for 8 texts: lowest cosine {worst:.6}");
 }

@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crate::{free_port, target_dir, wait_for};
+use crate::{free_port, json_reply, target_dir, terminate, wait_for};
 
 /// A running `infinity_emb v2` serving MiniLM on loopback; stopped on drop.
 #[derive(Debug)]
@@ -141,30 +141,19 @@ impl Infinity {
 
     /// POSTs `body` to its OpenAI-style `/embeddings`; the status and JSON.
     pub fn embeddings(&self, body: serde_json::Value) -> (u16, serde_json::Value) {
-        match self
-            .agent
-            .post(format!("{}/embeddings", self.url))
-            .send_json(body)
-        {
-            Ok(mut response) => {
-                let status = response.status().as_u16();
-                let text = response.body_mut().read_to_string().unwrap_or_default();
-                (status, serde_json::from_str(&text).unwrap_or_default())
-            }
-            Err(e) => (0, serde_json::json!({ "error": e.to_string() })),
-        }
+        json_reply(
+            self.agent
+                .post(format!("{}/embeddings", self.url))
+                .send_json(body),
+        )
     }
 }
 
 impl Drop for Infinity {
     fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        if !wait_for(Duration::from_secs(10), || {
-            matches!(self.child.try_wait(), Ok(Some(_)))
-        }) {
+        if terminate(&mut self.child, Duration::from_secs(10)).is_none() {
             let _ = self.child.kill();
+            let _ = self.child.wait();
         }
-        let _ = self.child.wait();
     }
 }

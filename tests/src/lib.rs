@@ -310,23 +310,6 @@ impl Server {
         self.url.rsplit(':').next().unwrap().parse().unwrap()
     }
 
-    fn finish(
-        &self,
-        result: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
-    ) -> (u16, serde_json::Value) {
-        match result {
-            Ok(mut response) => {
-                let status = response.status().as_u16();
-                let text = response.body_mut().read_to_string().unwrap_or_default();
-                (
-                    status,
-                    serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
-                )
-            }
-            Err(e) => (0, serde_json::Value::String(e.to_string())),
-        }
-    }
-
     fn auth<B>(&self, request: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
         match &self.token {
             Some(token) => request.header("Authorization", format!("Bearer {token}")),
@@ -335,14 +318,14 @@ impl Server {
     }
 
     pub fn get(&self, path: &str) -> (u16, serde_json::Value) {
-        self.finish(
+        json_reply(
             self.auth(self.agent.get(format!("{}{path}", self.url)))
                 .call(),
         )
     }
 
     pub fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
-        self.finish(
+        json_reply(
             self.auth(self.agent.post(format!("{}{path}", self.url)))
                 .send_json(body),
         )
@@ -352,7 +335,7 @@ impl Server {
         let request = self
             .auth(self.agent.post(format!("{}{path}", self.url)))
             .header("Content-Type", "application/json");
-        self.finish(request.send(body))
+        json_reply(request.send(body))
     }
 
     /// The raw text of a response (for server-sent events).
@@ -370,14 +353,14 @@ impl Server {
     }
 
     pub fn put(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
-        self.finish(
+        json_reply(
             self.auth(self.agent.put(format!("{}{path}", self.url)))
                 .send_json(body),
         )
     }
 
     pub fn delete(&self, path: &str) -> (u16, serde_json::Value) {
-        self.finish(
+        json_reply(
             self.auth(self.agent.delete(format!("{}{path}", self.url)))
                 .call(),
         )
@@ -402,29 +385,63 @@ impl Server {
     /// Waits up to `timeout` for the server to exit on its own (after a
     /// signal the test sent: a second one would be berth's "stop at once").
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = std::time::Instant::now() + timeout;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if std::time::Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_exit(&mut self.child, timeout)
     }
 
     /// SIGTERM, then the exit status within `timeout`.
     pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        // Already reaped: its pid may be another process's by now.
-        if let Ok(Some(status)) = self.child.try_wait() {
+        terminate(&mut self.child, timeout)
+    }
+}
+
+/// Waits up to `timeout` for `child` to exit.
+pub fn wait_exit(
+    child: &mut std::process::Child,
+    timeout: Duration,
+) -> Option<std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
             return Some(status);
         }
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.pid() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        self.wait_exit(timeout)
+        if std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGTERM to `child`, then its exit status within `timeout`.
+pub fn terminate(
+    child: &mut std::process::Child,
+    timeout: Duration,
+) -> Option<std::process::ExitStatus> {
+    // Already reaped: its pid may be another process's by now.
+    if let Ok(Some(status)) = child.try_wait() {
+        return Some(status);
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    wait_exit(child, timeout)
+}
+
+/// An HTTP reply as its status and JSON (its text as a JSON string when it
+/// is not JSON); status 0 when no reply came.
+pub fn json_reply(
+    result: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+) -> (u16, serde_json::Value) {
+    match result {
+        Ok(mut response) => {
+            let status = response.status().as_u16();
+            let text = response.body_mut().read_to_string().unwrap_or_default();
+            (
+                status,
+                serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+            )
+        }
+        Err(e) => (0, serde_json::Value::String(e.to_string())),
     }
 }
 
