@@ -259,6 +259,18 @@ impl Server {
         extra_args: &[&str],
         env: &[(&str, &str)],
     ) -> Server {
+        Self::start_custom(config, dir, extra_args, env, &mut |_| {})
+    }
+
+    /// As [`Server::start_file`], with `customize` given the command
+    /// before it runs (to hand berth descriptors, say).
+    pub fn start_custom(
+        config: &std::path::Path,
+        dir: Option<&std::path::Path>,
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+        customize: &mut dyn FnMut(&mut std::process::Command),
+    ) -> Server {
         let port = free_port();
         let mut command = std::process::Command::new(berth_bin());
         command
@@ -277,6 +289,7 @@ impl Server {
         if let Some(dir) = dir {
             command.current_dir(dir);
         }
+        customize(&mut command);
         let child = command.spawn().unwrap();
         let token = extra_args
             .windows(2)
@@ -352,6 +365,56 @@ impl Server {
         }
     }
 
+    /// Any request: `method`, `headers` and raw `body` (none for `None`),
+    /// answered with the status, the headers (names in lower case) and the
+    /// raw body; status 0 when no reply came.
+    pub fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> RawReply {
+        let url = format!("{}{path}", self.url);
+        let mut builder = ureq::http::Request::builder().method(method).uri(&url);
+        if let Some(token) = &self.token {
+            builder = builder.header("Authorization", format!("Bearer {token}"));
+        }
+        for (k, v) in headers {
+            builder = builder.header(*k, *v);
+        }
+        let result = match body {
+            Some(bytes) => self.agent.run(builder.body(bytes.to_vec()).unwrap()),
+            None => self.agent.run(builder.body(()).unwrap()),
+        };
+        match result {
+            Ok(mut response) => RawReply {
+                status: response.status().as_u16(),
+                headers: response
+                    .headers()
+                    .iter()
+                    .map(|(k, v)| {
+                        (
+                            k.as_str().to_ascii_lowercase(),
+                            v.to_str().unwrap_or_default().to_string(),
+                        )
+                    })
+                    .collect(),
+                body: response
+                    .body_mut()
+                    .with_config()
+                    .limit(1 << 30)
+                    .read_to_vec()
+                    .unwrap_or_default(),
+            },
+            Err(e) => RawReply {
+                status: 0,
+                headers: Vec::new(),
+                body: e.to_string().into_bytes(),
+            },
+        }
+    }
+
     pub fn put(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
         json_reply(
             self.auth(self.agent.put(format!("{}{path}", self.url)))
@@ -391,6 +454,36 @@ impl Server {
     /// SIGTERM, then the exit status within `timeout`.
     pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         terminate(&mut self.child, timeout)
+    }
+}
+
+/// What [`Server::raw`] got back.
+#[derive(Debug, Clone)]
+pub struct RawReply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl RawReply {
+    /// The value of header `name` (lower case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body as JSON (its text as a JSON string when it is not JSON).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| {
+            serde_json::Value::String(String::from_utf8_lossy(&self.body).to_string())
+        })
+    }
+
+    /// The body as text.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).to_string()
     }
 }
 

@@ -468,3 +468,63 @@ fn metrics_count_requests_loads_and_unloads() {
         assert!(text.lines().any(|l| l == line), "`{line}` in:\n{text}");
     }
 }
+
+/// One raw request on its own connection: its status and body.
+fn raw_http(port: u16, head: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = stream.read_to_string(&mut out);
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
+    (status, body.unwrap_or_default())
+}
+
+/// `curl -X POST .../load` sends no body and no type: there is nothing to
+/// type, so it is not refused with 415; the Origin check still applies, and
+/// a body without its type is still refused.
+#[test]
+fn a_post_without_a_body_needs_no_content_type() {
+    let server = Server::start("[[model]]\nname = \"echo\"\nbackend = \"echo\"\n");
+    let port = server.port();
+    let host = format!("Host: 127.0.0.1:{port}\r\nConnection: close\r\n");
+    let (status, body) = raw_http(
+        port,
+        &format!("POST /api/models/echo/load HTTP/1.1\r\n{host}\r\n"),
+    );
+    assert_eq!(status, 200, "no Content-Length: {body}");
+    let (status, body) = raw_http(
+        port,
+        &format!("POST /api/models/echo/unload HTTP/1.1\r\n{host}Content-Length: 0\r\n\r\n"),
+    );
+    assert_eq!(status, 200, "Content-Length: 0: {body}");
+    let (status, body) = raw_http(
+        port,
+        &format!(
+            "POST /api/models/echo/load HTTP/1.1\r\n{host}Origin: https://evil.example\r\n\r\n"
+        ),
+    );
+    assert_eq!(status, 403, "a foreign origin: {body}");
+    assert!(body.contains("forbidden_origin"), "{body}");
+    let (status, body) = raw_http(
+        port,
+        &format!("POST /api/models/echo/load HTTP/1.1\r\n{host}Content-Length: 2\r\n\r\n{{}}"),
+    );
+    assert_eq!(status, 415, "a body without its type: {body}");
+    let (status, body) = raw_http(
+        port,
+        &format!(
+            "POST /api/models/echo/load HTTP/1.1\r\n{host}Content-Type: text/plain\r\n\
+             Content-Length: 2\r\n\r\n{{}}"
+        ),
+    );
+    assert_eq!(status, 415, "a form-like body: {body}");
+}

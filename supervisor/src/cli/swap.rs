@@ -22,11 +22,22 @@ pub struct SwapArgs {
     /// New backend (default: the current one).
     #[arg(long)]
     backend: Option<String>,
+    /// A backend option for the new worker. Merged into the model's current
+    /// options: each KEY given replaces that key, the others are kept (see
+    /// --replace-options).
     #[arg(long = "option", short = 'o', value_name = "KEY=VALUE", value_parser = parse_key_value)]
     options: Vec<(String, String)>,
+    /// Start from no options: the new worker gets only the --option values
+    /// given.
+    #[arg(long)]
+    replace_options: bool,
     #[command(flatten)]
     remote: Remote,
 }
+
+/// Fields of a registered spec that only the operator sets: the server
+/// keeps them across a swap, so the CLI does not send them back.
+const OPERATOR_ONLY: &[&str] = &["worker_binary", "env", "command", "cwd"];
 
 pub fn run(args: SwapArgs) -> ExitCode {
     let client = Client::new(&args.remote);
@@ -47,23 +58,72 @@ pub fn run(args: SwapArgs) -> ExitCode {
                     format!("no model `{}` is registered", args.name),
                 )
             })?;
-        let mut spec = current;
-        if let Some(model) = &args.model {
-            spec["model"] = json!(model);
-        }
-        if let Some(backend) = &args.backend {
-            spec["backend"] = json!(backend);
-        }
-        if !args.options.is_empty() {
-            let options: serde_json::Map<String, Value> = args
-                .options
-                .iter()
-                .map(|(k, v)| (k.clone(), json!(v)))
-                .collect();
-            spec["options"] = Value::Object(options);
-        }
+        let spec = new_spec(current, &args);
         let _progress = Progress::start(format!("swapping {}", args.name));
         client.post(&format!("/api/models/{}/swap", args.name), Some(spec))
     })();
     done(result.map(|v| report::<SwapReport>(v, json)), json)
+}
+
+/// The registered spec with what the command line changes.
+fn new_spec(mut spec: Value, args: &SwapArgs) -> Value {
+    if let Some(object) = spec.as_object_mut() {
+        for field in OPERATOR_ONLY {
+            object.remove(*field);
+        }
+    }
+    if let Some(model) = &args.model {
+        spec["model"] = json!(model);
+    }
+    if let Some(backend) = &args.backend {
+        spec["backend"] = json!(backend);
+    }
+    let mut options = match (&spec["options"], args.replace_options) {
+        (Value::Object(current), false) => current.clone(),
+        _ => serde_json::Map::new(),
+    };
+    for (k, v) in &args.options {
+        options.insert(k.clone(), json!(v));
+    }
+    spec["options"] = Value::Object(options);
+    spec
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        swap: SwapArgs,
+    }
+
+    fn args(line: &[&str]) -> SwapArgs {
+        Cli::parse_from(std::iter::once("swap").chain(line.iter().copied())).swap
+    }
+
+    #[test]
+    fn options_merge_unless_replaced_and_operator_fields_stay_behind() {
+        let registered = json!({
+            "name": "m", "backend": "embed", "worker_binary": "/opt/w", "env": [],
+            "command": null, "cwd": null,
+            "options": {"threads": "2", "max_length": "128"}
+        });
+        let merged = new_spec(registered.clone(), &args(&["m", "-o", "threads=1"]));
+        assert_eq!(
+            merged["options"],
+            json!({"threads": "1", "max_length": "128"})
+        );
+        for field in OPERATOR_ONLY {
+            assert!(merged.get(*field).is_none(), "{field}: {merged}");
+        }
+        let replaced = new_spec(
+            registered,
+            &args(&["m", "-o", "threads=1", "--replace-options"]),
+        );
+        assert_eq!(replaced["options"], json!({"threads": "1"}));
+    }
 }

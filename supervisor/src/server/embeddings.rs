@@ -213,25 +213,8 @@ fn vectors(model: &str, count: usize, reply: &Body) -> Result<(Vec<Vec<f32>>, u6
 
 /// OpenAI's `base64` encoding: little-endian f32s, standard base64.
 fn encode_f32_base64(vector: &[f32]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    super::base64::encode(&bytes)
 }
 
 #[cfg(test)]

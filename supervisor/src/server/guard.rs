@@ -4,8 +4,10 @@
 //! user opens: a browser sends a cross-site "simple" POST (form or `fetch`
 //! with a text body) to `127.0.0.1` without asking, and DNS rebinding lets a
 //! page's own host name resolve to it. So, as Ollama and Jupyter learnt:
-//! - every POST and PUT must be `application/json`, which a browser sends
-//!   cross-site only after a CORS preflight that berth never approves;
+//! - every POST and PUT that carries a body must be `application/json`
+//!   (or, where a route takes bytes, `application/octet-stream`), which a
+//!   browser sends cross-site only after a CORS preflight that berth never
+//!   approves; one with no body has nothing to type;
 //! - a request whose `Origin` is not one the operator allowed is refused;
 //! - on loopback, a `Host` that is not the listen address (or `localhost`
 //!   with its port, or a name the operator allowed) is refused, which is
@@ -118,13 +120,22 @@ impl Guard {
                 ));
             }
         }
-        if (method == Method::POST || method == Method::PUT) && !is_json(text(header::CONTENT_TYPE))
+        if (method == Method::POST || method == Method::PUT)
+            && has_body(headers)
+            && !is_json(text(header::CONTENT_TYPE))
+            && !(takes_bytes(path) && is_octet_stream(text(header::CONTENT_TYPE)))
         {
             return Some(ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
-                "send the body as JSON with `Content-Type: application/json` \
-                 (curl: -H 'Content-Type: application/json')",
+                if takes_bytes(path) {
+                    "send the body as JSON with `Content-Type: application/json`, or bytes \
+                     with `Content-Type: application/octet-stream` \
+                     (curl: -H 'Content-Type: application/json')"
+                } else {
+                    "send the body as JSON with `Content-Type: application/json` \
+                     (curl: -H 'Content-Type: application/json')"
+                },
             ));
         }
         if !is_probe(path)
@@ -146,10 +157,41 @@ fn is_probe(path: &str) -> bool {
     path == "/healthz" || path == "/readyz"
 }
 
-fn is_json(content_type: Option<&str>) -> bool {
+fn media_type_is(content_type: Option<&str>, wanted: &str) -> bool {
     content_type
         .and_then(|v| v.split(';').next())
-        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"))
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case(wanted))
+}
+
+fn is_json(content_type: Option<&str>) -> bool {
+    media_type_is(content_type, "application/json")
+}
+
+/// Like JSON, `application/octet-stream` is not a type a browser sends
+/// cross-site without a preflight, so it is as safe to accept.
+fn is_octet_stream(content_type: Option<&str>) -> bool {
+    media_type_is(content_type, "application/octet-stream")
+}
+
+/// Routes whose body may be raw bytes: a backend's own request (`infer`).
+fn takes_bytes(path: &str) -> bool {
+    path.strip_prefix("/api/models/")
+        .and_then(|rest| rest.strip_suffix("/infer"))
+        .is_some_and(|name| !name.is_empty() && !name.contains('/'))
+}
+
+/// Whether a request carries a body: a `Transfer-Encoding`, or a
+/// `Content-Length` other than 0 (an unreadable one counts as a body). A
+/// request with none has nothing whose type could matter, and nothing a
+/// cross-site form could smuggle: the Origin and Host checks still apply.
+fn has_body(headers: &HeaderMap) -> bool {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        return true;
+    }
+    headers
+        .get_all(header::CONTENT_LENGTH)
+        .iter()
+        .any(|v| v.to_str().ok().map(str::trim) != Some("0"))
 }
 
 /// `Authorization: Bearer <token>`, the scheme in any case, compared in
@@ -248,6 +290,7 @@ mod tests {
             let h = headers(&[
                 (header::HOST, "127.0.0.1:7733"),
                 (header::CONTENT_TYPE, content_type),
+                (header::CONTENT_LENGTH, "5"),
             ]);
             assert_eq!(
                 guard
@@ -258,10 +301,65 @@ mod tests {
                 "{content_type}"
             );
         }
-        let none = headers(&[(header::HOST, "127.0.0.1:7733")]);
+        // A body with no type, or with a type and length but not JSON.
+        let untyped = headers(&[
+            (header::HOST, "127.0.0.1:7733"),
+            (header::CONTENT_LENGTH, "2"),
+        ]);
         assert!(
             guard
-                .refuse(&Method::POST, "/api/models/x/load", &none)
+                .refuse(&Method::POST, "/api/models/x/load", &untyped)
+                .is_some()
+        );
+        let chunked = headers(&[
+            (header::HOST, "127.0.0.1:7733"),
+            (header::TRANSFER_ENCODING, "chunked"),
+        ]);
+        assert!(
+            guard
+                .refuse(&Method::POST, "/api/models/x/load", &chunked)
+                .is_some()
+        );
+        // No body at all: nothing to type.
+        for none in [
+            headers(&[(header::HOST, "127.0.0.1:7733")]),
+            headers(&[
+                (header::HOST, "127.0.0.1:7733"),
+                (header::CONTENT_LENGTH, "0"),
+            ]),
+        ] {
+            assert!(
+                guard
+                    .refuse(&Method::POST, "/api/models/x/load", &none)
+                    .is_none()
+            );
+        }
+        // ... but a foreign origin is still refused.
+        let page = headers(&[
+            (header::HOST, "127.0.0.1:7733"),
+            (header::ORIGIN, "https://evil.example"),
+        ]);
+        assert_eq!(
+            guard
+                .refuse(&Method::POST, "/api/models/x/load", &page)
+                .unwrap()
+                .code,
+            "forbidden_origin"
+        );
+        // Bytes go only where a route takes them.
+        let bytes = headers(&[
+            (header::HOST, "127.0.0.1:7733"),
+            (header::CONTENT_TYPE, "application/octet-stream"),
+            (header::CONTENT_LENGTH, "4"),
+        ]);
+        assert!(
+            guard
+                .refuse(&Method::POST, "/api/models/x/infer", &bytes)
+                .is_none()
+        );
+        assert!(
+            guard
+                .refuse(&Method::POST, "/api/models/x/load", &bytes)
                 .is_some()
         );
         let charset = headers(&[

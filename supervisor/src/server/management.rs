@@ -1,17 +1,16 @@
-//! The management API: what is loaded, the catalogue, load / unload / swap,
-//! and `infer` for any backend.
+//! The management API: what is loaded, the catalogue, load / unload /
+//! swap (`infer`, any backend's own request, has its own file).
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use super::AppState;
 use super::error::{ApiError, parse};
-use super::openai::{KeepAliveField, request_options};
-use crate::{Body, ModelSpec};
+use crate::ModelSpec;
 
 /// Reads every worker's procfs off the async runtime (and the supervisor
 /// reads it outside its state lock), so polling `ps` slows no request.
@@ -46,22 +45,85 @@ pub async fn catalogue(State(app): State<AppState>) -> Json<Value> {
 /// An HTTP client names a declared worker kind (`worker`) instead.
 const OPERATOR_ONLY: &[&str] = &["worker_binary", "env", "command", "cwd"];
 
-/// A spec in a request body; the name comes from the path.
+/// An operator-only field `field` given over HTTP.
+fn operator_only(name: &str, field: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        "operator_only",
+        format!(
+            "model `{name}`: `{field}` cannot be set over HTTP: which program a worker runs, \
+             and with what environment, is the operator's choice; declare a worker kind in \
+             the config (`[workers.NAME]`) and name it here with `\"worker\": \"NAME\"`"
+        ),
+    )
+}
+
+/// True for a value that sets nothing: `null`, `[]`, `{}`, `""` (what a
+/// spec read from `/api/models` holds for a field the operator left unset).
+fn is_unset(value: &Value) -> bool {
+    match value {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::String(s) => s.is_empty(),
+        _ => false,
+    }
+}
+
+/// A spec in a request body; the name comes from the path. An
+/// operator-only field may appear only unset.
 pub(crate) fn spec_from(name: &str, body: &[u8]) -> Result<ModelSpec, ApiError> {
-    let mut value: Value = parse(body)?;
-    let object = value
-        .as_object_mut()
-        .ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
-    if let Some(field) = OPERATOR_ONLY.iter().find(|f| object.contains_key(**f)) {
+    spec_over(name, body, None)
+}
+
+/// [`spec_from`] for a swap: the operator's fields are `registered`'s. A
+/// body may repeat them as they are (a client that read the spec from
+/// `/api/models` and posts it back changed), or leave them out, but never
+/// change them.
+fn swap_spec_from(name: &str, body: &[u8], registered: &ModelSpec) -> Result<ModelSpec, ApiError> {
+    let mut spec = spec_over(name, body, Some(registered))?;
+    if spec.worker != registered.worker
+        && (registered.command.is_some() || registered.worker_binary.is_some())
+    {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "operator_only",
             format!(
-                "model `{name}`: `{field}` cannot be set over HTTP: which program a worker runs, \
-                 and with what environment, is the operator's choice; declare a worker kind in \
-                 the config (`[workers.NAME]`) and name it here with `\"worker\": \"NAME\"`"
+                "model `{name}` runs the program its operator named for it (`{}`); a swap \
+                 over HTTP keeps that program and cannot name a worker kind instead",
+                if registered.command.is_some() {
+                    "command"
+                } else {
+                    "worker_binary"
+                }
             ),
         ));
+    }
+    spec.worker_binary = registered.worker_binary.clone();
+    spec.env = registered.env.clone();
+    spec.command = registered.command.clone();
+    spec.cwd = registered.cwd.clone();
+    Ok(spec)
+}
+
+fn spec_over(
+    name: &str,
+    body: &[u8],
+    registered: Option<&ModelSpec>,
+) -> Result<ModelSpec, ApiError> {
+    let mut value: Value = parse(body)?;
+    let object = value
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
+    let current = registered.map(|spec| serde_json::to_value(spec).unwrap_or_default());
+    for field in OPERATOR_ONLY {
+        let Some(given) = object.remove(*field) else {
+            continue;
+        };
+        let as_registered = current.as_ref().is_some_and(|c| c[*field] == given);
+        if !is_unset(&given) && !as_registered {
+            return Err(operator_only(name, field));
+        }
     }
     if let Some(given) = object.get("name").and_then(Value::as_str)
         && given != name
@@ -117,38 +179,27 @@ pub async fn unload(
     Ok(Json(json!(app.supervisor.unload(&name).await?)))
 }
 
+/// Swaps a model for the spec in the body. The program, environment and
+/// folder stay the registered model's (see [`swap_spec_from`]); weights
+/// that are the registered ones stay as the operator placed them, new ones
+/// must lie inside `models_dir`.
 pub async fn swap(
     State(app): State<AppState>,
     Path(name): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let spec = app.confine(spec_from(&name, &body)?)?;
-    Ok(Json(json!(app.supervisor.swap(spec).await?)))
-}
-
-/// Passes the JSON body to the backend as its request; answers with the
-/// backend's JSON. `?keep_alive=` applies as on the OpenAI endpoints.
-pub async fn infer(
-    State(app): State<AppState>,
-    Path(name): Path<String>,
-    axum::extract::Query(query): axum::extract::Query<InferQuery>,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let _: Value = parse(&body)?;
-    let json = String::from_utf8(body.to_vec())
-        .map_err(|_| ApiError::bad_request("the body is not UTF-8"))?;
-    let options = request_options(query.keep_alive.as_ref(), query.timeout.as_ref())?;
-    let reply = app
+    let registered = app
         .supervisor
-        .request_with(&name, Body::json(json), options)
-        .await?;
-    Ok(([(header::CONTENT_TYPE, "application/json")], reply.json).into_response())
-}
-
-#[derive(Debug, serde::Deserialize)]
-pub struct InferQuery {
-    #[serde(default)]
-    keep_alive: Option<KeepAliveField>,
-    #[serde(default)]
-    timeout: Option<KeepAliveField>,
+        .catalogue()
+        .into_iter()
+        .find(|e| e.spec.name == name)
+        .map(|e| e.spec)
+        .ok_or_else(|| ApiError::from(app.supervisor.unknown(&name)))?;
+    let mut spec = swap_spec_from(&name, &body, &registered)?;
+    if spec.model.is_some() && spec.model == registered.model {
+        spec.confine = registered.confine.clone();
+    } else {
+        spec = app.confine(spec)?;
+    }
+    Ok(Json(json!(app.supervisor.swap(spec).await?)))
 }

@@ -12,10 +12,12 @@ use axum::routing::{get, post};
 
 use crate::Supervisor;
 
+mod base64;
 pub mod config;
 mod embeddings;
 mod error;
 mod guard;
+pub mod infer;
 pub mod listen;
 mod management;
 pub mod metrics;
@@ -110,7 +112,7 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
         .route("/api/models/{name}/load", post(management::load))
         .route("/api/models/{name}/unload", post(management::unload))
         .route("/api/models/{name}/swap", post(management::swap))
-        .route("/api/models/{name}/infer", post(management::infer))
+        .route("/api/models/{name}/infer", post(infer::infer))
         .route("/metrics", get(metrics))
         .route("/readyz", get(readyz));
     Router::new()

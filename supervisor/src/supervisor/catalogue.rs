@@ -95,7 +95,7 @@ impl Supervisor {
         Ok(report)
     }
 
-    pub(super) fn unknown(&self, model: &str) -> Error {
+    pub(crate) fn unknown(&self, model: &str) -> Error {
         Error::UnknownModel {
             model: model.into(),
             known: self.lock().catalogue.keys().cloned().collect(),
