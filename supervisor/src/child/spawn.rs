@@ -2,6 +2,8 @@
 //!
 //! - cleared environment plus what the worker needs;
 //! - its own process group, so a stop reaches everything it forked;
+//! - no descriptor but stdin, stdout, stderr and its wire's: whatever the
+//!   supervisor itself inherited stays behind;
 //! - `PR_SET_NO_NEW_PRIVS`, so nothing it execs can gain privileges;
 //! - `PR_SET_PDEATHSIG = SIGKILL` armed between fork and exec, and the parent
 //!   re-checked right after, so a supervisor killed at any moment (even by
@@ -121,6 +123,44 @@ pub enum Connect<'a> {
     Stream(RawFd),
 }
 
+/// Marks every descriptor from `first` up close-on-exec, so that an exec
+/// takes none of them along; for the child side of a fork, between fork
+/// and exec. `close_range(CLOSE_RANGE_CLOEXEC)` (Linux 5.11) does it in
+/// one call; before that, every descriptor below the open-file limit is
+/// marked one by one (bounded, since the limit may have been raised).
+///
+/// # Safety
+/// Async-signal-safe: only `syscall`, `getrlimit` and `fcntl`.
+pub(crate) unsafe fn cloexec_from(first: RawFd) -> io::Result<()> {
+    // SAFETY: close_range takes integers and touches no memory of ours.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            first as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass.
+    let top = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+        limit.rlim_cur.min(1 << 20) as RawFd
+    } else {
+        1024
+    };
+    for fd in first..top {
+        // SAFETY: F_SETFD on a descriptor that may not be open: EBADF, ignored.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
+    Ok(())
+}
+
 /// Starts a worker; it connects (or finds its socket) on its own.
 pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
     let supervisor_pid = std::process::id();
@@ -152,8 +192,9 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
     }
     let cgroup_procs = opts.cgroup_procs.cloned();
     // SAFETY: the closure runs between fork and exec and calls only
-    // async-signal-safe functions (dup2, fcntl, prctl, getppid, open, write,
-    // close); it allocates nothing (the path was allocated before the fork).
+    // async-signal-safe functions (dup2, fcntl, close_range, getrlimit,
+    // prctl, getppid, open, write, close); it allocates nothing (the path
+    // was allocated before the fork).
     unsafe {
         command.pre_exec(move || {
             if let Some(fd) = stream_fd {
@@ -167,6 +208,15 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
                     return Err(io::Error::last_os_error());
                 }
             }
+            // Nothing berth itself inherited (a shell's stray descriptors,
+            // a service manager's) reaches the worker: it gets stdin,
+            // stdout, stderr and its wire's descriptor, nothing else.
+            let first_free = if stream_fd.is_some() {
+                WORKER_FD + 1
+            } else {
+                3
+            };
+            cloexec_from(first_free)?;
             if let Some(procs) = &cgroup_procs {
                 let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
                 if fd < 0 {
