@@ -62,6 +62,7 @@ pub struct Header {
     pub worker_version: Option<String>,
     pub backends: Option<Vec<String>>,
     pub runtime: Option<String>,
+    pub library: Option<String>,
     pub details: Option<Box<RawValue>>,
     pub load_micros: Option<u64>,
     pub max_batch: Option<u32>,
@@ -274,6 +275,9 @@ pub struct StreamHello {
     pub worker_version: String,
     pub backends: Vec<String>,
     pub runtime: Option<String>,
+    /// The worker library it is built on (`berth_worker` for the Python
+    /// package), when it says: what advice a version mismatch gets.
+    pub library: Option<String>,
 }
 
 /// A checked message from a worker. Bulk bytes stay in the frame (payload
@@ -334,6 +338,7 @@ impl WorkerMessage {
                 worker_version: h.worker_version.unwrap_or_default(),
                 backends: need(h.backends, kind, "backends")?,
                 runtime: h.runtime,
+                library: h.library,
             }),
             "loaded" => WorkerMessage::Loaded {
                 details: body_text(h.details),

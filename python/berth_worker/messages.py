@@ -28,6 +28,7 @@ def hello(pid: int, worker_version: str, backends: Sequence[str], runtime: str) 
         "worker_version": worker_version,
         "backends": list(backends),
         "runtime": runtime,
+        "library": "berth_worker",
     }
 
 

@@ -33,19 +33,11 @@ pub enum Error {
         reason: String,
     },
 
-    #[error(
-        "model `{model}`: worker pid {pid} speaks protocol version {worker}, this supervisor speaks \
-         {supervisor}; {advice} (it was stopped)"
-    )]
+    #[error("model `{model}`: worker {mismatch}")]
     ProtocolMismatch {
         model: String,
         pid: u32,
-        /// The versions this supervisor speaks (`1`, `1, 2`).
-        supervisor: String,
-        /// The versions the worker said it speaks.
-        worker: String,
-        /// What to do about it.
-        advice: &'static str,
+        mismatch: Box<VersionMismatch>,
     },
 
     #[error("model `{model}`: worker sent {received} where {expected} was expected")]
@@ -247,6 +239,40 @@ fn stderr_suffix(lines: &[String]) -> String {
         String::new()
     } else {
         format!("; last stderr lines:\n  {}", lines.join("\n  "))
+    }
+}
+
+/// What a worker and the supervisor disagree on: their wire's versions.
+#[derive(Debug, Clone)]
+pub struct VersionMismatch {
+    /// The program the worker runs, as its command line.
+    pub program: String,
+    pub pid: u32,
+    /// `protocol` (`ipc-channel`) or `stream-wire`.
+    pub wire: &'static str,
+    /// The versions this supervisor speaks (`1`, `1, 2`).
+    pub supervisor: String,
+    /// The versions the worker said it speaks.
+    pub worker: String,
+    /// What to do about it, for this kind of worker.
+    pub advice: String,
+    /// How the worker ended: it exited on reading `refused`, or was stopped.
+    pub ending: String,
+}
+
+impl std::fmt::Display for VersionMismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` (pid {}) speaks {} version {}, this supervisor speaks {}; {} ({})",
+            self.program,
+            self.pid,
+            self.wire,
+            self.worker,
+            self.supervisor,
+            self.advice,
+            self.ending
+        )
     }
 }
 

@@ -35,7 +35,7 @@ pub use berth_protocol as protocol;
 pub use berth_protocol::{Body, Bulk};
 pub use child::handle::{Piece, ResponseStream, WorkerHandle};
 pub use config::{ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
-pub use error::{Error, ErrorClass, Result};
+pub use error::{Error, ErrorClass, Result, VersionMismatch};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport};
 pub use supervisor::{
     BatchingStatus, CatalogueEntry, ModelCounters, ModelState, ModelStatus, RequestOptions,

@@ -422,15 +422,10 @@ async fn another_protocol_version_is_refused(w: Worker) {
     };
     spec.env.push((mode.into(), "wrong-version".into()));
     let err = sup.load(spec).await.unwrap_err();
-    let Error::ProtocolMismatch {
-        pid,
-        worker,
-        supervisor,
-        ..
-    } = &err
-    else {
+    let Error::ProtocolMismatch { pid, mismatch, .. } = &err else {
         panic!("{err}")
     };
+    let (worker, supervisor) = (&mismatch.worker, &mismatch.supervisor);
     // The ipc wire's version, or the stream wire's (optional members such
     // as a done's `batch` did not change it).
     let (expected, ours) = match w {

@@ -244,23 +244,22 @@ async fn another_protocol_version_is_refused_and_stopped() {
     spec.env
         .push(("BERTH_TEST_WORKER_MODE".into(), "wrong-version".into()));
     let err = sup.load(spec).await.unwrap_err();
-    let Error::ProtocolMismatch {
-        pid,
-        worker,
-        supervisor,
-        ..
-    } = &err
-    else {
+    let Error::ProtocolMismatch { pid, mismatch, .. } = &err else {
         panic!("got {err}")
     };
     assert_eq!(
-        (worker.as_str(), supervisor.as_str()),
+        (mismatch.worker.as_str(), mismatch.supervisor.as_str()),
         (
             "999",
             berth::protocol::PROTOCOL_VERSION.to_string().as_str()
         )
     );
-    assert!(err.to_string().contains("999"), "{err}");
+    // The program is named, with advice for a Rust worker, not Python's.
+    let text = err.to_string();
+    assert!(text.contains("999"), "{err}");
+    assert!(text.contains("berth-test-worker"), "{err}");
+    assert!(text.contains("rebuild the worker binary"), "{err}");
+    assert!(!text.contains("berth_worker"), "{err}");
     assert!(
         wait_for(Duration::from_secs(1), || !alive(*pid)),
         "the worker was stopped"

@@ -244,3 +244,30 @@ fn the_sidecar_serves_python_models_and_leaves_nothing_named_behind() {
     assert!(new.is_empty(), "left in /dev/shm: {new:?}");
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// A worker that speaks no version in common is sent `refused` first and
+/// given time to read it: it exits on its own, having printed why, and the
+/// error names the program, both versions and advice for its kind (a
+/// worker written from docs/wire.md, not the Python package).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_worker_reads_why_before_it_is_stopped() {
+    let sup = supervisor();
+    let err = sup
+        .load(rogue("old-wire", "wrong-version"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "protocol_mismatch", "{err}");
+    let text = err.to_string();
+    for phrase in [
+        "rogue_worker.py",
+        "versions 2, 3",
+        "speaks 1",
+        "exited with code 1",
+        "rogue: refused: the worker speaks wire versions 2, 3",
+        "docs/wire.md",
+    ] {
+        assert!(text.contains(phrase), "`{phrase}` not in: {text}");
+    }
+    assert!(!text.contains("berth_worker"), "no Python advice: {text}");
+    assert!(workers_of_model("old-wire").is_empty());
+}

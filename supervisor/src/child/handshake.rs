@@ -19,7 +19,7 @@ use tokio::sync::oneshot;
 use crate::child::link::{Events, HelloInfo, Link};
 use crate::child::process::ProcessWatch;
 use crate::child::stream::{Ended, Inbound, StreamReader, StreamWriter};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, VersionMismatch};
 
 /// A worker that said hello: its events, its commands, what it said.
 pub(crate) type Accepted = (Events, Link, HelloInfo);
@@ -40,9 +40,14 @@ pub(crate) enum HandshakeOutcome {
     TimedOut,
 }
 
+/// How long a refused stream worker has to read why and exit on its own
+/// before it is killed.
+const REFUSED_GRACE: Duration = Duration::from_secs(2);
+
 /// Waits for the hello until `timeout`, the worker's exit, or a bad message.
 pub(crate) async fn accept(
     model: &str,
+    program: &str,
     pid: u32,
     server: IpcOneShotServer<Event>,
     server_name: &str,
@@ -64,7 +69,7 @@ pub(crate) async fn accept(
     }
     let outcome = tokio::select! {
         accepted = rx => match accepted {
-            Ok(Ok((events, Event::Hello(hello)))) => check(model, pid, events, hello),
+            Ok(Ok((events, Event::Hello(hello)))) => check(model, program, pid, events, hello),
             Ok(Ok((_, other))) => HandshakeOutcome::Failed(Error::UnexpectedMessage {
                 model: model.into(), expected: "Hello", received: other.name(),
             }),
@@ -109,6 +114,7 @@ fn wrong_pid(model: &str, pid: u32, said: u32) -> Option<Error> {
 
 fn check(
     model: &str,
+    program: &str,
     pid: u32,
     events: ipc_channel::ipc::IpcReceiver<Event>,
     hello: Hello,
@@ -117,9 +123,17 @@ fn check(
         return HandshakeOutcome::Failed(Error::ProtocolMismatch {
             model: model.into(),
             pid,
-            supervisor: PROTOCOL_VERSION.to_string(),
-            worker: hello.protocol_version.to_string(),
-            advice: "rebuild the worker binary from the same berth release",
+            mismatch: Box::new(VersionMismatch {
+                program: program.into(),
+                pid,
+                wire: "protocol",
+                supervisor: PROTOCOL_VERSION.to_string(),
+                worker: hello.protocol_version.to_string(),
+                advice: "rebuild the worker binary (or the host's binary built on the \
+                         berth-worker library) from the same berth release as this supervisor"
+                    .into(),
+                ending: "it was stopped".into(),
+            }),
         });
     }
     if let Some(e) = wrong_pid(model, pid, hello.pid) {
@@ -131,6 +145,22 @@ fn check(
         backends: hello.backends,
     };
     HandshakeOutcome::Ok((Events::Ipc(events), Link::Ipc(hello.commands), info))
+}
+
+/// Sends `refused` with `reason`, gives the worker [`REFUSED_GRACE`] to
+/// read it and exit on its own (the caller kills it after that), and says
+/// how it ended.
+async fn refuse(writer: &StreamWriter, process: &ProcessWatch, reason: &str) -> String {
+    if writer.send_header(&wire::refused(reason)).is_err() {
+        return "it was stopped; its socket was already closed".into();
+    }
+    match process.exited_within(REFUSED_GRACE).await {
+        Some(exit) => format!("it was refused and {exit}{}", process.stderr_suffix().await),
+        None => format!(
+            "it was refused and did not exit within {} s, so it was stopped",
+            REFUSED_GRACE.as_secs()
+        ),
+    }
 }
 
 fn versions(list: &[u32]) -> String {
@@ -146,6 +176,7 @@ fn versions(list: &[u32]) -> String {
 /// frame, and answers it: `welcome` with the version chosen, or `refused`.
 pub(crate) async fn accept_stream(
     model: &str,
+    program: &str,
     pid: u32,
     mut reader: StreamReader,
     writer: StreamWriter,
@@ -190,7 +221,15 @@ pub(crate) async fn accept_stream(
         }
     };
     if let Some(e) = wrong_pid(model, pid, hello.pid) {
-        return HandshakeOutcome::Failed(e);
+        let ending = refuse(&writer, process, &e.to_string()).await;
+        return HandshakeOutcome::Failed(match e {
+            Error::Handshake { model, pid, reason } => Error::Handshake {
+                model,
+                pid,
+                reason: format!("{reason} ({ending})"),
+            },
+            other => other,
+        });
     }
     let Some(version) = wire::choose_version(&hello.versions) else {
         let reason = format!(
@@ -198,13 +237,33 @@ pub(crate) async fn accept_stream(
             versions(&hello.versions),
             versions(STREAM_VERSIONS)
         );
-        let _ = writer.send_header(&wire::refused(&reason));
+        let ending = refuse(&writer, process, &reason).await;
+        let python_package = hello.library.as_deref() == Some("berth_worker")
+            || hello
+                .runtime
+                .as_deref()
+                .is_some_and(|r| r.starts_with("CPython") || r.starts_with("PyPy"));
         return HandshakeOutcome::Failed(Error::ProtocolMismatch {
             model: model.into(),
             pid,
-            supervisor: versions(STREAM_VERSIONS),
-            worker: versions(&hello.versions),
-            advice: "install a berth_worker package of the same berth release",
+            mismatch: Box::new(VersionMismatch {
+                program: program.into(),
+                pid,
+                wire: "stream-wire",
+                supervisor: versions(STREAM_VERSIONS),
+                worker: versions(&hello.versions),
+                advice: if python_package {
+                    "install the berth_worker package of this berth release into the worker's \
+                     Python environment (`pip install ./python` from the same checkout)"
+                        .into()
+                } else {
+                    format!(
+                        "make the worker speak stream-wire version {} (docs/wire.md, section 7)",
+                        versions(STREAM_VERSIONS)
+                    )
+                },
+                ending,
+            }),
         });
     };
     if writer.send_header(&wire::welcome(version)).is_err() {

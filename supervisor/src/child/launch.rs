@@ -272,15 +272,17 @@ pub(crate) async fn launch(
     spawned(pid);
     tracing::debug!(model, pid, program = %program, "worker started");
 
+    let program_line = program.to_string();
     let outcome = match listening {
         Listening::Ipc(server, name) => {
-            handshake::accept(model, pid, server, &name, &process, left()).await
+            handshake::accept(model, &program_line, pid, server, &name, &process, left()).await
         }
         Listening::Stream(ours, theirs) => {
             drop(theirs);
             let (reader, writer) =
                 stream::connect(ours).map_err(io_error("cannot watch the worker's socket"))?;
-            handshake::accept_stream(model, pid, reader, writer, &process, left()).await
+            handshake::accept_stream(model, &program_line, pid, reader, writer, &process, left())
+                .await
         }
     };
     let accepted = match outcome {

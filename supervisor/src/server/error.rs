@@ -190,9 +190,15 @@ mod tests {
                 Error::ProtocolMismatch {
                     model: M.into(),
                     pid: 7,
-                    supervisor: "2".into(),
-                    worker: "1".into(),
-                    advice: "rebuild",
+                    mismatch: Box::new(crate::error::VersionMismatch {
+                        program: "/opt/w".into(),
+                        pid: 7,
+                        wire: "protocol",
+                        supervisor: "2".into(),
+                        worker: "1".into(),
+                        advice: "rebuild".into(),
+                        ending: "it was stopped".into(),
+                    }),
                 },
                 502,
                 "protocol_mismatch",
