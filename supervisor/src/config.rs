@@ -526,9 +526,11 @@ pub struct SupervisorConfig {
     pub models_root: Option<PathBuf>,
     /// Worker kinds a model may name with [`ModelSpec::worker`].
     pub workers: BTreeMap<String, WorkerKind>,
-    /// Largest answer (or streamed piece) a worker may send inside its
-    /// message; a larger one fails its request with `input_too_large`
-    /// (default 256 MiB). Bulk bytes in shared memory do not count.
+    /// Largest answer (or streamed piece) a worker may send: its JSON and
+    /// its bulk bytes together, whether they travel inside the message, in
+    /// shared memory or in a memfd; a larger one fails its request with
+    /// `input_too_large` (default 256 MiB). Also the most a request's
+    /// streamed pieces may hold unread by its caller.
     pub max_response: u64,
 }
 

@@ -44,13 +44,13 @@ pub(super) struct Waiting {
     pub(super) unread: Arc<AtomicU64>,
 }
 
-/// The size a body takes in the supervisor's memory.
+/// The size of a body as `max_response` counts it: its JSON and its bulk
+/// bytes, however they travel (inside the message, in `ipc-channel`'s
+/// shared memory, in a memfd). Bulk bytes in shared memory are not the
+/// supervisor's heap, but a mapping held until the answer is passed on
+/// keeps them alive just the same, so one rule counts every form.
 pub(super) fn held_bytes(body: &Body) -> u64 {
-    let inline = match &body.bulk {
-        berth_protocol::Bulk::Inline(bytes) => bytes.len(),
-        _ => 0,
-    };
-    (body.json.len() + inline) as u64
+    (body.json.len() + body.bulk_bytes().len()) as u64
 }
 
 #[derive(Default)]
@@ -285,15 +285,22 @@ impl Dispatch {
 }
 
 /// A body the worker sent: a large one asks for a heap trim once it is
-/// through (whatever front door passes it on); one past
-/// `max_response` bytes inside the message: the supervisor would otherwise
-/// parse and copy it several times over on its way to the client. Bulk bytes
-/// in shared memory are the worker's mapping, not the supervisor's heap, and
-/// do not count.
+/// through (whatever front door passes it on); one past `max_response`
+/// bytes (JSON and bulk together, in whatever form: see [`held_bytes`]) is
+/// refused and its request fails alone: the supervisor would otherwise
+/// parse and copy it several times over on its way to the client.
+/// Bulk bytes a body holds on the supervisor's heap.
+fn inline_len(body: &Body) -> usize {
+    match &body.bulk {
+        berth_protocol::Bulk::Inline(bytes) => bytes.len(),
+        _ => 0,
+    }
+}
+
 fn bounded(model: &str, body: Body, max_response: u64) -> std::result::Result<Body, WireError> {
     let size = held_bytes(&body);
     if size <= max_response {
-        if size >= crate::heap::LARGE {
+        if body.json.len() + inline_len(&body) >= crate::heap::LARGE as usize {
             // Its copies on the way to the client will be freed shortly.
             crate::heap::trim_soon();
         }
@@ -304,8 +311,9 @@ fn bounded(model: &str, body: Body, max_response: u64) -> std::result::Result<Bo
     Err(WireError::new(
         berth_protocol::ErrorKind::InputTooLarge,
         format!(
-            "model `{model}`: its answer was {size} bytes, over the supervisor's max_response \
-             of {max_response} bytes; send fewer inputs per request, or raise max_response"
+            "model `{model}`: its answer was {size} bytes (JSON and bulk bytes together), over \
+             the supervisor's max_response of {max_response} bytes; send fewer inputs per \
+             request, or raise max_response"
         ),
     ))
 }
