@@ -11,49 +11,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import Internal
 from .options import Options
+from .spec import LoadSpec
 from .state import Progress, WorkerState
 
 #: What :meth:`RequestContext.chunk` hands to the connection:
 #: ``(request id, body, bulk)``.
 ChunkSink = Callable[[int, Any, Optional[Any]], None]
-
-
-class LoadSpec:
-    """What to load, as the supervisor's ``load`` message says it.
-
-    ``name`` is the model's name in the supervisor (for messages),
-    ``backend`` the backend to load, ``model`` a path or ``None``, and
-    ``options`` the operator's ``KEY=VALUE`` options, all strings.
-    """
-
-    __slots__ = ("name", "backend", "model", "options")
-
-    def __init__(
-        self,
-        name: str,
-        backend: str,
-        model: Optional[str] = None,
-        options: Optional[Dict[str, str]] = None,
-    ) -> None:
-        self.name = name
-        self.backend = backend
-        self.model = model
-        self.options: Dict[str, str] = dict(options or {})
-
-    def __repr__(self) -> str:
-        return "LoadSpec(name={!r}, backend={!r}, model={!r}, options={!r})".format(
-            self.name, self.backend, self.model, self.options
-        )
-
-
-def gpus_from_env() -> List[int]:
-    """The GPUs in ``BERTH_GPUS`` (physical indices); empty when unset."""
-    out: List[int] = []
-    for item in os.environ.get("BERTH_GPUS", "").split(","):
-        item = item.strip()
-        if item.isdigit():
-            out.append(int(item))
-    return out
 
 
 class LoadContext:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 from .errors import BadRequest
 
 if TYPE_CHECKING:
-    from .backend import LoadSpec
+    from .spec import LoadSpec
 
 
 class Options:

@@ -19,6 +19,7 @@ use nix::sys::signal::Signal;
 use tokio::sync::{Notify, mpsc, watch};
 
 use crate::base::KillCause;
+use crate::child::death::Death;
 use crate::child::handshake::Accepted;
 use crate::child::link::{Events, Link};
 use crate::child::memory::{ProcessMemory, process_memory};
@@ -27,43 +28,6 @@ use crate::child::routes::{Dispatch, Reply, Routes, Waiting, held_bytes};
 use crate::child::stream::SendError;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
-
-/// What a dead worker leaves for the requests it could not answer.
-#[derive(Debug, Clone)]
-pub(crate) struct Death {
-    pub exit: ExitStatus,
-    pub stderr_tail: Vec<String>,
-    pub cause: Option<KillCause>,
-    /// Hashes of the requests in flight when it died (for quarantine).
-    pub in_flight: Vec<u64>,
-}
-
-impl Death {
-    pub(crate) fn error(&self, model: &str, pid: u32, during: &'static str) -> Error {
-        match &self.cause {
-            Some(KillCause::MemoryLimit {
-                limit_bytes,
-                peak_bytes,
-                mechanism,
-            }) => Error::MemoryLimitExceeded {
-                model: model.into(),
-                pid,
-                limit: *limit_bytes,
-                peak: *peak_bytes,
-                mechanism: *mechanism,
-                during,
-            },
-            cause => Error::WorkerDied {
-                model: model.into(),
-                pid,
-                exit: self.exit.clone(),
-                during,
-                stderr_tail: self.stderr_tail.clone(),
-                cause: cause.clone(),
-            },
-        }
-    }
-}
 
 /// What identifies a request for quarantine: its JSON and the shape of its bulk part.
 pub(crate) fn body_hash(body: &Body) -> u64 {

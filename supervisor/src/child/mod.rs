@@ -1,10 +1,12 @@
 //! The supervisor's side of one worker process (a *child*; the worker's
 //! own side is the `berth-worker` crate), one concern per file: `spawn`,
 //! `handshake`, `launch` (spawn → hello → load), `handle` (requests and the
-//! reader), `routes` (a worker's events to the requests waiting), `health` (heartbeats, stalls), `stop`, `process` (reaping,
-//! kill causes), `output` (bounded stdout/stderr), `memory` (procfs), and
-//! `limits` (memory caps).
+//! reader), `routes` (a worker's events to the requests waiting), `death`
+//! (what a dead worker leaves), `health` (heartbeats, stalls), `stop`,
+//! `process` (reaping, kill causes), `output` (bounded stdout/stderr),
+//! `memory` (procfs), and `limits` (memory caps).
 
+pub(crate) mod death;
 pub mod handle;
 pub(crate) mod handshake;
 pub(crate) mod health;

@@ -14,7 +14,7 @@ use berth_protocol::stream::Violation;
 use berth_protocol::{Body, Event, RequestId, WireError, WorkerStats};
 use tokio::sync::{mpsc, watch};
 
-use super::handle::Death;
+use super::death::Death;
 use super::process::ProcessWatch;
 use super::stream::{Ended, Inbound, StreamReader};
 use crate::base::KillCause;

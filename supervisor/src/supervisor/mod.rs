@@ -28,6 +28,7 @@ use crate::report::UnloadReport;
 mod admission;
 mod catalogue;
 mod counters;
+mod crashes;
 mod keep_alive;
 mod lifecycle;
 mod requests;
@@ -38,8 +39,8 @@ mod types;
 
 pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters};
 
+pub use crashes::LastExit;
 pub use requests::RequestStream;
-pub use resilience::LastExit;
 pub use types::{
     BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport,
 };

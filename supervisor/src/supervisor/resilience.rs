@@ -12,138 +12,19 @@
 //!   way a swap does it. Past `max_rss` the old worker also stops taking new
 //!   requests, which wait for the replacement, so a leak stays bounded.
 
-use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::crashes::LastExit;
 use super::{Inner, ModelState, Need, State, Supervisor};
-use crate::base::KillCause;
-use crate::child::handle::{Death, WorkerHandle};
+use crate::child::death::Death;
+use crate::child::handle::WorkerHandle;
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
-
-/// Defaults of the crash policy.
-pub const DEFAULT_MAX_RESTARTS: u32 = 5;
-pub const DEFAULT_RESTART_WINDOW: Duration = Duration::from_secs(60);
-const MAX_BACKOFF: Duration = Duration::from_secs(60);
-/// A worker that served this long resets the backoff.
-const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(30);
-
-/// The last unexpected exit of a model's worker.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LastExit {
-    pub pid: u32,
-    pub exit: ExitStatus,
-    /// Set when the supervisor or the kernel killed it (memory limit, stall).
-    pub cause: Option<KillCause>,
-    /// What happened, in a sentence.
-    pub description: String,
-    pub stderr_tail: Vec<String>,
-    pub at_unix_s: u64,
-}
-
-/// A model's crash record; it outlives its workers.
-#[derive(Debug, Default)]
-pub(super) struct CrashHistory {
-    crashes: VecDeque<Instant>,
-    consecutive: u32,
-    pub last_exit: Option<LastExit>,
-    last_in_flight: Vec<u64>,
-    quarantine: HashSet<u64>,
-}
-
-impl CrashHistory {
-    pub fn is_quarantined(&self, hash: u64) -> bool {
-        self.quarantine.contains(&hash)
-    }
-
-    /// Forgets quarantined requests: they were poison for other weights.
-    pub(super) fn clear_quarantine(&mut self) {
-        self.quarantine.clear();
-        self.last_in_flight.clear();
-    }
-
-    /// Records how a worker died and quarantines the requests that were in
-    /// flight at this death and the one before.
-    fn note_death(&mut self, model: &str, pid: u32, death: &Death) {
-        let description = match &death.cause {
-            Some(cause) => format!("worker pid {pid} was {cause} ({})", death.exit),
-            None => format!("worker pid {pid} {}", death.exit),
-        };
-        for hash in death
-            .in_flight
-            .iter()
-            .filter(|h| self.last_in_flight.contains(h))
-        {
-            if self.quarantine.insert(*hash) {
-                tracing::warn!(
-                    model,
-                    "a request was in flight at two worker deaths in a row; it is quarantined"
-                );
-            }
-        }
-        self.last_in_flight = death.in_flight.clone();
-        self.last_exit = Some(LastExit {
-            pid,
-            exit: death.exit.clone(),
-            cause: death.cause.clone(),
-            description,
-            stderr_tail: death.stderr_tail.clone(),
-            at_unix_s: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-        });
-    }
-
-    /// Counts a crash; returns the backoff before the next start, or `None`
-    /// once the intensity cap is passed.
-    fn next_restart(
-        &mut self,
-        served: Duration,
-        spec: &ModelSpec,
-        base: Duration,
-    ) -> Option<Duration> {
-        if served >= BACKOFF_RESET_AFTER {
-            self.consecutive = 0;
-        }
-        let now = Instant::now();
-        let window = spec.restart_window.unwrap_or(DEFAULT_RESTART_WINDOW);
-        self.crashes.push_back(now);
-        while self
-            .crashes
-            .front()
-            .is_some_and(|t| now.duration_since(*t) > window)
-        {
-            self.crashes.pop_front();
-        }
-        if self.crashes.len() as u32 > spec.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS) {
-            return None;
-        }
-        let delay = base
-            .saturating_mul(1 << self.consecutive.min(16))
-            .min(MAX_BACKOFF);
-        self.consecutive += 1;
-        Some(delay)
-    }
-
-    fn failure(&self, spec: &ModelSpec) -> String {
-        format!(
-            "more than {} crashes within {}; last: {}",
-            spec.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS),
-            humantime::format_duration(spec.restart_window.unwrap_or(DEFAULT_RESTART_WINDOW)),
-            self.last_exit
-                .as_ref()
-                .map(|e| e.description.as_str())
-                .unwrap_or("unknown")
-        )
-    }
-}
 
 type Done = watch::Sender<Option<std::result::Result<(), Arc<Error>>>>;
 

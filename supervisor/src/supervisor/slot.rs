@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{Semaphore, watch};
 
-use super::resilience;
+use super::crashes;
 use super::{DEFAULT_MAX_CONCURRENCY, ModelCounters, ModelState, Need};
 use crate::child::handle::WorkerHandle;
 use crate::config::ModelSpec;
@@ -291,7 +291,7 @@ pub(super) struct Entry {
     pub(super) keep_alive: Option<Duration>,
     pub(super) counters: Arc<ModelCounters>,
     /// Crash restarts and what the last unexpected exit was.
-    pub(super) health: resilience::CrashHistory,
+    pub(super) health: crashes::CrashHistory,
 }
 
 impl Entry {
@@ -306,7 +306,7 @@ impl Entry {
             permits: Arc::new(Semaphore::new(concurrency)),
             queued: Arc::default(),
             counters: Arc::default(),
-            health: resilience::CrashHistory::default(),
+            health: crashes::CrashHistory::default(),
         }
     }
 

@@ -3,7 +3,7 @@
 //! tokenizer it describes (a model file carries its own tokenizer).
 
 use std::collections::HashMap;
-use std::io::Cursor;
+use std::io::{Cursor, Read, Seek, SeekFrom};
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use tokenizers::decoders::byte_level::ByteLevel;
@@ -12,7 +12,6 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
-use super::weights::Counted;
 use crate::Progress;
 
 /// GGUF `token_type` values.
@@ -183,6 +182,26 @@ pub(super) fn check_architecture(content: &Content, shown: &str) -> Result<(), S
         None => Err(format!(
             "`{shown}` names no architecture (`general.architecture`)"
         )),
+    }
+}
+
+/// A reader that advances the load progress on every read, so a long load
+/// shows as moving.
+pub(super) struct Counted<'a, R> {
+    pub(super) inner: R,
+    pub(super) progress: &'a Progress,
+}
+
+impl<R: Read> Read for Counted<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.progress.advance();
+        self.inner.read(buf)
+    }
+}
+
+impl<R: Seek> Seek for Counted<'_, R> {
+    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+        self.inner.seek(pos)
     }
 }
 

@@ -85,11 +85,11 @@ pub use gguf::tokenizer_from_gguf;
 pub use model::{Agreement, agreement_with_candle};
 
 use decode::{Ctx, Job};
-use gguf::{check_architecture, dominant_dtype, md_str, md_u32, parse_gguf};
+use gguf::{Counted, check_architecture, dominant_dtype, md_str, md_u32, parse_gguf};
 use model::{Llama, MAX_SEQ_LEN};
 use request::{Settings, parse_request};
 use template::{ChatMl, IM_END, IM_START};
-use weights::{Counted, Data, Source, open_data, q8_0_source};
+use weights::{Data, Source, open_data, q8_0_source};
 
 const OPTIONS: &[&str] = &[
     "load_mode",

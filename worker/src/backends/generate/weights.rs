@@ -1,9 +1,8 @@
-//! The weights' bytes: the model file mapped or read, a reader that shows
-//! a long load as progress, and the `quant=q8_0` conversion with its cache
-//! next to the source file.
+//! The weights' bytes: the model file mapped or read, and the `quant=q8_0`
+//! conversion with its cache next to the source file.
 
 use std::fs::File;
-use std::io::{BufWriter, Cursor, Read, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Cursor, Seek, Write};
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
@@ -58,26 +57,6 @@ pub(super) fn open_data(path: &Path, mode: LoadMode) -> Result<Data, String> {
             Ok(Data::Mapped(map))
         }
         _ => std::fs::read(path).map(Data::Owned).map_err(read_err),
-    }
-}
-
-/// A reader that advances the load progress on every read, so a long load
-/// shows as moving.
-pub(super) struct Counted<'a, R> {
-    pub(super) inner: R,
-    pub(super) progress: &'a Progress,
-}
-
-impl<R: Read> Read for Counted<'_, R> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.progress.advance();
-        self.inner.read(buf)
-    }
-}
-
-impl<R: Seek> Seek for Counted<'_, R> {
-    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
-        self.inner.seek(pos)
     }
 }
 
