@@ -6,7 +6,7 @@
 //!
 //! CI decodes 20,000 frames; `BERTH_FUZZ_FRAMES=1000000 cargo test --release
 //! -p berth-protocol --test stream_fuzz -- --nocapture` runs a million (the
-//! README's figure). The generator has a fixed seed (`BERTH_FUZZ_SEED` to
+//! figure in docs/performance.md). The generator has a fixed seed (`BERTH_FUZZ_SEED` to
 //! vary it), so a failure repeats.
 
 use berth_protocol::stream::{FrameDecoder, MAX_FRAME, WorkerMessage, frame};

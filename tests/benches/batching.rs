@@ -4,7 +4,7 @@
 //! 32, an established embedding server (`infinity-emb`, from a pinned venv
 //! of its own, on the same weights) under the same clients, and one client
 //! against the same model with batching impossible (`max_concurrency = 1`).
-//! The comparisons run in alternating rounds. The README's "Batching"
+//! The comparisons run in alternating rounds. docs/performance.md's "Batching"
 //! table. Clients ask for base64 vectors (what OpenAI's own client does by
 //! default), the in-process side for `f32` bulk: neither formats or parses
 //! floats as text.

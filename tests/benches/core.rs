@@ -1,4 +1,4 @@
-//! Core benchmarks, printed as the README's tables.
+//! Core benchmarks, printed as docs/performance.md's tables.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench core`
 //!

@@ -1,6 +1,6 @@
 //! Generation benchmarks: SmolLM2-135M-Instruct, the shipped Q4_1 file and
 //! its Q8_0 conversion, through a worker and in-process; printed as the
-//! README's tables.
+//! tables of docs/performance.md.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench generate`
 //! (`-- --batching`: the concurrent-chats section alone; `-- --compare`:

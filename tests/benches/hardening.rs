@@ -1,5 +1,5 @@
 //! What hostile or careless clients cost `berth serve`, printed as the
-//! README's hardening tables: slow-header connections held and shed, the
+//! hardening tables of docs/performance.md: slow-header connections held and shed, the
 //! supervisor's memory after a large answer, and request latency while a
 //! client polls `/api/ps` against 64 loaded models.
 //!

@@ -1,4 +1,4 @@
-//! Model benchmarks, printed as the README's tables.
+//! Model benchmarks, printed as docs/performance.md's tables.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench models`
 //! (fetches the default models first if they are missing).

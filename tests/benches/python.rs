@@ -1,6 +1,6 @@
 //! The Python worker's costs, each beside its baseline in the same run,
 //! interleaved (A B A B ...) so that noise on a shared machine lands on both
-//! sides; the README's "Workers in Python" table.
+//! sides; docs/performance.md's "Workers in Python" table.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench python`
 //!

@@ -1,6 +1,6 @@
 //! The Python examples on the real frameworks: the status quo beside berth,
 //! and PyTorch embeddings through a worker beside the same code in-process;
-//! the README's "Python models" tables.
+//! docs/performance.md's "Python models" tables.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench python_models`
 //!

@@ -1,4 +1,4 @@
-//! Sidecar and recycling benchmarks, printed as the README's tables.
+//! Sidecar and recycling benchmarks, printed as docs/performance.md's tables.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench sidecar`
 //! (`-- --recycling`: the recycling section alone)

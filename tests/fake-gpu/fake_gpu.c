@@ -8,7 +8,7 @@
  *             -o libfake_gpu.so fake_gpu.c -ldl -lpthread
  * Use:    symlink the .so as libnvidia-ml.so.1, libnvidia-ml.so, libcuda.so
  *         and libcuda.so.1 in one directory, put a `devices` file there and
- *         point LD_LIBRARY_PATH at it. See README.md.
+ *         point LD_LIBRARY_PATH at it. See README.md beside this file.
  *
  * Model
  * -----

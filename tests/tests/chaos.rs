@@ -1,4 +1,4 @@
-//! A short chaos run in CI; the long one is `berth-chaos` (see the README).
+//! A short chaos run in CI; the long one is `berth-chaos` (see docs/performance.md).
 
 use std::time::Duration;
 

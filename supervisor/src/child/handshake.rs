@@ -258,7 +258,7 @@ pub(crate) async fn accept_stream(
                         .into()
                 } else {
                     format!(
-                        "make the worker speak stream-wire version {} (docs/wire.md, section 7)",
+                        "make the worker speak stream-wire version {} (docs/wire.md, section 8)",
                         versions(STREAM_VERSIONS)
                     )
                 },

@@ -132,15 +132,17 @@ pub(crate) fn default_program(config: &SupervisorConfig) -> Result<WorkerProgram
     }
 }
 
-/// The backends `program` offers (`--backends`), asked once per program and
-/// remembered; `None` when it cannot say within 10 s (a wrapper that passes
-/// no arguments on, a program that is not a berth worker, one that hangs):
-/// then the load is what finds out. Blocks while it asks; the cache's lock is
-/// not held meanwhile.
-pub(crate) fn offered_backends(program: &WorkerProgram) -> Option<Vec<String>> {
+/// The backends `program` offers (`--backends`, see `child/probe.rs`),
+/// asked once per program and remembered, or why it could not say (a
+/// wrapper that passes no arguments on, a program that is not a berth
+/// worker, one that hangs). Blocks while it asks; the cache's lock is not
+/// held meanwhile.
+pub(crate) fn offered_backends(
+    program: &WorkerProgram,
+) -> std::result::Result<Vec<String>, String> {
     use std::collections::HashMap;
     use std::sync::Mutex;
-    type Known = HashMap<WorkerProgram, Option<Vec<String>>>;
+    type Known = HashMap<WorkerProgram, std::result::Result<Vec<String>, String>>;
     static KNOWN: Mutex<Option<Known>> = Mutex::new(None);
     let known = |f: &mut dyn FnMut(&mut Known)| {
         let mut guard = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
@@ -151,54 +153,11 @@ pub(crate) fn offered_backends(program: &WorkerProgram) -> Option<Vec<String>> {
     if let Some(answer) = cached {
         return answer;
     }
-    let answer = ask_backends(program, Duration::from_secs(10));
+    let answer = crate::child::probe::ask_backends(program);
     known(&mut |k| {
         k.insert(program.clone(), answer.clone());
     });
     answer
-}
-
-/// Runs `program --backends`, killing it past `timeout`.
-fn ask_backends(program: &WorkerProgram, timeout: Duration) -> Option<Vec<String>> {
-    use std::io::Read;
-    let mut command = std::process::Command::new(&program.path);
-    command
-        .args(&program.args)
-        .arg("--backends")
-        .env_clear()
-        .envs(crate::child::spawn::passthrough_env())
-        .envs(program.env.iter().map(|(k, v)| (k, v)));
-    if let Some(dir) = &program.cwd {
-        command.current_dir(dir);
-    }
-    let mut child = command
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .ok()?;
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return None;
-            }
-        }
-    };
-    let mut text = String::new();
-    child.stdout.take()?.read_to_string(&mut text).ok()?;
-    let names: Vec<String> = text
-        .lines()
-        .map(|l| l.trim().to_string())
-        .filter(|l| !l.is_empty())
-        .collect();
-    (status.success() && !names.is_empty()).then_some(names)
 }
 
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen

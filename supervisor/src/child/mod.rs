@@ -4,7 +4,8 @@
 //! reader), `routes` (a worker's events to the requests waiting), `death`
 //! (what a dead worker leaves), `health` (heartbeats, stalls), `stop`,
 //! `process` (reaping, kill causes), `output` (bounded stdout/stderr),
-//! `memory` (procfs), and `limits` (memory caps).
+//! `memory` (procfs), `limits` (memory caps), and `probe` (asking a program
+//! for its backends).
 
 pub(crate) mod death;
 pub mod handle;
@@ -15,6 +16,7 @@ pub mod limits;
 pub(crate) mod link;
 pub mod memory;
 pub(crate) mod output;
+pub(crate) mod probe;
 pub mod process;
 mod routes;
 pub mod spawn;

@@ -13,7 +13,7 @@ use clap::Args;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// A TOML config (see the README); without one, the default models are
+    /// A TOML config (see docs/configuration.md); without one, the default models are
     /// served (fetched by package name if missing).
     #[arg(long, short = 'c')]
     config: Option<PathBuf>,

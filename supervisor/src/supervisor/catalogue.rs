@@ -38,7 +38,7 @@ impl Supervisor {
     pub(super) fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
         spec.validate_for(&self.inner.config)?;
         let program = crate::child::launch::worker_program(spec, &self.inner.config)?;
-        if let Some(offered) = crate::child::launch::offered_backends(&program)
+        if let Ok(offered) = crate::child::launch::offered_backends(&program)
             && !offered.contains(&spec.backend)
         {
             return Err(Error::InvalidSpec {
@@ -68,13 +68,13 @@ impl Supervisor {
             programs.push(worker_program(&spec, config).map_err(|e| e.to_string())?);
         }
         for program in programs {
-            if offered_backends(&program).is_none() {
+            if let Err(why) = offered_backends(&program) {
                 return Err(format!(
-                    "worker program `{program}` did not answer `--backends` with its backends; \
-                     a worker program is a berth worker (`berth worker`, `berth-worker`, or a \
-                     binary built on the berth-worker library, a `command` worker built on \
-                     the berth_worker Python package), or a wrapper that execs one passing \
-                     its arguments on"
+                    "worker program `{program}` did not answer `--backends` with its \
+                     backends: {why}; a worker program is a berth worker (`berth worker`, \
+                     `berth-worker`, or a binary built on the berth-worker library, a \
+                     `command` worker built on the berth_worker Python package), or a \
+                     wrapper that execs one passing its arguments on"
                 ));
             }
         }

@@ -1,0 +1,291 @@
+//! Asking a worker program which backends it offers: `PROGRAM ARGS
+//! --backends`, one name a line on stdout, exit 0 (docs/wire.md).
+//!
+//! The program is the operator's, but what it does is not trusted: the
+//! whole exchange is bounded in time (its exit *and* the end of its
+//! output, which a child it forked may hold open) and in size, and it runs
+//! in a process group of its own that is killed when the exchange ends,
+//! whatever it left behind. It gets the worker's environment and folder,
+//! no wire, and no descriptor of the supervisor's.
+
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::child::launch::WorkerProgram;
+
+/// How long the whole exchange may take.
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most output read; a program printing more is not a berth worker.
+pub(crate) const PROBE_MAX_OUTPUT: usize = 64 << 10;
+
+/// Runs `program --backends` and returns the names it printed, or why
+/// there are none.
+pub(crate) fn ask_backends(program: &WorkerProgram) -> Result<Vec<String>, String> {
+    ask(program, PROBE_TIMEOUT, PROBE_MAX_OUTPUT)
+}
+
+fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<String>, String> {
+    let deadline = Instant::now() + timeout;
+    let mut command = Command::new(&program.path);
+    command
+        .args(&program.args)
+        .arg("--backends")
+        .env_clear()
+        .envs(crate::child::spawn::passthrough_env())
+        .envs(program.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    if let Some(dir) = &program.cwd {
+        command.current_dir(dir);
+    }
+    // SAFETY: between fork and exec: cloexec_from (close_range, fcntl,
+    // getrlimit) and prctl are async-signal-safe and allocate nothing.
+    unsafe {
+        command.pre_exec(|| {
+            crate::child::spawn::cloexec_from(3)?;
+            // Dies with this thread, which waits for it below.
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().map_err(|e| format!("cannot run it: {e}"))?;
+    let group = child.id() as i32;
+    let kill_group = || {
+        // SAFETY: killpg takes integers; a group already gone is ESRCH.
+        unsafe { libc::killpg(group, libc::SIGKILL) };
+    };
+    let stdout = child.stdout.take().expect("piped");
+    let stderr = child.stderr.take().expect("piped");
+    let (read, stderr_tail) = read_output(stdout, stderr, deadline, limit);
+    let status = match read {
+        Ok(_) => wait_until(&mut child, deadline),
+        Err(_) => None,
+    };
+    kill_group();
+    let _ = child.wait();
+    let stderr_tail = String::from_utf8_lossy(&stderr_tail)
+        .trim()
+        .replace('\n', " | ");
+    let stderr_note = if stderr_tail.is_empty() {
+        String::new()
+    } else {
+        format!(" (stderr: {stderr_tail})")
+    };
+    let output = match read {
+        Ok(bytes) => bytes,
+        Err(Unread::TooLong) => {
+            return Err(format!(
+                "it printed more than {} KiB to `--backends`; a berth worker prints its \
+                 backends' names, one a line",
+                limit >> 10
+            ));
+        }
+        Err(Unread::TimedOut) => {
+            return Err(format!(
+                "its `--backends` output did not end within {} s{}",
+                timeout.as_secs(),
+                stderr_note
+            ));
+        }
+        Err(Unread::Failed(e)) => return Err(format!("cannot read its output: {e}")),
+    };
+    let Some(status) = status else {
+        return Err(format!(
+            "it printed its backends but did not exit within {} s{stderr_note}",
+            timeout.as_secs()
+        ));
+    };
+    if !status.success() {
+        return Err(format!(
+            "`--backends` {}{stderr_note}",
+            crate::report::ExitStatus::from_std(status)
+        ));
+    }
+    let names: Vec<String> = String::from_utf8_lossy(&output)
+        .lines()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect();
+    if names.is_empty() {
+        return Err(format!(
+            "`--backends` printed no backend names{stderr_note}"
+        ));
+    }
+    Ok(names)
+}
+
+/// Why output could not be read whole.
+enum Unread {
+    TimedOut,
+    TooLong,
+    Failed(std::io::Error),
+}
+
+/// The most of stderr kept (its last bytes) for error messages.
+const STDERR_KEPT: usize = 2048;
+
+/// Reads `stdout` to its end, up to `limit` bytes, until `deadline`, and
+/// meanwhile the last bytes of `stderr` (read too, so a program writing
+/// much there is not stopped on a full pipe).
+fn read_output(
+    mut stdout: impl Read + AsRawFd,
+    mut stderr: impl Read + AsRawFd,
+    deadline: Instant,
+    limit: usize,
+) -> (Result<Vec<u8>, Unread>, Vec<u8>) {
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    let mut err_open = true;
+    let mut buf = [0u8; 8192];
+    let result = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break Err(Unread::TimedOut);
+        }
+        let mut polls = [
+            libc::pollfd {
+                fd: stdout.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                // A negative descriptor is skipped by poll.
+                fd: if err_open { stderr.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let wait_ms = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: two pollfds, valid for the call.
+        let ready = unsafe { libc::poll(polls.as_mut_ptr(), 2, wait_ms) };
+        if ready < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            break Err(Unread::Failed(e));
+        }
+        if err_open && polls[1].revents != 0 {
+            match stderr.read(&mut buf) {
+                Ok(0) | Err(_) => err_open = false,
+                Ok(n) => {
+                    err.extend_from_slice(&buf[..n]);
+                    let excess = err.len().saturating_sub(STDERR_KEPT);
+                    err.drain(..excess);
+                }
+            }
+        }
+        if polls[0].revents == 0 {
+            continue;
+        }
+        match stdout.read(&mut buf) {
+            Ok(0) => break Ok(out),
+            Ok(n) => {
+                out.extend_from_slice(&buf[..n]);
+                if out.len() > limit {
+                    break Err(Unread::TooLong);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(Unread::Failed(e)),
+        }
+    };
+    (result, err)
+}
+
+/// The child's exit status if it exits before `deadline`.
+fn wait_until(
+    child: &mut std::process::Child,
+    deadline: Instant,
+) -> Option<std::process::ExitStatus> {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(2)),
+            _ => return None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::child::launch::Wire;
+
+    fn sh(script: &str) -> WorkerProgram {
+        WorkerProgram {
+            path: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into(), "sh".into()],
+            env: Vec::new(),
+            cwd: None,
+            wire: Wire::Ipc,
+        }
+    }
+
+    #[test]
+    fn a_worker_prints_its_backends() {
+        let names = ask(&sh("printf 'echo\\n\\nhog\\n'"), PROBE_TIMEOUT, 1024).unwrap();
+        assert_eq!(names, ["echo", "hog"]);
+    }
+
+    #[test]
+    fn a_child_holding_stdout_open_cannot_hold_the_probe() {
+        let started = Instant::now();
+        // Prints, leaves a child with stdout open (in a session of its own,
+        // out of the group's reach), and exits.
+        let err = ask(
+            &sh("echo echo; setsid sleep 3 & exit 0"),
+            Duration::from_millis(500),
+            1024,
+        )
+        .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(3), "{err}");
+        assert!(err.contains("did not end within"), "{err}");
+    }
+
+    #[test]
+    fn a_flood_of_output_is_named_as_such() {
+        let err = ask(&sh("yes"), PROBE_TIMEOUT, 64 << 10).unwrap_err();
+        assert!(err.contains("more than 64 KiB"), "{err}");
+    }
+
+    #[test]
+    fn a_failing_probe_says_how_it_failed() {
+        let err = ask(&sh("echo oops >&2; exit 3"), PROBE_TIMEOUT, 1024).unwrap_err();
+        assert!(err.contains("code 3") && err.contains("oops"), "{err}");
+        let err = ask(&sh("exit 0"), PROBE_TIMEOUT, 1024).unwrap_err();
+        assert!(err.contains("no backend names"), "{err}");
+    }
+
+    #[test]
+    fn what_the_probe_leaves_in_its_group_is_killed() {
+        // A grandchild (double fork) that outlives the probe, in its group.
+        let _ = ask(
+            &sh("echo echo; (sleep 987654 >/dev/null 2>&1 &); exit 0"),
+            PROBE_TIMEOUT,
+            1024,
+        );
+        let left = || {
+            procfs::process::all_processes()
+                .unwrap()
+                .filter_map(Result::ok)
+                .filter(|p| p.cmdline().is_ok_and(|c| c == ["sleep", "987654"]))
+                .filter(|p| p.stat().is_ok_and(|s| s.state != 'Z'))
+                .count()
+        };
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while left() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(
+            left(),
+            0,
+            "the probe's grandchild was killed with its group"
+        );
+    }
+}
