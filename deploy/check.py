@@ -118,6 +118,11 @@ def containerfile(path):
         problem(path.name, "does not start `berth serve`")
     if not any(i["instruction"] == "HEALTHCHECK" for i in runtime):
         problem(path.name, "no HEALTHCHECK")
+    # podman builds OCI images by default, which have no HEALTHCHECK: it
+    # would be dropped without a word.
+    build = (path.parent / "build.sh").read_text()
+    if "--format docker" not in build:
+        problem("build.sh", "podman must build in Docker's format (--format docker)")
 
 
 def main():
