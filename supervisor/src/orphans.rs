@@ -38,6 +38,10 @@ pub struct WorkerRecord {
     /// descendant when it carries the mark.
     #[serde(default)]
     pub mark: String,
+    /// The worker's own cgroup, where it had one: what it started is in it,
+    /// whatever group or session that moved to.
+    #[serde(default)]
+    pub cgroup: Option<PathBuf>,
 }
 
 /// The environment variable that carries a worker's mark.
@@ -81,7 +85,50 @@ fn live() -> std::sync::MutexGuard<'static, BTreeMap<u32, WorkerRecord>> {
     LIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn start_time(pid: u32) -> Option<u64> {
+/// Live processes (not zombies) carrying `mark`, started no earlier than
+/// `since` (clock ticks after boot): what a worker with that mark started.
+pub(crate) fn carrying_mark(mark: &str, since: u64) -> Vec<u32> {
+    if mark.is_empty() {
+        return Vec::new();
+    }
+    let me = std::process::id() as i32;
+    let Ok(all) = procfs::process::all_processes() else {
+        return Vec::new();
+    };
+    all.filter_map(Result::ok)
+        .filter_map(|p| p.stat().ok())
+        .filter(|s| s.pid != me && s.starttime >= since && s.state != 'Z' && s.state != 'X')
+        .map(|s| s.pid as u32)
+        .filter(|pid| carries_mark(*pid, mark))
+        .collect()
+}
+
+/// True while `pid` is a process that is not a zombie.
+pub(crate) fn is_live(pid: u32) -> bool {
+    procfs::process::Process::new(pid as i32)
+        .and_then(|p| p.stat())
+        .is_ok_and(|s| s.state != 'Z' && s.state != 'X')
+}
+
+/// Reaps those of `pids` that are this process's exited children (a
+/// worker's escaped processes, adopted by a subreaper supervisor). Only
+/// these pids: an embedding host's own children are never touched.
+pub(crate) fn reap_exact(pids: &std::collections::BTreeSet<u32>) {
+    let me = std::process::id() as i32;
+    for pid in pids {
+        let ours = procfs::process::Process::new(*pid as i32)
+            .and_then(|p| p.stat())
+            .is_ok_and(|s| s.ppid == me && s.state == 'Z');
+        if ours {
+            let _ = nix::sys::wait::waitpid(
+                Pid::from_raw(*pid as i32),
+                Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+            );
+        }
+    }
+}
+
+pub(crate) fn start_time(pid: u32) -> Option<u64> {
     procfs::process::Process::new(pid as i32)
         .and_then(|p| p.stat())
         .ok()
@@ -95,13 +142,14 @@ fn boot_id() -> String {
 }
 
 /// Called when a worker starts.
-pub(crate) fn register(pid: u32, model: &str, mark: &str) {
+pub(crate) fn register(pid: u32, model: &str, mark: &str, cgroup: Option<PathBuf>) {
     let record = WorkerRecord {
         pid,
         pgid: pid,
         start_time: start_time(pid).unwrap_or(0),
         model: model.into(),
         mark: mark.into(),
+        cgroup,
     };
     live().insert(pid, record);
     persist();
@@ -120,7 +168,56 @@ pub fn live_pids() -> Vec<u32> {
 
 /// True for a pid this process spawned as a worker and has not reaped.
 fn is_worker(pid: u32) -> bool {
-    live().contains_key(&pid)
+    live().contains_key(&pid) || waited_for().contains(&pid)
+}
+
+/// Children this process runs outside its own group and waits for itself
+/// (a `--backends` probe): never reaped as strays.
+fn waited_for() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<u32>> {
+    static WAITED: Mutex<std::collections::BTreeSet<u32>> =
+        Mutex::new(std::collections::BTreeSet::new());
+    WAITED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Children being started and not yet registered (as a worker, or with
+/// [`waiting_for`]), and how many starts there have been: the stray
+/// reaper reaps nothing while one is under way or if one began during its
+/// scan, so a child that exits at once is never taken from its waiter.
+static SPAWNS_IN_PROGRESS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static SPAWNS_BEGUN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Held from before a child is started until it is registered.
+#[derive(Debug)]
+pub(crate) struct Spawning(());
+
+pub(crate) fn spawning() -> Spawning {
+    use std::sync::atomic::Ordering;
+    SPAWNS_BEGUN.fetch_add(1, Ordering::SeqCst);
+    SPAWNS_IN_PROGRESS.fetch_add(1, Ordering::SeqCst);
+    Spawning(())
+}
+
+impl Drop for Spawning {
+    fn drop(&mut self) {
+        SPAWNS_IN_PROGRESS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Keeps the stray reaper off `pid`, a child the caller waits for itself,
+/// until the returned guard is dropped (after that wait).
+pub(crate) fn waiting_for(pid: u32) -> WaitingFor {
+    waited_for().insert(pid);
+    WaitingFor(pid)
+}
+
+/// See [`waiting_for`].
+#[derive(Debug)]
+pub(crate) struct WaitingFor(u32);
+
+impl Drop for WaitingFor {
+    fn drop(&mut self) {
+        waited_for().remove(&self.0);
+    }
 }
 
 fn persist() {
@@ -219,8 +316,13 @@ pub enum Strays {
 /// Reaps exited children that are not workers (orphans re-parented to a
 /// subreaper). Workers are left to their own waiters.
 pub fn reap_strays(which: Strays) -> usize {
+    use std::sync::atomic::Ordering;
     let me = std::process::id() as i32;
     let own_group = nix::unistd::getpgrp().as_raw();
+    let begun = SPAWNS_BEGUN.load(Ordering::SeqCst);
+    if SPAWNS_IN_PROGRESS.load(Ordering::SeqCst) > 0 {
+        return 0;
+    }
     let Ok(all) = procfs::process::all_processes() else {
         return 0;
     };
@@ -234,6 +336,12 @@ pub fn reap_strays(which: Strays) -> usize {
         })
         .map(|s| s.pid as u32)
         .collect();
+    // A start that began meanwhile may have made one of these zombies
+    // before it registered its child: next time.
+    if SPAWNS_IN_PROGRESS.load(Ordering::SeqCst) > 0 || SPAWNS_BEGUN.load(Ordering::SeqCst) != begun
+    {
+        return 0;
+    }
     for pid in &strays {
         let _ = nix::sys::wait::waitpid(
             Pid::from_raw(*pid as i32),
@@ -326,7 +434,82 @@ fn stop_leftovers(previous: &StateFile) -> usize {
         }
         stopped += members.len();
     }
+    for record in &previous.workers {
+        if is_provably_ours(record, own_group, &stats).is_none() {
+            continue;
+        }
+        stopped += stop_escaped(record);
+    }
     stopped
+}
+
+/// Stops what a recorded worker started outside its group: every task of
+/// its cgroup (a worker cgroup a berth supervisor made, by its path), and
+/// every process carrying its mark. Returns how many.
+fn stop_escaped(record: &WorkerRecord) -> usize {
+    let mut found = std::collections::BTreeSet::new();
+    if let Some(dir) = &record.cgroup
+        && let Some(version) = crate::child::limits::is_worker_cgroup(dir)
+    {
+        found.extend(crate::child::limits::members_of(dir));
+        crate::child::limits::kill_cgroup(dir, version);
+    }
+    let marked = carrying_mark(&record.mark, record.start_time);
+    for pid in &marked {
+        let _ = nix::sys::signal::kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+    }
+    found.extend(marked);
+    if !found.is_empty() {
+        tracing::warn!(
+            model = record.model,
+            ?found,
+            "stopped processes a previous supervisor's worker left outside its group"
+        );
+    }
+    if let Some(dir) = &record.cgroup {
+        // Empty once its tasks are gone; a folder another supervisor made.
+        for _ in 0..20 {
+            if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+    found.len()
+}
+
+/// Kills and reaps every process this supervisor adopted as a subreaper
+/// (what its workers forked and left behind, whatever group or session it
+/// moved to) that is still its child: at the end of `berth serve`, so none
+/// goes on under init. Children in the supervisor's own process group
+/// (what it ran itself) are left alone. Returns how many.
+pub fn kill_adopted() -> usize {
+    let me = std::process::id() as i32;
+    let own_group = nix::unistd::getpgrp().as_raw();
+    let Ok(all) = procfs::process::all_processes() else {
+        return 0;
+    };
+    let adopted: std::collections::BTreeSet<u32> = all
+        .filter_map(Result::ok)
+        .filter_map(|p| p.stat().ok())
+        .filter(|s| s.ppid == me && s.pgrp != own_group && !is_worker(s.pid as u32))
+        .map(|s| s.pid as u32)
+        .collect();
+    for pid in &adopted {
+        let _ = nix::sys::signal::kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+    }
+    for _ in 0..100 {
+        reap_exact(&adopted);
+        if !adopted.iter().any(|pid| {
+            procfs::process::Process::new(*pid as i32)
+                .and_then(|p| p.stat())
+                .is_ok_and(|s| s.ppid == me)
+        }) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    adopted.len()
 }
 
 /// Whether a recorded worker's group may be acted on (the boot id was

@@ -73,8 +73,14 @@ pub struct UnloadReport {
     /// counted only once the process is gone. Conservative: other processes
     /// allocating during the stop make it lower, never higher.
     pub reclaimed_bytes: u64,
-    /// Processes of the worker's process group alive after the stop (0).
+    /// Processes the worker started alive after the stop (0): of its
+    /// process group, its cgroup, or carrying its mark.
     pub leftover_processes: u32,
+    /// Processes the worker started that had left its process group (a
+    /// `setsid`, a double fork), found in its cgroup or by its mark and
+    /// killed.
+    #[serde(default)]
+    pub escaped_processes: u32,
     /// Device memory the worker held when the stop began (NVML, per process).
     pub vram_at_stop_bytes: Option<u64>,
     /// The drop in its GPUs' used memory once the worker was gone from
@@ -141,6 +147,13 @@ impl fmt::Display for UnloadReport {
             mib(self.system_anon_after_bytes),
             self.leftover_processes
         )?;
+        if self.escaped_processes > 0 {
+            write!(
+                f,
+                " ({} that had left its process group were found and killed)",
+                self.escaped_processes
+            )?;
+        }
         if let Some(held) = self.vram_at_stop_bytes {
             write!(
                 f,

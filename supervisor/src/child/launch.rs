@@ -11,7 +11,7 @@ use nix::sys::signal::Signal;
 
 use crate::child::handle::{LoadOutcome, WorkerHandle};
 use crate::child::handshake::{self, HandshakeOutcome};
-use crate::child::limits::MemoryCap;
+use crate::child::limits::{Cgroup, MemoryCap};
 use crate::child::memory::system_memory;
 use crate::child::process::ProcessWatch;
 use crate::child::spawn::{Connect, SpawnOptions, find_worker_binary, spawn};
@@ -213,7 +213,15 @@ pub(crate) async fn launch(
     let cap = spec
         .memory_limit
         .map(|limit| MemoryCap::prepare(model, limit));
+    // An uncapped worker gets a cgroup too, to fence in what it starts.
+    let fence = match &cap {
+        Some(_) => None,
+        None => Cgroup::create(model, None)
+            .inspect_err(|why| tracing::debug!(model, "no cgroup for the worker: {why}"))
+            .ok(),
+    };
     let mark = crate::orphans::new_mark();
+    let spawning = crate::orphans::spawning();
     let child = spawn(SpawnOptions {
         model,
         binary: &program.path,
@@ -222,10 +230,15 @@ pub(crate) async fn launch(
         cwd: program.cwd.as_deref(),
         mark: &mark,
         extra_env: &env,
-        cgroup_procs: cap.as_ref().and_then(MemoryCap::procs_file),
+        cgroup_procs: cap
+            .as_ref()
+            .and_then(MemoryCap::cgroup)
+            .or(fence.as_ref())
+            .map(Cgroup::procs_file),
     })
     .await?;
-    let process = Arc::new(ProcessWatch::start(model, child, cap, &mark));
+    let process = Arc::new(ProcessWatch::start(model, child, cap, fence, &mark));
+    drop(spawning);
     process.spawn_rss_guard();
     let pid = process.pid();
     spawned(pid);

@@ -1,15 +1,25 @@
-//! Per-worker memory caps, enforced by the kernel where it lets us.
+//! Per-worker cgroups: memory caps enforced by the kernel where it lets us,
+//! and a fence around everything a worker starts.
 //!
-//! Each capped worker gets a memory cgroup of its own under the
-//! supervisor's: cgroup v2 (`memory.max`, `memory.swap.max = 0`) where the
-//! memory controller is delegated to us, else the v1 memory controller
-//! (`memory.limit_in_bytes`, and `memory.memsw.limit_in_bytes` where swap
-//! accounting exists). The child joins its cgroup between fork and exec, so
-//! not one page of its own is allocated outside it. Where neither can be
-//! written, the supervisor polls the worker's RSS every 50 ms and kills it
-//! past the limit; the report says which mechanism was used. On cgroup v2
-//! the supervisor first moves itself into a leaf of its own subtree when it
-//! has to (a delegated systemd service, a container's cgroup namespace).
+//! Each worker gets a cgroup of its own under the supervisor's (where one
+//! can be made): cgroup v2 where the memory controller is delegated to us,
+//! else the v1 memory controller. The child joins it between fork and exec,
+//! so not one page of its own is allocated outside it, and whatever it
+//! forks later is in it too, whatever process group or session that
+//! process moves to: stopping a worker kills every task of its cgroup
+//! (`cgroup.kill` on v2). A capped worker's cgroup also carries its limit
+//! (`memory.max` and `memory.swap.max = 0`; `memory.limit_in_bytes` and
+//! `memory.memsw.limit_in_bytes` where swap accounting exists). Where no
+//! cgroup can be written, a cap falls back to polling the worker's RSS
+//! every 50 ms and killing it past the limit (the report says which
+//! mechanism was used), and a stop finds what a worker left by its mark and
+//! as the supervisor's adopted children. On cgroup v2 the supervisor first
+//! moves itself into a leaf of its own subtree when it has to (a delegated
+//! systemd service, a container's cgroup namespace).
+//!
+//! `BERTH_NO_CGROUPS=1` in the supervisor's environment makes none (for a
+//! host where cgroups are managed by something else, and for the tests of
+//! the fallbacks).
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
@@ -22,8 +32,15 @@ use crate::base::CapMechanism;
 pub struct MemoryCap {
     pub limit: u64,
     pub mechanism: CapMechanism,
-    dir: Option<PathBuf>,
-    procs: Option<CString>,
+    cgroup: Option<Cgroup>,
+}
+
+/// A worker's own cgroup, removed when dropped (once it is empty).
+#[derive(Debug)]
+pub struct Cgroup {
+    dir: PathBuf,
+    procs: CString,
+    version: CapMechanism,
 }
 
 /// Where new cgroups for workers go, and which version it is: decided once
@@ -91,88 +108,97 @@ fn enable_memory_below(base: &Path) -> std::io::Result<()> {
     }
 }
 
-fn try_cgroup(model: &str, limit: u64) -> Result<(CapMechanism, PathBuf), String> {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let (mechanism, base) = cgroup_base().ok_or("no memory cgroup found")?;
-    let parent = base.join("berth");
-    let leaf = parent.join(format!(
-        "{model}-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let setup = || -> std::io::Result<()> {
-        std::fs::create_dir_all(&parent)?;
-        if mechanism == CapMechanism::CgroupV2 {
-            // Controllers flow down only where each level enables them.
-            enable_memory_below(&base)?;
-            write(&parent.join("cgroup.subtree_control"), "+memory")?;
-        }
-        std::fs::create_dir(&leaf)?;
-        match mechanism {
-            CapMechanism::CgroupV2 => {
-                write(&leaf.join("memory.max"), &limit.to_string())?;
-                let _ = write(&leaf.join("memory.swap.max"), "0");
-            }
-            _ => {
-                write(&leaf.join("memory.limit_in_bytes"), &limit.to_string())?;
-                let _ = write(
-                    &leaf.join("memory.memsw.limit_in_bytes"),
-                    &limit.to_string(),
-                );
-            }
-        }
-        Ok(())
-    };
-    match setup() {
-        Ok(()) => Ok((mechanism, leaf)),
-        Err(e) => {
-            let _ = std::fs::remove_dir(&leaf);
-            Err(format!(
-                "cannot set up {} under {}: {e}",
-                mechanism,
-                parent.display()
-            ))
-        }
-    }
+/// Whether the operator turned cgroups off (`BERTH_NO_CGROUPS=1`).
+fn cgroups_off() -> bool {
+    std::env::var_os("BERTH_NO_CGROUPS").is_some_and(|v| v == "1")
 }
 
-impl MemoryCap {
-    /// A cap of `limit` bytes for a worker about to start.
-    pub fn prepare(model: &str, limit: u64) -> MemoryCap {
-        match try_cgroup(model, limit) {
-            Ok((mechanism, dir)) => {
-                let procs = CString::new(
-                    dir.join("cgroup.procs")
-                        .into_os_string()
-                        .into_encoded_bytes(),
-                )
-                .ok();
-                MemoryCap {
-                    limit,
-                    mechanism,
-                    dir: Some(dir),
-                    procs,
+impl Cgroup {
+    /// A new cgroup for a worker of `model` about to start, capped at
+    /// `limit` bytes if given.
+    pub fn create(model: &str, limit: Option<u64>) -> Result<Cgroup, String> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        if cgroups_off() {
+            return Err("BERTH_NO_CGROUPS=1".into());
+        }
+        let (version, base) = cgroup_base().ok_or("no memory cgroup found")?;
+        let parent = base.join("berth");
+        let leaf = parent.join(format!(
+            "{model}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let setup = || -> std::io::Result<()> {
+            std::fs::create_dir_all(&parent)?;
+            if version == CapMechanism::CgroupV2 {
+                // Controllers flow down only where each level enables them.
+                enable_memory_below(&base)?;
+                write(&parent.join("cgroup.subtree_control"), "+memory")?;
+            }
+            std::fs::create_dir(&leaf)?;
+            let Some(limit) = limit else { return Ok(()) };
+            match version {
+                CapMechanism::CgroupV2 => {
+                    write(&leaf.join("memory.max"), &limit.to_string())?;
+                    let _ = write(&leaf.join("memory.swap.max"), "0");
+                }
+                _ => {
+                    write(&leaf.join("memory.limit_in_bytes"), &limit.to_string())?;
+                    let _ = write(
+                        &leaf.join("memory.memsw.limit_in_bytes"),
+                        &limit.to_string(),
+                    );
                 }
             }
-            Err(reason) => {
-                tracing::info!(model, "memory limit falls back to RSS polling: {reason}");
-                MemoryCap {
-                    limit,
-                    mechanism: CapMechanism::RssPoll,
-                    dir: None,
-                    procs: None,
-                }
+            Ok(())
+        };
+        let procs = CString::new(
+            leaf.join("cgroup.procs")
+                .into_os_string()
+                .into_encoded_bytes(),
+        )
+        .map_err(|_| "a cgroup path with a NUL byte".to_string())?;
+        match setup() {
+            Ok(()) => Ok(Cgroup {
+                dir: leaf,
+                procs,
+                version,
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_dir(&leaf);
+                Err(format!(
+                    "cannot set up {} under {}: {e}",
+                    version,
+                    parent.display()
+                ))
             }
         }
     }
 
     /// The `cgroup.procs` file the child writes itself into before exec.
-    pub(crate) fn procs_file(&self) -> Option<&CString> {
-        self.procs.as_ref()
+    pub(crate) fn procs_file(&self) -> &CString {
+        &self.procs
+    }
+
+    /// Its folder (kept in the state file, for a supervisor that comes
+    /// after a killed one).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The processes in it now.
+    pub fn members(&self) -> Vec<u32> {
+        members_of(&self.dir)
+    }
+
+    /// Kills every process in it: at once with `cgroup.kill` on v2 (Linux
+    /// 5.14), else each member with SIGKILL.
+    pub fn kill_all(&self) {
+        kill_cgroup(&self.dir, self.version)
     }
 
     fn read_u64(&self, file: &str) -> Option<u64> {
-        std::fs::read_to_string(self.dir.as_ref()?.join(file))
+        std::fs::read_to_string(self.dir.join(file))
             .ok()?
             .trim()
             .parse()
@@ -180,52 +206,127 @@ impl MemoryCap {
     }
 
     fn read_counter(&self, file: &str, key: &str) -> Option<u64> {
-        let text = std::fs::read_to_string(self.dir.as_ref()?.join(file)).ok()?;
+        let text = std::fs::read_to_string(self.dir.join(file)).ok()?;
         text.lines()
             .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+    }
+}
+
+/// The processes in the cgroup at `dir`.
+pub(crate) fn members_of(dir: &Path) -> Vec<u32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// Kills every process in the cgroup at `dir`.
+pub(crate) fn kill_cgroup(dir: &Path, version: CapMechanism) {
+    if version == CapMechanism::CgroupV2 && write(&dir.join("cgroup.kill"), "1").is_ok() {
+        return;
+    }
+    for pid in members_of(dir) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// Whether `dir` is a worker cgroup a berth supervisor made: a leaf of a
+/// `berth` folder under this host's cgroup hierarchy, named
+/// `MODEL-PID-N`. What a supervisor acts on when it finds a state file
+/// left behind.
+pub(crate) fn is_worker_cgroup(dir: &Path) -> Option<CapMechanism> {
+    let (version, _) = cgroup_base()?;
+    let under = match version {
+        CapMechanism::CgroupV2 => Path::new("/sys/fs/cgroup"),
+        _ => Path::new("/sys/fs/cgroup/memory"),
+    };
+    let parent = dir.parent()?;
+    let named = dir
+        .file_name()?
+        .to_str()?
+        .rsplitn(3, '-')
+        .take(2)
+        .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    (dir.starts_with(under)
+        && parent.file_name().is_some_and(|n| n == "berth")
+        && named
+        && !dir
+            .components()
+            .any(|c| c == std::path::Component::ParentDir))
+    .then_some(version)
+}
+
+impl MemoryCap {
+    /// A cap of `limit` bytes for a worker about to start.
+    pub fn prepare(model: &str, limit: u64) -> MemoryCap {
+        match Cgroup::create(model, Some(limit)) {
+            Ok(cgroup) => MemoryCap {
+                limit,
+                mechanism: cgroup.version,
+                cgroup: Some(cgroup),
+            },
+            Err(reason) => {
+                tracing::info!(model, "memory limit falls back to RSS polling: {reason}");
+                MemoryCap {
+                    limit,
+                    mechanism: CapMechanism::RssPoll,
+                    cgroup: None,
+                }
+            }
+        }
+    }
+
+    /// The cgroup that enforces it, if the kernel does.
+    pub fn cgroup(&self) -> Option<&Cgroup> {
+        self.cgroup.as_ref()
     }
 
     /// Peak memory charged to the worker's cgroup (cgroup mechanisms only).
     pub fn peak(&self) -> Option<u64> {
+        let cgroup = self.cgroup.as_ref()?;
         match self.mechanism {
-            CapMechanism::CgroupV2 => self.read_u64("memory.peak"),
-            CapMechanism::CgroupV1 => self.read_u64("memory.max_usage_in_bytes"),
+            CapMechanism::CgroupV2 => cgroup.read_u64("memory.peak"),
+            CapMechanism::CgroupV1 => cgroup.read_u64("memory.max_usage_in_bytes"),
             CapMechanism::RssPoll => None,
         }
     }
 
     /// Memory charged to the worker's cgroup now.
     pub fn usage(&self) -> Option<u64> {
+        let cgroup = self.cgroup.as_ref()?;
         match self.mechanism {
-            CapMechanism::CgroupV2 => self.read_u64("memory.current"),
-            CapMechanism::CgroupV1 => self.read_u64("memory.usage_in_bytes"),
+            CapMechanism::CgroupV2 => cgroup.read_u64("memory.current"),
+            CapMechanism::CgroupV1 => cgroup.read_u64("memory.usage_in_bytes"),
             CapMechanism::RssPoll => None,
         }
     }
 
     /// True once the kernel has OOM-killed something in the worker's cgroup.
     pub fn oom_killed(&self) -> bool {
+        let Some(cgroup) = &self.cgroup else {
+            return false;
+        };
         let kills = match self.mechanism {
-            CapMechanism::CgroupV2 => self.read_counter("memory.events", "oom_kill "),
-            CapMechanism::CgroupV1 => self.read_counter("memory.oom_control", "oom_kill "),
+            CapMechanism::CgroupV2 => cgroup.read_counter("memory.events", "oom_kill "),
+            CapMechanism::CgroupV1 => cgroup.read_counter("memory.oom_control", "oom_kill "),
             CapMechanism::RssPoll => None,
         };
         kills.unwrap_or(0) > 0
     }
 }
 
-impl Drop for MemoryCap {
+impl Drop for Cgroup {
     /// Removes the cgroup once the worker is gone (an empty cgroup can be
     /// removed; its charges went with its processes).
     fn drop(&mut self) {
-        if let Some(dir) = &self.dir {
-            for _ in 0..50 {
-                if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
-                    return;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+                return;
             }
-            tracing::warn!(dir = %dir.display(), "could not remove a worker cgroup");
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
+        tracing::warn!(dir = %self.dir.display(), "could not remove a worker cgroup");
     }
 }

@@ -53,7 +53,14 @@ fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<S
             Ok(())
         });
     }
-    let mut child = command.spawn().map_err(|e| format!("cannot run it: {e}"))?;
+    // Kept from the stray reaper of a subreaper supervisor (the probe runs
+    // outside its group) until it is reaped below.
+    let (mut child, waiting) = {
+        let _spawning = crate::orphans::spawning();
+        let child = command.spawn().map_err(|e| format!("cannot run it: {e}"))?;
+        let waiting = crate::orphans::waiting_for(child.id());
+        (child, waiting)
+    };
     let group = child.id() as i32;
     let kill_group = || {
         // SAFETY: killpg takes integers; a group already gone is ESRCH.
@@ -68,6 +75,7 @@ fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<S
     };
     kill_group();
     let _ = child.wait();
+    drop(waiting);
     let stderr_tail = String::from_utf8_lossy(&stderr_tail)
         .trim()
         .replace('\n', " | ");

@@ -18,7 +18,7 @@ use nix::unistd::Pid;
 use tokio::sync::watch;
 
 use crate::base::{CapMechanism, ExitStatus, KillCause};
-use crate::child::limits::MemoryCap;
+use crate::child::limits::{Cgroup, MemoryCap};
 
 pub use crate::child::output::STDERR_TAIL_LINES;
 use crate::child::output::forward_lines;
@@ -30,6 +30,13 @@ pub(crate) struct ProcessWatch {
     stderr: Arc<Mutex<VecDeque<String>>>,
     stderr_closed: watch::Receiver<bool>,
     cap: Option<MemoryCap>,
+    /// The cgroup of a worker without a cap (a capped one's is its cap's).
+    fence: Option<Cgroup>,
+    /// Its mark (`BERTH_WORKER_MARK`), which what it starts inherits.
+    mark: String,
+    /// Its start time (clock ticks after boot): nothing it started is older.
+    start_time: u64,
+    model: String,
     kill_cause: Mutex<Option<KillCause>>,
     /// Highest RSS the supervisor saw (the RSS-polling cap's evidence).
     polled_peak: std::sync::atomic::AtomicU64,
@@ -39,7 +46,13 @@ impl ProcessWatch {
     /// Takes ownership of the child: from here on, this watch reaps it.
     /// `mark` is the one the worker was started with (its environment's
     /// `BERTH_WORKER_MARK`), kept in the state file.
-    pub fn start(model: &str, mut child: Child, cap: Option<MemoryCap>, mark: &str) -> Self {
+    pub fn start(
+        model: &str,
+        mut child: Child,
+        cap: Option<MemoryCap>,
+        fence: Option<Cgroup>,
+        mark: &str,
+    ) -> Self {
         let pid = child.id();
         let stderr = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
         let (closed_tx, stderr_closed) = watch::channel(false);
@@ -59,7 +72,12 @@ impl ProcessWatch {
                 let _ = closed_tx.send(true);
             }
         }
-        crate::orphans::register(pid, model, mark);
+        let cgroup = cap
+            .as_ref()
+            .and_then(MemoryCap::cgroup)
+            .or(fence.as_ref())
+            .map(|c| c.dir().to_path_buf());
+        crate::orphans::register(pid, model, mark, cgroup);
         let (exit_tx, exit) = watch::channel(None);
         reap(child, move |status| {
             crate::orphans::unregister(pid);
@@ -71,6 +89,10 @@ impl ProcessWatch {
             stderr,
             stderr_closed,
             cap,
+            fence,
+            mark: mark.to_string(),
+            start_time: crate::orphans::start_time(pid).unwrap_or(0),
+            model: model.to_string(),
             kill_cause: Mutex::new(None),
             polled_peak: std::sync::atomic::AtomicU64::new(0),
         }
@@ -78,6 +100,28 @@ impl ProcessWatch {
 
     pub fn cap(&self) -> Option<&MemoryCap> {
         self.cap.as_ref()
+    }
+
+    /// The worker's own cgroup, if it has one: everything it started is in it.
+    pub fn cgroup(&self) -> Option<&Cgroup> {
+        self.cap
+            .as_ref()
+            .and_then(MemoryCap::cgroup)
+            .or(self.fence.as_ref())
+    }
+
+    /// The worker's mark, which everything it starts inherits.
+    pub fn mark(&self) -> &str {
+        &self.mark
+    }
+
+    /// When the worker started, in clock ticks after boot.
+    pub fn start_time(&self) -> u64 {
+        self.start_time
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
     }
 
     /// Kills the group, recording why (the first cause recorded wins).

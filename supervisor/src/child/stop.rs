@@ -1,6 +1,7 @@
 //! Stopping a worker: ask → grace → SIGTERM → grace → SIGKILL → reap, on the
-//! whole process group; then sweep the group, count what is left, and
-//! measure what came back.
+//! whole process group; then sweep the group, kill what the worker started
+//! outside it (in its cgroup, or carrying its mark), count what is left,
+//! and measure what came back.
 
 use std::time::{Duration, Instant};
 
@@ -9,6 +10,7 @@ use nix::sys::signal::Signal;
 use crate::base::StopGraces;
 use crate::child::handle::WorkerHandle;
 use crate::child::memory::{group_members, system_memory};
+use crate::child::process::ProcessWatch;
 use crate::gpu::{self, Inventory};
 use crate::report::{StopKind, UnloadReport};
 
@@ -49,7 +51,9 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         }
     };
     let exit = process.exited().await;
-    let leftover_processes = sweep_group(pid).await;
+    let in_group = sweep_group(pid).await;
+    let escapees = sweep_escapees(process).await;
+    let leftover_processes = in_group + escapees.left;
     let gpu_after = match &gpu_before {
         Some(before) => Some(gpu_given_back(pid, before, started).await),
         None => None,
@@ -77,6 +81,7 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         system_anon_after_bytes: after.anon_bytes,
         reclaimed_bytes,
         leftover_processes,
+        escaped_processes: escapees.found,
         vram_at_stop_bytes: gpu_before.as_ref().map(|g| g.held),
         gpu_reclaimed_bytes: gpu_after.map(|g| g.bytes),
         gpu_reclaim_ms: gpu_after.map(|g| g.ms),
@@ -163,6 +168,70 @@ async fn sweep_group(pgid: u32) -> u32 {
             return members.len() as u32;
         }
         let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid as i32), Signal::SIGKILL);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// What the sweep for processes outside the worker's group found.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Escapees {
+    /// Found (and killed).
+    pub found: u32,
+    /// Still alive when the sweep gave up.
+    pub left: u32,
+}
+
+/// Kills what the worker started that left its process group (a `setsid`,
+/// a double fork): every task of its cgroup where it has one, and every
+/// process carrying its mark (which survives where no cgroup could be
+/// made). Processes adopted by this supervisor as a subreaper are reaped.
+pub(crate) async fn sweep_escapees(process: &ProcessWatch) -> Escapees {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut seen = std::collections::BTreeSet::new();
+    loop {
+        let mut found: Vec<u32> = process.cgroup().map(|c| c.members()).unwrap_or_default();
+        found.extend(crate::orphans::carrying_mark(
+            process.mark(),
+            process.start_time(),
+        ));
+        found.sort_unstable();
+        found.dedup();
+        found.retain(|pid| crate::orphans::is_live(*pid));
+        if found.is_empty() {
+            crate::orphans::reap_exact(&seen);
+            return Escapees {
+                found: seen.len() as u32,
+                left: 0,
+            };
+        }
+        if seen.is_empty() {
+            tracing::warn!(
+                model = process.model(),
+                pid = process.pid(),
+                ?found,
+                "the worker left processes outside its process group; killing them"
+            );
+        }
+        seen.extend(found.iter().copied());
+        if let Some(cgroup) = process.cgroup() {
+            cgroup.kill_all();
+        }
+        for pid in &found {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid as i32), Signal::SIGKILL);
+        }
+        crate::orphans::reap_exact(&seen);
+        if Instant::now() >= deadline {
+            tracing::error!(
+                model = process.model(),
+                ?found,
+                "processes the worker started survived SIGKILL"
+            );
+            return Escapees {
+                found: seen.len() as u32,
+                left: found.len() as u32,
+            };
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

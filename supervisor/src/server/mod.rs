@@ -279,6 +279,11 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
     {
         eprintln!("berth: {failed}");
     }
+    // What workers left behind that was adopted by this subreaper.
+    let adopted = crate::orphans::kill_adopted();
+    if adopted > 0 {
+        eprintln!("berth: stopped {adopted} processes workers had left behind");
+    }
     if !connections.wait_closed(Duration::from_secs(2)).await {
         eprintln!(
             "berth: closing {} connections that did not finish",

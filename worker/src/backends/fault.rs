@@ -18,6 +18,11 @@
 //!   model broken until someone fixes it);
 //! - `spawn_grandchild`: at load, starts a process that ignores SIGTERM (a
 //!   worker's helper that would outlive it);
+//! - `escape_mib`: at load, starts a process that leaves the worker's
+//!   process group and session (`setsid`, then a second fork) and holds
+//!   this many MiB: a daemonising helper that a group kill cannot reach;
+//!   `escape_clear_mark` (with it) also drops the worker's mark from its
+//!   environment, so only a cgroup finds it;
 //! - `stderr_bytes`: each request first writes this many bytes to stderr as
 //!   one line (a worker flooding its output);
 //! - `response_bytes`: each request is answered with a JSON object padded
@@ -54,6 +59,8 @@ const MODES: &[(&str, Mode)] = &[
 
 #[derive(Debug)]
 struct Fault {
+    /// The process started outside the worker's group (`escape_mib`).
+    escaped: Option<u32>,
     mode: Mode,
     exit_code: i32,
     crash_on: Option<String>,
@@ -102,6 +109,8 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         "crash_on",
         "crash_on_load_if_exists",
         "spawn_grandchild",
+        "escape_mib",
+        "escape_clear_mark",
         "stderr_bytes",
         "response_bytes",
     ])?;
@@ -160,7 +169,24 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     } else {
         None
     };
+    let escape_mib: usize = opts.get_or("escape_mib", 0)?;
+    let escaped = if escape_mib > 0 {
+        let pid = escape(escape_mib, opts.get_or("escape_clear_mark", false)?).map_err(|e| {
+            WireError::new(
+                ErrorKind::LoadFailed,
+                format!(
+                    "model `{}`: cannot start the escaping process: {e}",
+                    spec.name
+                ),
+            )
+        })?;
+        eprintln!("fault: started pid {pid} outside the worker's group holding {escape_mib} MiB");
+        Some(pid)
+    } else {
+        None
+    };
     Ok(Box::new(Fault {
+        escaped,
         mode,
         exit_code: opts.get_or("exit_code", 3)?,
         crash_on: opts.str("crash_on").map(str::to_owned),
@@ -216,7 +242,10 @@ impl Backend for Fault {
     }
 
     fn describe(&self) -> serde_json::Value {
-        serde_json::json!({ "grandchild_pid": self.grandchild.as_ref().map(std::process::Child::id) })
+        serde_json::json!({
+            "grandchild_pid": self.grandchild.as_ref().map(std::process::Child::id),
+            "escaped_pid": self.escaped,
+        })
     }
 
     fn shutdown(&mut self) {
@@ -225,4 +254,95 @@ impl Backend for Fault {
             hang();
         }
     }
+}
+
+/// Starts a process outside this one's group and session (fork, `setsid`,
+/// fork again, as a daemon does) that holds `mib` MiB of touched memory
+/// until it is killed; returns its pid. With `clear_mark` it also wipes
+/// its environment block (what `/proc/PID/environ` shows), the worker's
+/// mark with it.
+fn escape(mib: usize, clear_mark: bool) -> std::io::Result<u32> {
+    // Found before the fork: the children may not allocate.
+    let env_block = if clear_mark {
+        Some(env_block().ok_or_else(|| std::io::Error::other("cannot read /proc/self/stat"))?)
+    } else {
+        None
+    };
+    let mut pipe = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array.
+    if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: between fork and exit the children call only async-signal-safe
+    // functions (setsid, fork, getpid, write, mmap, pause, _exit) and write
+    // to memory of their own: the environment block (their stack's, where
+    // the kernel put it) and what they mapped.
+    unsafe {
+        let first = libc::fork();
+        if first < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if first == 0 {
+            libc::setsid();
+            if libc::fork() != 0 {
+                libc::_exit(0);
+            }
+            if let Some((start, end)) = env_block {
+                std::ptr::write_bytes(start as *mut u8, 0, end - start);
+            }
+            let len = mib << 20;
+            let memory = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            if memory != libc::MAP_FAILED {
+                let bytes = memory.cast::<u8>();
+                for offset in (0..len).step_by(4096) {
+                    std::ptr::write_volatile(bytes.add(offset), 1);
+                }
+            }
+            // Reported once it holds what it was asked to.
+            let me = libc::getpid();
+            libc::write(
+                pipe[1],
+                (&me as *const libc::pid_t).cast(),
+                size_of::<libc::pid_t>(),
+            );
+            loop {
+                libc::pause();
+            }
+        }
+        libc::close(pipe[1]);
+        let mut status = 0;
+        libc::waitpid(first, &mut status, 0);
+        let mut pid: libc::pid_t = 0;
+        let got = libc::read(
+            pipe[0],
+            (&mut pid as *mut libc::pid_t).cast(),
+            size_of::<libc::pid_t>(),
+        );
+        libc::close(pipe[0]);
+        if got != size_of::<libc::pid_t>() as isize {
+            return Err(std::io::Error::other(
+                "the escaping process did not report its pid",
+            ));
+        }
+        Ok(pid as u32)
+    }
+}
+
+/// Where this process's environment block lies (`env_start`, `env_end`:
+/// fields 50 and 51 of `/proc/self/stat`).
+fn env_block() -> Option<(usize, usize)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name, which may hold spaces: field 3 on.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let start = fields.get(50 - 3)?.parse().ok()?;
+    let end = fields.get(51 - 3)?.parse().ok()?;
+    (end > start).then_some((start, end))
 }
