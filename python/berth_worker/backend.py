@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import Internal
 from .options import Options
@@ -17,6 +17,16 @@ from .state import Progress, WorkerState
 #: What :meth:`RequestContext.chunk` hands to the connection:
 #: ``(request id, body, bulk)``.
 ChunkSink = Callable[[int, Any, Optional[Any]], None]
+
+
+def gpus_from_env() -> List[int]:
+    """The GPUs in ``BERTH_GPUS`` (physical indices); empty when unset."""
+    out: List[int] = []
+    for item in os.environ.get("BERTH_GPUS", "").split(","):
+        item = item.strip()
+        if item.isdigit():
+            out.append(int(item))
+    return out
 
 
 class LoadContext:
@@ -180,7 +190,15 @@ class Backend:
     thread, so a backend needs no locking. Pings are answered by another
     thread; advance the progress counter (``ctx.progress()``) from the code
     doing the work, so the supervisor can tell a slow model from a stuck one.
+
+    A class that sets :attr:`options` declares the options it takes: the
+    worker says so in its ``--backends`` answer, and the supervisor refuses
+    a model naming any other when it is registered, before a worker starts
+    (the load should still refuse them, with ``Options(spec).only(...)``).
     """
+
+    #: The options this backend takes, or ``None`` where it does not say.
+    options: Optional[Sequence[str]] = None
 
     def load(self, spec: LoadSpec, ctx: LoadContext) -> None:
         """Loads the model. Raise a :class:`~berth_worker.errors.WireError`

@@ -35,13 +35,3 @@ class LoadSpec:
         return "LoadSpec(name={!r}, backend={!r}, model={!r}, options={!r})".format(
             self.name, self.backend, self.model, self.options
         )
-
-
-def gpus_from_env() -> List[int]:
-    """The GPUs in ``BERTH_GPUS`` (physical indices); empty when unset."""
-    out: List[int] = []
-    for item in os.environ.get("BERTH_GPUS", "").split(","):
-        item = item.strip()
-        if item.isdigit():
-            out.append(int(item))
-    return out
