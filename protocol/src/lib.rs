@@ -264,6 +264,41 @@ impl WireError {
             message: message.into(),
         }
     }
+
+    /// The error with any backtrace or traceback cut from its message (see
+    /// [`without_trace`]), and the trace that was cut, if there was one: a
+    /// trace belongs in the worker's log, not in what a client is told.
+    pub fn split_trace(mut self) -> (Self, Option<String>) {
+        let kept = without_trace(&self.message).len();
+        if kept == self.message.len() {
+            return (self, None);
+        }
+        let trace = self.message.split_off(kept);
+        self.message.truncate(self.message.trim_end().len());
+        (self, Some(trace))
+    }
+}
+
+/// `message` up to the first line of a backtrace (Rust's `   0: ...`
+/// frames, or a `stack backtrace:` heading, as candle's errors carry when
+/// `RUST_BACKTRACE` is set) or a Python traceback (`Traceback (most recent
+/// call last):`): those name build paths and source files, for the log.
+pub fn without_trace(message: &str) -> &str {
+    let mut at = 0;
+    for line in message.split_inclusive('\n') {
+        let text = line.trim();
+        let frame = text
+            .split_once(": ")
+            .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if at > 0 && frame
+            || text.eq_ignore_ascii_case("stack backtrace:")
+            || text.starts_with("Traceback (most recent call last)")
+        {
+            return message[..at].trim_end();
+        }
+        at += line.len();
+    }
+    message
 }
 
 /// Stable error kinds. Their [`ErrorKind::code`]s are part of the public
@@ -326,5 +361,33 @@ impl ErrorKind {
 impl fmt::Display for ErrorKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.code())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traces_are_cut_from_messages() {
+        let candle = "model `m`: cannot load weights: shape mismatch\n   0: candle_core::error::Error::bt\n             at /root/.cargo/registry/src/candle-core/src/error.rs:1:1\n   1: main";
+        assert_eq!(
+            without_trace(candle),
+            "model `m`: cannot load weights: shape mismatch"
+        );
+        let heading = "capacity overflow\nStack backtrace:\n   0: x";
+        assert_eq!(without_trace(heading), "capacity overflow");
+        let python = "the backend failed: boom\nTraceback (most recent call last):\n  File \"/srv/app/m.py\", line 3";
+        assert_eq!(without_trace(python), "the backend failed: boom");
+        let plain = "model `m`: 3 texts: too long\nsee max_length";
+        assert_eq!(without_trace(plain), plain);
+        let (error, trace) = WireError::new(ErrorKind::LoadFailed, candle).split_trace();
+        assert_eq!(
+            error.message,
+            "model `m`: cannot load weights: shape mismatch"
+        );
+        assert!(trace.unwrap().contains("error.rs"));
+        let (error, trace) = WireError::new(ErrorKind::BadRequest, plain).split_trace();
+        assert_eq!((error.message.as_str(), trace), (plain, None));
     }
 }

@@ -223,6 +223,28 @@ impl ModelSpec {
         if self.backend.trim().is_empty() {
             return invalid("no backend given".into());
         }
+        if self.options.len() > MAX_OPTIONS {
+            return invalid(format!(
+                "{} options; a model takes at most {MAX_OPTIONS}",
+                self.options.len()
+            ));
+        }
+        for (key, value) in &self.options {
+            if key.is_empty() || key.len() > MAX_OPTION_NAME {
+                return invalid(format!(
+                    "option names are 1 to {MAX_OPTION_NAME} bytes long; `{}` is {}",
+                    key.chars().take(MAX_OPTION_NAME).collect::<String>(),
+                    key.len()
+                ));
+            }
+            if value.len() > MAX_OPTION_VALUE {
+                return invalid(format!(
+                    "option `{key}` is {} bytes; an option's value is at most {MAX_OPTION_VALUE} \
+                     (pass large data in a file inside the models directory)",
+                    value.len()
+                ));
+            }
+        }
         for (key, _) in &self.env {
             if key.is_empty() || key.contains('=') || key.contains('\0') {
                 return invalid(format!("`{key}` is not an environment variable name"));
@@ -301,32 +323,82 @@ impl ModelSpec {
     }
 }
 
-/// `path` with every symlink resolved, if that lies inside `root`; else an
-/// error naming both.
+/// `path` (a relative one taken inside `root`) with every symlink
+/// resolved, if that lies inside `root` and is not `root` itself; else an
+/// error. The error says no more of the host than the path it was given:
+/// not whether a path outside exists, nor where a link points (those go to
+/// the log), since the path may come from an HTTP client.
 pub fn confined(model: &str, path: &std::path::Path, root: &std::path::Path) -> Result<PathBuf> {
-    let resolved = path.canonicalize();
-    if let (Ok(resolved), Ok(root)) = (&resolved, root.canonicalize())
-        && resolved.starts_with(&root)
-    {
-        return Ok(resolved.clone());
-    }
-    Err(Error::InvalidSpec {
+    let refuse = |reason: String| Error::InvalidSpec {
         model: model.into(),
-        reason: format!(
-            "path `{}`{} is outside the models directory `{}`; put the model inside it",
-            path.display(),
-            match &resolved {
-                Ok(r) if r != path => format!(" (resolves to `{}`)", r.display()),
-                Ok(_) => String::new(),
-                Err(e) => format!(" ({e})"),
-            },
-            root.display()
-        ),
-    })
+        reason,
+    };
+    let outside = || {
+        refuse(format!(
+            "path `{}` is outside the models directory; put the model inside it",
+            path.display()
+        ))
+    };
+    let root = root.canonicalize().map_err(|e| {
+        tracing::warn!(root = %root.display(), "cannot resolve the models directory: {e}");
+        refuse("the models directory cannot be read; the operator must fix it".into())
+    })?;
+    let joined = if path.is_relative() {
+        root.join(path)
+    } else {
+        path.to_path_buf()
+    };
+    match joined.canonicalize() {
+        Ok(resolved) if resolved == root => Err(refuse(format!(
+            "path `{}` is the models directory itself; name a model inside it",
+            path.display()
+        ))),
+        Ok(resolved) if resolved.starts_with(&root) => Ok(resolved),
+        Ok(resolved) => {
+            tracing::warn!(model, path = %path.display(), resolved = %resolved.display(),
+                "refused a model path that resolves outside the models directory");
+            Err(outside())
+        }
+        Err(e) if lexically_inside(&joined, &root) => {
+            tracing::debug!(model, path = %joined.display(), "model path not usable: {e}");
+            Err(refuse(format!(
+                "path `{}` does not exist in the models directory (or cannot be read there)",
+                path.display()
+            )))
+        }
+        Err(e) => {
+            tracing::warn!(model, path = %path.display(), "refused a model path: {e}");
+            Err(outside())
+        }
+    }
+}
+
+/// Whether `path`, with `.` and `..` taken as written (no symlink
+/// followed), lies inside `root`.
+fn lexically_inside(path: &std::path::Path, root: &std::path::Path) -> bool {
+    use std::path::Component;
+    let mut normal = PathBuf::new();
+    for part in path.components() {
+        match part {
+            Component::ParentDir => {
+                normal.pop();
+            }
+            Component::CurDir => {}
+            other => normal.push(other),
+        }
+    }
+    normal.starts_with(root) && normal != root
 }
 
 /// Longest model name accepted.
 pub const MAX_NAME_LEN: usize = 128;
+/// A model's options: how many, how long a name, how long a value. What
+/// one registration can make the supervisor hold stays small.
+pub const MAX_OPTIONS: usize = 64;
+pub const MAX_OPTION_NAME: usize = 64;
+pub const MAX_OPTION_VALUE: usize = 4096;
+/// Models registered at once, by default.
+pub const DEFAULT_MAX_MODELS: usize = 1024;
 /// Longest duration accepted anywhere (keep-alive, timeouts, windows): a
 /// year. Longer values are refused rather than overflowing a clock.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -532,6 +604,9 @@ pub struct SupervisorConfig {
     /// `input_too_large` (default 256 MiB). Also the most a request's
     /// streamed pieces may hold unread by its caller.
     pub max_response: u64,
+    /// Models registered at once (default 1024): past it, a registration
+    /// is refused with `catalogue_full`.
+    pub max_models: usize,
 }
 
 impl Default for SupervisorConfig {
@@ -550,6 +625,7 @@ impl Default for SupervisorConfig {
             models_root: None,
             workers: BTreeMap::new(),
             max_response: 256 << 20,
+            max_models: DEFAULT_MAX_MODELS,
             restart_backoff: Duration::from_millis(500),
             gpu_memory_budget: None,
         }

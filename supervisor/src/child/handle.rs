@@ -24,7 +24,7 @@ use crate::child::handshake::Accepted;
 use crate::child::link::{Events, Link};
 use crate::child::memory::{ProcessMemory, process_memory};
 use crate::child::process::ProcessWatch;
-use crate::child::routes::{Dispatch, Reply, Routes, Waiting, held_bytes};
+use crate::child::routes::{Backlog, Dispatch, Reply, Routes, Waiting, piece_bytes};
 use crate::child::stream::SendError;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
@@ -120,6 +120,7 @@ impl WorkerHandle {
         let dispatch = Dispatch {
             model: model.to_string(),
             routes: Arc::clone(&routes),
+            commands: link.clone(),
             control: control_tx,
             pongs: pong_tx,
             max_response,
@@ -396,7 +397,7 @@ impl WorkerHandle {
     pub fn call_stream(&self, body: Body) -> Result<ResponseStream> {
         let id = self.routes.next_id();
         let (tx, rx) = mpsc::unbounded_channel();
-        let unread = Arc::new(AtomicU64::new(0));
+        let unread = Arc::new(Backlog::default());
         {
             let mut routes = self.routes.lock();
             if let Some(death) = &routes.death {
@@ -534,7 +535,7 @@ pub struct ResponseStream {
     commands: Link,
     in_flight: Arc<InFlight>,
     /// Chunk bytes routed here and not yet read (see `routes::Waiting`).
-    unread: Arc<AtomicU64>,
+    unread: Arc<Backlog>,
     /// How the worker ran it, once it is done.
     run: Option<berth_protocol::RunInfo>,
 }
@@ -548,7 +549,7 @@ impl ResponseStream {
         let reply = self.rx.recv().await;
         match reply {
             Some(Reply::Chunk(body)) => {
-                self.unread.fetch_sub(held_bytes(&body), Ordering::SeqCst);
+                self.unread.read(piece_bytes(&body));
                 Some(Ok(Piece::Chunk(body)))
             }
             Some(Reply::Refused(source)) => {

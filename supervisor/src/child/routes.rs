@@ -33,15 +33,69 @@ pub(super) enum Reply {
     Died(Arc<Death>),
 }
 
+/// What became of a reply handed to [`Routes::route`].
+pub(super) enum Routed {
+    Delivered,
+    /// For a request given up on, or after the worker died: dropped.
+    Dropped,
+    /// The request was refused and given up on: its caller is told, and the
+    /// worker must be told to cancel it.
+    GaveUp,
+}
+
 /// A request waiting for its answer.
 pub(super) struct Waiting {
     pub(super) tx: mpsc::UnboundedSender<Reply>,
     /// What identifies it for quarantine.
     pub(super) hash: u64,
-    /// Bytes of chunks routed to it and not yet read by its caller: a
-    /// worker streaming faster than a client reads is refused past
-    /// `max_response`, rather than queued without bound.
-    pub(super) unread: Arc<AtomicU64>,
+    /// Chunks routed to it and not yet read by its caller (see [`Backlog`]).
+    pub(super) unread: Arc<Backlog>,
+}
+
+/// What a request's caller has not read yet of the pieces streamed to it:
+/// a worker streaming faster than its caller reads (a client that does not
+/// read its server-sent events) has its request cancelled past a small
+/// backlog, rather than have its pieces queued without bound.
+#[derive(Debug, Default)]
+pub(super) struct Backlog {
+    bytes: AtomicU64,
+    pieces: AtomicU64,
+}
+
+/// The unread pieces one request may have queued, in bytes as the
+/// supervisor holds them (see [`piece_bytes`]; `max_response` if that is
+/// lower) and in number. One piece of any size up to `max_response` is
+/// always let through when nothing is unread.
+pub(super) const BACKLOG_BYTES: u64 = 4 << 20;
+pub(super) const BACKLOG_PIECES: u64 = 4096;
+/// What a queued piece costs beyond its bytes: the reply, the body, their
+/// allocations. A stream of one-token chunks is mostly this.
+const PIECE_OVERHEAD: u64 = 160;
+
+/// A queued piece's cost in the supervisor's memory.
+pub(super) fn piece_bytes(body: &Body) -> u64 {
+    held_bytes(body) + PIECE_OVERHEAD
+}
+
+impl Backlog {
+    /// Counts a piece in, if a backlog of at most `limit` bytes has room
+    /// for it.
+    fn admit(&self, size: u64, limit: u64) -> Result<(), (u64, u64)> {
+        let bytes = self.bytes.fetch_add(size, Ordering::SeqCst);
+        let pieces = self.pieces.fetch_add(1, Ordering::SeqCst);
+        if bytes > 0 && (bytes + size > limit || pieces >= BACKLOG_PIECES) {
+            self.bytes.fetch_sub(size, Ordering::SeqCst);
+            self.pieces.fetch_sub(1, Ordering::SeqCst);
+            return Err((bytes, pieces));
+        }
+        Ok(())
+    }
+
+    /// Counts a piece out, once its caller has it.
+    pub(super) fn read(&self, size: u64) {
+        self.bytes.fetch_sub(size, Ordering::SeqCst);
+        self.pieces.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The size of a body as `max_response` counts it: its JSON and its bulk
@@ -64,8 +118,8 @@ pub(super) struct RoutesInner {
 /// The pending map and, once the worker is dead, why.
 pub(super) struct Routes {
     inner: Mutex<RoutesInner>,
-    /// The most unread chunk bytes one request may have queued.
-    max_unread: u64,
+    /// The most unread bytes one request may have queued.
+    backlog_bytes: u64,
     /// The next request id; every id below it was sent.
     next_id: AtomicU64,
     /// A `Load` was sent and its answer has not come.
@@ -73,10 +127,10 @@ pub(super) struct Routes {
 }
 
 impl Routes {
-    pub(super) fn new(max_unread: u64) -> Self {
+    pub(super) fn new(max_response: u64) -> Self {
         Routes {
             inner: Mutex::default(),
-            max_unread,
+            backlog_bytes: max_response.min(BACKLOG_BYTES),
             next_id: AtomicU64::new(1),
             load_asked: AtomicBool::new(false),
         }
@@ -109,43 +163,67 @@ impl Routes {
         }
     }
 
-    pub(super) fn route(&self, id: RequestId, mut reply: Reply) -> Result<(), Violation> {
+    /// Hands `reply` to request `id`'s caller. A streamed piece that its
+    /// caller's backlog has no room for, or that was refused on arrival,
+    /// ends the request: its caller gets the refusal, later pieces and its
+    /// `done` are dropped, and the caller of `route` must tell the worker
+    /// to cancel it ([`Routed::GaveUp`]).
+    pub(super) fn route(&self, id: RequestId, mut reply: Reply) -> Result<Routed, Violation> {
         let mut inner = self.lock();
         let done = matches!(reply, Reply::Done(..));
-        let tx = if done {
-            inner.pending.remove(&id).map(|w| w.tx)
-        } else {
-            inner.pending.get(&id).map(|w| {
-                if let Reply::Chunk(body) = &reply {
-                    let size = held_bytes(body);
-                    let unread = w.unread.fetch_add(size, Ordering::SeqCst) + size;
-                    if unread > self.max_unread {
-                        w.unread.fetch_sub(size, Ordering::SeqCst);
-                        reply = Reply::Refused(WireError::new(
-                            berth_protocol::ErrorKind::InputTooLarge,
-                            format!(
-                                "request {id}: the worker streamed {unread} bytes its caller \
-                                 has not read yet, over max_response ({} bytes); read the \
-                                 stream as it comes, or raise max_response",
-                                self.max_unread
-                            ),
-                        ));
+        if done {
+            if let Some(waiting) = inner.pending.remove(&id) {
+                drop(inner);
+                let _ = waiting.tx.send(reply);
+                return Ok(Routed::Delivered);
+            }
+        } else if let Some(waiting) = inner.pending.get(&id) {
+            let refused = match &reply {
+                Reply::Refused(_) => true,
+                Reply::Chunk(body) => {
+                    match waiting.unread.admit(piece_bytes(body), self.backlog_bytes) {
+                        Ok(()) => false,
+                        Err((bytes, pieces)) => {
+                            reply = Reply::Refused(WireError::new(
+                                berth_protocol::ErrorKind::InputTooLarge,
+                                format!(
+                                    "request {id}: the worker streamed {pieces} pieces ({bytes} \
+                                     bytes) its caller has not read yet, and one request may \
+                                     have at most {BACKLOG_PIECES} pieces or {} bytes waiting, \
+                                     so it was cancelled; read the stream as it comes",
+                                    self.backlog_bytes
+                                ),
+                            ));
+                            true
+                        }
                     }
                 }
-                w.tx.clone()
-            })
-        };
-        if let Some(tx) = tx {
+                _ => false,
+            };
+            let tx = waiting.tx.clone();
+            if refused {
+                inner.pending.remove(&id);
+                inner.cancelled.insert(id);
+                if inner.cancelled.len() > MAX_CANCELLED {
+                    inner.cancelled.pop_first();
+                }
+            }
             drop(inner);
             let _ = tx.send(reply);
-            return Ok(());
+            if refused {
+                // What was queued goes with the caller's channel; give the
+                // heap back once it has.
+                crate::heap::trim_soon();
+                return Ok(Routed::GaveUp);
+            }
+            return Ok(Routed::Delivered);
         }
         let what = if done { "done" } else { "chunk" };
         if inner.death.is_some()
             || (done && inner.cancelled.remove(&id))
             || (!done && inner.cancelled.contains(&id))
         {
-            return Ok(());
+            return Ok(Routed::Dropped);
         }
         if id == 0 || id >= self.next_id.load(Ordering::Relaxed) {
             Err(Violation(format!(
@@ -197,6 +275,8 @@ impl std::fmt::Debug for Routes {
 pub(super) struct Dispatch {
     pub(super) model: String,
     pub(super) routes: Arc<Routes>,
+    /// For cancelling a request whose pieces its caller refused.
+    pub(super) commands: crate::child::link::Link,
     pub(super) control: mpsc::UnboundedSender<Event>,
     pub(super) pongs: watch::Sender<Option<(u64, WorkerStats)>>,
     pub(super) max_response: u64,
@@ -207,16 +287,29 @@ impl Dispatch {
     fn dispatch(&self, event: Event) -> Result<(), Violation> {
         let model = self.model.as_str();
         match event {
-            Event::Chunk { id, body } => match bounded(model, body, self.max_response) {
-                Ok(body) => self.routes.route(id, Reply::Chunk(body)),
-                Err(e) => self.routes.route(id, Reply::Refused(e)),
-            },
+            Event::Chunk { id, body } => {
+                let reply = match bounded(model, body, self.max_response) {
+                    Ok(body) => Reply::Chunk(body),
+                    Err(e) => Reply::Refused(e),
+                };
+                if let Routed::GaveUp = self.routes.route(id, reply)? {
+                    let _ = self.commands.send(berth_protocol::Command::Cancel { id });
+                }
+                Ok(())
+            }
             Event::Done { id, result, run } => {
-                let result = result.and_then(|body| bounded(model, body, self.max_response));
-                self.routes.route(id, Reply::Done(result, run))
+                let result = result
+                    .map_err(|e| self.without_trace(e))
+                    .and_then(|body| bounded(model, body, self.max_response));
+                self.routes.route(id, Reply::Done(result, run)).map(|_| ())
             }
             Event::Pong { seq, stats } => {
                 let _ = self.pongs.send(Some((seq, stats)));
+                Ok(())
+            }
+            Event::LoadFailed(e) if self.routes.load_asked.load(Ordering::SeqCst) => {
+                self.routes.load_asked.store(false, Ordering::SeqCst);
+                let _ = self.control.send(Event::LoadFailed(self.without_trace(e)));
                 Ok(())
             }
             Event::Loaded(_) | Event::LoadFailed(_) => {
@@ -231,6 +324,18 @@ impl Dispatch {
             }
             Event::Hello(_) => Err(Violation("a second hello".into())),
         }
+    }
+
+    /// A worker's error without a backtrace or traceback in its message
+    /// (any worker, in any language, may send one): logged whole, told to
+    /// clients without it.
+    fn without_trace(&self, error: WireError) -> WireError {
+        let (error, trace) = error.split_trace();
+        if let Some(trace) = trace {
+            tracing::warn!(model = %self.model, "the worker's error `{}` came with a trace: {trace}",
+                error.message);
+        }
+        error
     }
 
     fn violated(&self, violation: Violation) {

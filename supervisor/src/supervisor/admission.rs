@@ -135,7 +135,7 @@ pub(super) fn plan(
 }
 
 /// What `state` holds, as admission sees it for `model`.
-fn room(state: &State, model: &str) -> Room {
+pub(super) fn room(state: &State, model: &str) -> Room {
     let rss = |s: &Slot| {
         s.worker
             .as_ref()
@@ -263,18 +263,29 @@ pub(super) struct Need {
     pub(super) gpu: Option<(gpu::GpuRequest, u64)>,
 }
 
+/// What a model of unknown size (no weights on disk to measure, no earlier
+/// load, no `memory_limit`) is counted as before its first load: it is not
+/// free.
+pub const UNKNOWN_FOOTPRINT: u64 = 256 << 20;
+
 impl Need {
     /// Sized from what the model's last worker measured when it ran the
-    /// same thing, else from the weights on disk.
-    pub(super) fn new(spec: &ModelSpec, entry: Option<&Entry>, replacing: bool) -> Need {
+    /// same thing, else from its weights on disk (`disk`, measured by
+    /// [`disk_footprint`] before the state lock was taken), else from its
+    /// `memory_limit`, else [`UNKNOWN_FOOTPRINT`].
+    pub(super) fn new(spec: &ModelSpec, entry: Option<&Entry>, replacing: bool, disk: u64) -> Need {
         let same = entry.filter(|e| {
             e.spec.backend == spec.backend
                 && e.spec.model == spec.model
                 && e.spec.options == spec.options
         });
-        let disk = footprint_on_disk(spec);
+        let unmeasured = if disk > 0 {
+            disk
+        } else {
+            spec.memory_limit.unwrap_or(UNKNOWN_FOOTPRINT)
+        };
         Need {
-            ram: same.and_then(|e| e.last_peak_bytes).unwrap_or(disk),
+            ram: same.and_then(|e| e.last_peak_bytes).unwrap_or(unmeasured),
             replacing,
             gpu: spec.gpus.clone().map(|request| {
                 (
@@ -346,22 +357,70 @@ pub(super) fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
     holders
 }
 
-pub(super) fn footprint_on_disk(spec: &ModelSpec) -> u64 {
-    pub(super) fn size(path: &std::path::Path) -> u64 {
-        match std::fs::metadata(path) {
-            Ok(m) if m.is_dir() => std::fs::read_dir(path)
-                .map(|entries| {
-                    entries
-                        .filter_map(Result::ok)
-                        .map(|e| size(&e.path()))
-                        .sum()
-                })
-                .unwrap_or(0),
-            Ok(m) => m.len(),
-            Err(_) => 0,
+/// The bytes a model's weights take on disk, measured off the async
+/// runtime: see [`footprint_on_disk`].
+pub(super) async fn disk_footprint(spec: &ModelSpec) -> u64 {
+    let Some(path) = spec.model.clone() else {
+        return 0;
+    };
+    tokio::task::spawn_blocking(move || footprint_on_disk(&path))
+        .await
+        .unwrap_or(0)
+}
+
+/// Bounds of the walk: a model folder deeper, larger or slower than this
+/// is counted as far as the walk got.
+const WALK_DEPTH: usize = 8;
+const WALK_ENTRIES: usize = 10_000;
+const WALK_TIME: Duration = Duration::from_secs(1);
+
+/// The bytes under `path`: a file's size, or the sizes of a folder's files,
+/// walked without following symlinks (a folder holding two links to
+/// itself, or the whole models directory named as a model, must not hold
+/// anything up), at most [`WALK_DEPTH`] deep, [`WALK_ENTRIES`] entries and
+/// [`WALK_TIME`] long. Blocking: never under the state lock, never on the
+/// runtime's threads.
+pub(crate) fn footprint_on_disk(path: &std::path::Path) -> u64 {
+    let started = Instant::now();
+    let mut total = 0u64;
+    let mut entries = 0usize;
+    // The model's own path may be a symlink (a fetched model's folder is a
+    // plain one; an operator's may not be): that one is followed.
+    let Ok(top) = std::fs::metadata(path) else {
+        return 0;
+    };
+    if !top.is_dir() {
+        return top.len();
+    }
+    let mut folders = vec![(path.to_path_buf(), 0usize)];
+    while let Some((folder, depth)) = folders.pop() {
+        let Ok(list) = std::fs::read_dir(&folder) else {
+            continue;
+        };
+        for entry in list.filter_map(Result::ok) {
+            entries += 1;
+            if entries > WALK_ENTRIES || started.elapsed() > WALK_TIME {
+                tracing::warn!(
+                    path = %path.display(),
+                    "the model's folder is too large to measure ({entries} entries in {:?}); \
+                     counted {total} bytes of it",
+                    started.elapsed()
+                );
+                return total;
+            }
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            if kind.is_dir() {
+                if depth + 1 < WALK_DEPTH {
+                    folders.push((entry.path(), depth + 1));
+                }
+            } else if kind.is_file() {
+                total += entry.metadata().map(|m| m.len()).unwrap_or(0);
+            }
         }
     }
-    spec.model.as_deref().map(size).unwrap_or(0)
+    total
 }
 
 #[cfg(test)]

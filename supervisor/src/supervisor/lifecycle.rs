@@ -25,7 +25,7 @@ impl Supervisor {
     /// Loads a registered model.
     pub async fn load_registered(&self, model: &str) -> Result<LoadReport> {
         self.check_running(model)?;
-        self.start_load(model).await
+        self.unless_stopping(model, self.start_load(model)).await
     }
 
     /// Makes room, reserves the slot, launches the worker.
@@ -73,6 +73,12 @@ impl Supervisor {
 
     pub(super) async fn start_load_inner(&self, model: &str) -> Result<LoadReport> {
         let gate = self.inner.load_gate.lock().await;
+        // The weights are measured on disk before the state lock is taken.
+        let registered = self.lock().catalogue.get(model).map(|e| e.spec.clone());
+        let disk = match &registered {
+            Some(spec) => super::admission::disk_footprint(spec).await,
+            None => 0,
+        };
         let (spec, need) = {
             let mut state = self.lock();
             if state
@@ -101,7 +107,7 @@ impl Supervisor {
                 .ok_or_else(|| self.unknown_locked(model, &state))?;
             (
                 entry.spec.clone(),
-                Need::new(&entry.spec, Some(entry), false),
+                Need::new(&entry.spec, Some(entry), false, disk),
             )
         };
         let gpus = self.make_room(model, &need).await?;
@@ -216,7 +222,11 @@ impl Supervisor {
             };
             match next {
                 Next::Wait(mut signal) => {
-                    let outcome = signal.wait_for(Option::is_some).await.map(|v| v.clone());
+                    let outcome = self
+                        .unless_stopping(model, async {
+                            Ok(signal.wait_for(Option::is_some).await.map(|v| v.clone()))
+                        })
+                        .await?;
                     if let Ok(Some(Err(e))) = outcome {
                         return Err(e.shared());
                     }
@@ -224,7 +234,7 @@ impl Supervisor {
                 Next::WaitChange => {
                     let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
                 }
-                Next::Load => match self.start_load(model).await {
+                Next::Load => match self.unless_stopping(model, self.start_load(model)).await {
                     Ok(_) | Err(Error::AlreadyLoaded { .. } | Error::Busy { .. }) => {}
                     Err(e) => return Err(e),
                 },
@@ -360,9 +370,10 @@ impl Supervisor {
             }
             this.inner.notify_changed();
         };
+        let disk = super::admission::disk_footprint(&spec).await;
         let need = {
             let state = self.lock();
-            Need::new(&spec, state.catalogue.get(&model), true)
+            Need::new(&spec, state.catalogue.get(&model), true, disk)
         };
         let gate = self.inner.load_gate.lock().await;
         let gpus = match self.make_room(&model, &need).await {

@@ -6,7 +6,9 @@
 //!   and concurrent requests wait for that one load;
 //! - keep-alive: an idle model is unloaded when its keep-alive runs out;
 //! - memory budget and `max_loaded`: before a load, idle models are evicted
-//!   least recently used first; a model with work in flight never is;
+//!   least recently used first; a model with work in flight never is; and
+//!   after loads, when models grow past the budget, idle ones are evicted
+//!   too (`budget.rs`);
 //! - per-model concurrency with a bounded queue;
 //! - swap: the new worker is ready before routing switches, and the old one
 //!   drains before it stops.
@@ -26,6 +28,7 @@ use crate::child::handle::WorkerHandle;
 use crate::report::UnloadReport;
 
 mod admission;
+mod budget;
 mod catalogue;
 mod counters;
 mod crashes;
@@ -79,6 +82,9 @@ struct Inner {
     /// the same free memory.
     load_gate: tokio::sync::Mutex<()>,
     shutting_down: AtomicBool,
+    /// Turns true when shutdown begins: whoever waits for a load stops
+    /// waiting and is told so, rather than be cut off when the process ends.
+    stopping: tokio::sync::watch::Sender<bool>,
 }
 
 impl Inner {
@@ -131,12 +137,16 @@ impl Supervisor {
             expiry_changed: Arc::default(),
             load_gate: tokio::sync::Mutex::new(()),
             shutting_down: AtomicBool::new(false),
+            stopping: tokio::sync::watch::Sender::new(false),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(keep_alive::keep_alive_reaper(
                 Arc::downgrade(&inner),
                 Arc::clone(&inner.expiry_changed),
             ));
+            if let Some(budget) = inner.config.memory_budget {
+                runtime.spawn(budget::budget_watch(Arc::downgrade(&inner), budget));
+            }
         }
         Supervisor { inner }
     }
@@ -168,6 +178,7 @@ impl Supervisor {
     /// an unload someone else started is waited out.
     pub async fn shutdown(&self) -> Vec<Result<UnloadReport>> {
         self.inner.shutting_down.store(true, Ordering::SeqCst);
+        self.inner.stopping.send_replace(true);
         let mut reports = Vec::new();
         loop {
             let changed = self.inner.changed.notified();
@@ -209,6 +220,23 @@ impl Supervisor {
         }
         self.inner.notify_changed();
         reports
+    }
+}
+
+impl Supervisor {
+    /// `fut`, unless shutdown begins first: then `ShuttingDown` at once (a
+    /// load that was waited for goes on in its own task, and stops its
+    /// worker when it finds the supervisor shutting down).
+    async fn unless_stopping<T>(
+        &self,
+        model: &str,
+        fut: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let mut stopping = self.inner.stopping.subscribe();
+        tokio::select! {
+            out = fut => out,
+            _ = stopping.wait_for(|s| *s) => Err(Error::ShuttingDown { model: model.into() }),
+        }
     }
 }
 

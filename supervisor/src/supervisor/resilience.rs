@@ -235,11 +235,12 @@ impl Supervisor {
             return Ok(None);
         }
         let _gate = self.inner.load_gate.lock().await;
+        let disk = super::admission::disk_footprint(spec).await;
         let need = {
             let state = self.lock();
             Need {
                 ram: 0,
-                ..Need::new(spec, state.catalogue.get(model), true)
+                ..Need::new(spec, state.catalogue.get(model), true, disk)
             }
         };
         let gpus = self.make_room(model, &need).await?;

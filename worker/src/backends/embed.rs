@@ -32,6 +32,7 @@ use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
+use crate::backends::files::{FileError, ModelFile, open_in};
 use crate::backends::{LoadMode, choose_device, configure_threads, device_name, parse_request};
 use crate::{Backend, Batching, LoadContext, RequestContext};
 
@@ -53,14 +54,26 @@ fn load_error(spec: &LoadSpec, message: String) -> WireError {
     )
 }
 
-fn read_text(spec: &LoadSpec, path: &Path) -> Result<String, WireError> {
-    std::fs::read_to_string(path)
-        .map_err(|e| load_error(spec, format!("cannot read `{}`: {e}", path.display())))
+/// `name` in the model's folder, opened beneath it (see `files.rs`).
+fn open(spec: &LoadSpec, dir: &Path, name: &str) -> Result<ModelFile, WireError> {
+    open_in(dir, name).map_err(|e| load_error(spec, format!("`{}` {e}", dir.join(name).display())))
 }
+
+fn read_text(spec: &LoadSpec, dir: &Path, name: &str) -> Result<String, WireError> {
+    open(spec, dir, name)?.read_to_string().map_err(|e| {
+        load_error(
+            spec,
+            format!("cannot read `{}`: {e}", dir.join(name).display()),
+        )
+    })
+}
+
+/// The options this backend takes.
+pub const OPTIONS: &[&str] = &["load_mode", "threads", "max_length", "device"];
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["load_mode", "threads", "max_length", "device"])?;
+    opts.only(OPTIONS)?;
     let load_mode = LoadMode::from_options(spec, &opts)?;
     let device = choose_device(spec, &opts, ctx)?;
     let threads = configure_threads(opts.get("threads")?);
@@ -79,15 +92,24 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     }
 
     let config_path = dir.join("config.json");
-    let config: Config = serde_json::from_str(&read_text(spec, &config_path)?).map_err(|e| {
-        load_error(
-            spec,
-            format!("`{}` is not a BERT config: {e}", config_path.display()),
-        )
-    })?;
+    let config: Config =
+        serde_json::from_str(&read_text(spec, &dir, "config.json")?).map_err(|e| {
+            load_error(
+                spec,
+                format!("`{}` is not a BERT config: {e}", config_path.display()),
+            )
+        })?;
     let pooling = dir.join("1_Pooling/config.json");
-    if pooling.is_file() {
-        let value: serde_json::Value = serde_json::from_str(&read_text(spec, &pooling)?)
+    let pooling_text =
+        match open_in(&dir, "1_Pooling/config.json") {
+            Err(FileError::Missing) => None,
+            Err(e) => return Err(load_error(spec, format!("`{}` {e}", pooling.display()))),
+            Ok(mut file) => Some(file.read_to_string().map_err(|e| {
+                load_error(spec, format!("cannot read `{}`: {e}", pooling.display()))
+            })?),
+        };
+    if let Some(text) = pooling_text {
+        let value: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| load_error(spec, format!("`{}` is not JSON: {e}", pooling.display())))?;
         if value["pooling_mode_mean_tokens"] != serde_json::Value::Bool(true) {
             return Err(load_error(
@@ -102,13 +124,15 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     ctx.progress().advance();
 
     let tokenizer_path = dir.join("tokenizer.json");
-    if !tokenizer_path.is_file() {
-        return Err(load_error(
-            spec,
-            format!("`{}` is missing", tokenizer_path.display()),
-        ));
-    }
-    let mut tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| {
+    let tokenizer_bytes = open(spec, &dir, "tokenizer.json")?
+        .read_bytes()
+        .map_err(|e| {
+            load_error(
+                spec,
+                format!("cannot read `{}`: {e}", tokenizer_path.display()),
+            )
+        })?;
+    let mut tokenizer = Tokenizer::from_bytes(&tokenizer_bytes).map_err(|e| {
         load_error(
             spec,
             format!("cannot load `{}`: {e}", tokenizer_path.display()),
@@ -130,12 +154,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     ctx.progress().advance();
 
     let weights = dir.join("model.safetensors");
-    if !weights.is_file() {
-        return Err(load_error(
-            spec,
-            format!("`{}` is missing", weights.display()),
-        ));
-    }
+    let mut weights_file = open(spec, &dir, "model.safetensors")?;
     let bad_weights = |e: candle_core::Error| {
         load_error(
             spec,
@@ -145,12 +164,13 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     let vb = match load_mode {
         // SAFETY: the file is mapped read-only; berth's fetch step writes
         // weights by rename, so a mapped file is never modified in place.
+        // The file opened and checked above, by its descriptor.
         LoadMode::Mmap => unsafe {
-            VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, &device)
+            VarBuilder::from_mmaped_safetensors(&[weights_file.path()], DType::F32, &device)
                 .map_err(bad_weights)?
         },
         LoadMode::Read => {
-            let bytes = std::fs::read(&weights).map_err(|e| {
+            let bytes = weights_file.read_bytes().map_err(|e| {
                 load_error(spec, format!("cannot read `{}`: {e}", weights.display()))
             })?;
             VarBuilder::from_buffered_safetensors(bytes, DType::F32, &device)

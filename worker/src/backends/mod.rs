@@ -8,6 +8,7 @@ mod common;
 pub mod echo;
 pub mod embed;
 pub mod fault;
+mod files;
 pub mod generate;
 pub mod gpu_hog;
 pub mod hog;

@@ -54,7 +54,7 @@ pub fn serve_with_args(registry: Registry, args: impl IntoIterator<Item = String
             std::process::exit(0);
         }
         Some("--backends") => {
-            println!("{}", registry.names().join("\n"));
+            println!("{}", registry.backends_lines());
             std::process::exit(0);
         }
         Some(other) => {
@@ -253,7 +253,7 @@ fn execute(
                                 max_batch,
                             })
                         }
-                        Err(e) => Event::LoadFailed(e),
+                        Err(e) => Event::LoadFailed(without_trace(e)),
                     }
                 };
                 let _ = events.send(event);
@@ -304,7 +304,19 @@ fn finish(
         .remove(&id);
     shared.in_flight.fetch_sub(1, Ordering::Relaxed);
     shared.requests_done.fetch_add(1, Ordering::Relaxed);
+    let result = result.map_err(without_trace);
     let _ = events.send(Event::Done { id, result, run });
+}
+
+/// An error for the supervisor without the backtrace it may carry (candle's
+/// errors do when `RUST_BACKTRACE` is set): the trace names build paths and
+/// goes to stderr, which is the supervisor's log, not to the client.
+fn without_trace(error: WireError) -> WireError {
+    let (error, trace) = error.split_trace();
+    if let Some(trace) = trace {
+        eprintln!("berth-worker: {}\n{}", error.message, trace.trim_start());
+    }
+    error
 }
 
 fn is_cancelled(shared: &Shared, id: RequestId) -> bool {

@@ -185,6 +185,44 @@ pub(super) fn check_architecture(content: &Content, shown: &str) -> Result<(), S
     }
 }
 
+/// What the file must hold to be loaded: a `llama` model
+/// ([`check_architecture`]) whose every tensor's declared shape and type
+/// fit, with its offset, inside the file's `len` bytes. A header can claim
+/// any shape (`[2^62, 2^62]`); unchecked, that loads and then fails every
+/// request with an overflow.
+pub(super) fn check_model(content: &Content, len: u64, shown: &str) -> Result<(), String> {
+    check_architecture(content, shown)?;
+    for (name, info) in &content.tensor_infos {
+        let dims = info.shape.dims();
+        let elements = dims
+            .iter()
+            .try_fold(1u64, |n, d| n.checked_mul(*d as u64))
+            .filter(|n| *n > 0 || dims.contains(&0));
+        let block = info.ggml_dtype.block_size() as u64;
+        let bytes = elements
+            .filter(|n| n % block == 0)
+            .and_then(|n| (n / block).checked_mul(info.ggml_dtype.type_size() as u64));
+        let end = bytes.and_then(|b| {
+            content
+                .tensor_data_offset
+                .checked_add(info.offset)
+                .and_then(|start| start.checked_add(b))
+        });
+        match end {
+            Some(end) if end <= len => {}
+            _ => {
+                return Err(format!(
+                    "`{shown}` declares tensor `{name}` of shape {dims:?} ({:?}) at offset {}, \
+                     which does not fit in the file's {len} bytes; the file is corrupt or \
+                     truncated",
+                    info.ggml_dtype, info.offset
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A reader that advances the load progress on every read, so a long load
 /// shows as moving.
 pub(super) struct Counted<'a, R> {

@@ -85,13 +85,14 @@ pub use gguf::tokenizer_from_gguf;
 pub use model::{Agreement, agreement_with_candle};
 
 use decode::{Ctx, Job};
-use gguf::{Counted, check_architecture, dominant_dtype, md_str, md_u32, parse_gguf};
+use gguf::{Counted, check_model, dominant_dtype, md_str, md_u32, parse_gguf};
 use model::{Llama, MAX_SEQ_LEN};
 use request::{Settings, parse_request};
 use template::{ChatMl, IM_END, IM_START};
 use weights::{Data, Source, open_data, q8_0_source};
 
-const OPTIONS: &[&str] = &[
+/// The options this backend takes.
+pub const OPTIONS: &[&str] = &[
     "load_mode",
     "threads",
     "device",
@@ -182,7 +183,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     };
     progress.advance();
     let content = parse_gguf(&data, &file, progress).map_err(fail)?;
-    check_architecture(&content, &file).map_err(fail)?;
+    check_model(&content, data.len() as u64, &file).map_err(fail)?;
     let dtype = dominant_dtype(&content);
     let max_batch = max_batch.unwrap_or(if dtype == "q4_1" {
         1

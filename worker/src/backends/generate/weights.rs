@@ -9,9 +9,10 @@ use candle_core::Device;
 use candle_core::quantized::gguf_file::{self, Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 
-use super::gguf::{check_architecture, parse_gguf};
+use super::gguf::{check_model, parse_gguf};
 use crate::Progress;
 use crate::backends::LoadMode;
+use crate::backends::files::{FileError, open_file};
 
 /// `general.file_type` for "mostly Q8_0" (llama.cpp's `LLAMA_FTYPE_MOSTLY_Q8_0`).
 const FILE_TYPE_Q8_0: u32 = 7;
@@ -35,28 +36,28 @@ impl std::ops::Deref for Data {
 
 pub(super) fn open_data(path: &Path, mode: LoadMode) -> Result<Data, String> {
     let shown = path.display();
-    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => format!("model file `{shown}` does not exist"),
-        _ => format!("cannot read model file `{shown}`: {e}"),
+    // A regular file only: a FIFO would hold the load for ever, a device
+    // never ends, a symlink loop is not a model (`files.rs`).
+    let mut model = open_file(path).map_err(|e| match e {
+        FileError::Missing => format!("model file `{shown}` does not exist"),
+        FileError::NotRegular("a directory") => {
+            format!("`{shown}` is a directory; the generate backend needs a GGUF file")
+        }
+        e => format!("model file `{shown}` {e}"),
     })?;
-    if meta.is_dir() {
-        return Err(format!(
-            "`{shown}` is a directory; the generate backend needs a GGUF file"
-        ));
-    }
     let read_err = |e: std::io::Error| format!("cannot read model file `{shown}`: {e}");
+    let len = model.file.metadata().map_err(read_err)?.len();
     match mode {
         // An empty file cannot be mapped; it fails the GGUF check instead.
-        LoadMode::Mmap if meta.len() > 0 => {
-            let file = File::open(path).map_err(read_err)?;
+        LoadMode::Mmap if len > 0 => {
             // SAFETY: the map is read-only and lives only while the model is
             // built (candle copies every tensor out of it). A file truncated
             // meanwhile kills this worker with SIGBUS, which the supervisor
             // reports like any crash; it cannot corrupt another process.
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(read_err)?;
+            let map = unsafe { memmap2::Mmap::map(&model.file) }.map_err(read_err)?;
             Ok(Data::Mapped(map))
         }
-        _ => std::fs::read(path).map(Data::Owned).map_err(read_err),
+        _ => model.read_bytes().map(Data::Owned).map_err(read_err),
     }
 }
 
@@ -153,7 +154,7 @@ pub(super) fn q8_0_source(
     let shown = src.display().to_string();
     let data = open_data(src, mode)?;
     let content = parse_gguf(&data, &shown, progress)?;
-    check_architecture(&content, &shown)?;
+    check_model(&content, data.len() as u64, &shown)?;
     let needs = content.tensor_infos.values().any(|t| {
         !matches!(
             t.ggml_dtype,
