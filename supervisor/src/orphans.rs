@@ -233,7 +233,19 @@ fn persist() {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     let written = serde_json::to_vec_pretty(&state)
         .map_err(std::io::Error::other)
-        .and_then(|bytes| std::fs::write(&tmp, bytes))
+        .and_then(|bytes| {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            // Its own user's alone (a file others could write is refused
+            // when it is read back).
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .and_then(|mut file| file.write_all(&bytes))
+        })
         .and_then(|()| std::fs::rename(&tmp, path));
     if let Err(e) = written {
         tracing::warn!(path = %path.display(), "cannot write the state file: {e}");
@@ -355,26 +367,73 @@ pub fn reap_strays(which: Strays) -> usize {
 /// previous supervisor recorded there and left running, then keeps the file
 /// up to date. Returns how many processes were stopped.
 pub fn use_state_file(path: &Path) -> Result<usize, String> {
+    // Checked before anything is created or locked: a path that is not a
+    // state file of berth's is refused and left as it is.
+    trusted_state_file(path)?;
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)
             .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
     }
     lock_state_file(path)?;
-    let stopped = match std::fs::read(path) {
-        Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
-            Ok(previous) => stop_leftovers(&previous),
-            Err(e) => {
-                tracing::warn!(path = %path.display(), "ignoring an unreadable state file: {e}");
-                0
-            }
-        },
-        Err(_) => 0,
-    };
+    let previous = trusted_state_file(path)?;
+    let stopped = previous.as_ref().map_or(0, stop_leftovers);
     STATE_FILE
         .set(path.to_path_buf())
         .map_err(|_| "a state file is already in use".to_string())?;
     persist();
     Ok(stopped)
+}
+
+/// The state file at `path`, if there is one, checked before anything in
+/// it is believed: a berth state file (JSON of its shape), a regular file
+/// (not a directory, a symlink or a device), owned by this process's user
+/// and writable by no one else. Its entries name processes to kill, so a
+/// file someone else could write is refused, as is any file that is not
+/// berth's (it would be overwritten), each with why.
+fn trusted_state_file(path: &Path) -> Result<Option<StateFile>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let shown = path.display();
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read the state file {shown}: {e}")),
+    };
+    let refuse = |why: String| {
+        Err(format!(
+            "state file {shown} {why}; name another `state_file` in the config (or remove that \
+             path if it is a stale one of your own)"
+        ))
+    };
+    if meta.is_dir() {
+        return refuse("is a directory".into());
+    }
+    if !meta.is_file() {
+        return refuse("is not a regular file (a symlink, a FIFO or a device)".into());
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return refuse(format!(
+            "belongs to uid {}, not to this server's user (uid {me}): the processes it names \
+             are not to be trusted",
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return refuse(format!(
+            "is writable by other users (mode {:o}): anyone could make berth kill their \
+             processes through it",
+            meta.mode() & 0o777
+        ));
+    }
+    let bytes =
+        std::fs::read(path).map_err(|e| format!("cannot read the state file {shown}: {e}"))?;
+    match serde_json::from_slice::<StateFile>(&bytes) {
+        Ok(state) => Ok(Some(state)),
+        Err(e) => refuse(format!(
+            "is not a berth state file ({e}), and berth will not overwrite it"
+        )),
+    }
 }
 
 fn stop_leftovers(previous: &StateFile) -> usize {
