@@ -8,8 +8,9 @@
 //!   newline, never buffered), with a note of how much was cut;
 //! - lines are logged at most [`RATE_BYTES`] per second (a token bucket
 //!   with a burst of [`BURST_BYTES`]); the rest are counted and dropped from
-//!   the log, and the count is logged once the stream is within its rate
-//!   again;
+//!   the log, and the count is logged in one notice at most every
+//!   [`NOTICE_EVERY`] (and when the stream ends), so a stream at the edge
+//!   of its rate does not double the log with notices;
 //! - the last [`STDERR_TAIL_LINES`] stderr lines are kept for error
 //!   messages, whatever the rate (the line before a crash matters most).
 //!
@@ -33,6 +34,8 @@ pub const RATE_BYTES: f64 = 64.0 * 1024.0;
 pub const BURST_BYTES: f64 = 256.0 * 1024.0;
 /// One read from the pipe.
 const BLOCK: usize = 8 * 1024;
+/// The most often a stream's "dropped N lines" notice is logged.
+pub const NOTICE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The kept tail of stderr.
 pub(crate) type Tail = Arc<Mutex<VecDeque<String>>>;
@@ -53,8 +56,7 @@ pub(crate) fn forward_lines(
         pid,
         stream,
         tail,
-        bucket: Bucket::new(),
-        dropped: (0, 0),
+        limit: RateLimit::new(),
     };
     if let Ok(reactor) = tokio::runtime::Handle::try_current() {
         match tokio::net::unix::pipe::Receiver::from_owned_fd(pipe.into()) {
@@ -117,9 +119,7 @@ struct Log {
     pid: u32,
     stream: &'static str,
     tail: Option<Tail>,
-    bucket: Bucket,
-    /// Lines and bytes dropped from the log since the last one logged.
-    dropped: (u64, u64),
+    limit: RateLimit,
 }
 
 impl Log {
@@ -137,30 +137,80 @@ impl Log {
             }
             tail.push_back(line.clone());
         }
-        if !self.bucket.take(line.len()) {
-            self.dropped.0 += 1;
-            self.dropped.1 += line.len() as u64;
-            return;
+        let verdict = self.limit.admit(line.len(), Instant::now());
+        if let Some(dropped) = verdict.notice {
+            self.notice(dropped);
         }
-        self.report_dropped();
-        tracing::info!(target: "berth::worker", model = %self.model, pid = self.pid,
-            stream = self.stream, "{line}");
+        if verdict.log {
+            tracing::info!(target: "berth::worker", model = %self.model, pid = self.pid,
+                stream = self.stream, "{line}");
+        }
     }
 
-    fn report_dropped(&mut self) {
-        let (lines, bytes) = std::mem::take(&mut self.dropped);
-        if lines > 0 {
-            tracing::warn!(target: "berth::worker", model = %self.model, pid = self.pid,
-                stream = self.stream,
-                "dropped {lines} lines ({bytes} bytes) over the output rate limit");
-        }
+    fn notice(&self, (lines, bytes): (u64, u64)) {
+        tracing::warn!(target: "berth::worker", model = %self.model, pid = self.pid,
+            stream = self.stream,
+            "dropped {lines} lines ({bytes} bytes) over the output rate limit");
     }
 
     fn end(mut self, closed: Option<watch::Sender<bool>>) {
-        self.report_dropped();
+        if let Some(dropped) = self.limit.flush() {
+            self.notice(dropped);
+        }
         if let Some(closed) = closed {
             let _ = closed.send(true);
         }
+    }
+}
+
+/// What the rate limit says of one line.
+#[derive(Debug, PartialEq, Eq)]
+struct Verdict {
+    /// Log the line.
+    log: bool,
+    /// Log, first, a notice of this many lines and bytes dropped.
+    notice: Option<(u64, u64)>,
+}
+
+/// A stream's rate limit: the bucket, and the dropped lines not yet
+/// reported, reported together at most every [`NOTICE_EVERY`].
+struct RateLimit {
+    bucket: Bucket,
+    dropped: (u64, u64),
+    last_notice: Option<Instant>,
+}
+
+impl RateLimit {
+    fn new() -> Self {
+        RateLimit {
+            bucket: Bucket::new(),
+            dropped: (0, 0),
+            last_notice: None,
+        }
+    }
+
+    fn admit(&mut self, bytes: usize, now: Instant) -> Verdict {
+        let log = self.bucket.take_at(bytes, now);
+        if !log {
+            self.dropped.0 += 1;
+            self.dropped.1 += bytes as u64;
+        }
+        let due = self
+            .last_notice
+            .is_none_or(|at| now.duration_since(at) >= NOTICE_EVERY);
+        let notice = if log && self.dropped.0 > 0 && due {
+            self.last_notice = Some(now);
+            Some(std::mem::take(&mut self.dropped))
+        } else {
+            None
+        };
+        Verdict { log, notice }
+    }
+
+    /// What is still unreported, at the stream's end.
+    fn flush(&mut self) -> Option<(u64, u64)> {
+        let dropped = std::mem::take(&mut self.dropped);
+        (dropped.0 > 0).then_some(dropped)
     }
 }
 
@@ -178,8 +228,12 @@ impl Bucket {
         }
     }
 
+    #[cfg(test)]
     fn take(&mut self, bytes: usize) -> bool {
-        let now = Instant::now();
+        self.take_at(bytes, Instant::now())
+    }
+
+    fn take_at(&mut self, bytes: usize, now: Instant) -> bool {
         let refill = now.duration_since(self.at).as_secs_f64() * RATE_BYTES;
         self.tokens = (self.tokens + refill).min(BURST_BYTES);
         self.at = now;
@@ -283,6 +337,41 @@ mod tests {
         }
         lines.finish(&mut |line| panic!("no line is left over: {line}"));
         assert_eq!(n, 20_000);
+    }
+
+    /// A stream writing at twice the rate for ten seconds: the lines
+    /// logged stay within the burst and the rate, and the notices of what
+    /// was dropped come at most once a second, however the passed and
+    /// dropped lines alternate.
+    #[test]
+    fn notices_of_dropped_lines_come_at_most_once_a_second() {
+        let mut limit = RateLimit::new();
+        let start = Instant::now();
+        let line = 100;
+        let per_second = 2 * RATE_BYTES as usize / line;
+        let (mut logged, mut notices, mut dropped) = (0usize, 0u64, 0u64);
+        for i in 0..10 * per_second {
+            let now = start + std::time::Duration::from_secs_f64(i as f64 / per_second as f64);
+            let verdict = limit.admit(line, now);
+            if verdict.log {
+                logged += line;
+            }
+            if let Some((lines, _)) = verdict.notice {
+                notices += 1;
+                dropped += lines;
+            }
+        }
+        dropped += limit.flush().map_or(0, |(lines, _)| lines);
+        assert!(notices <= 11, "{notices} notices in 10 s");
+        assert!(
+            logged as f64 <= BURST_BYTES + 10.0 * RATE_BYTES + line as f64,
+            "{logged} bytes logged"
+        );
+        assert_eq!(
+            logged / line + dropped as usize,
+            10 * per_second,
+            "every line is logged or counted"
+        );
     }
 
     #[test]
