@@ -31,7 +31,18 @@ def runtime() -> str:
     return "{} {}".format(platform.python_implementation(), platform.python_version())
 
 
-def _handle_arguments(names: List[str], argv: Sequence[str]) -> None:
+def backends_lines(backends: Dict[str, Type[Backend]]) -> List[str]:
+    """What ``--backends`` prints: a line per backend, its name and, where
+    its class declares them (:attr:`Backend.options`), ``: `` and its
+    options (docs/wire.md)."""
+    lines = []
+    for name, cls in backends.items():
+        options = getattr(cls, "options", None)
+        lines.append(name if options is None else "{}: {}".format(name, ", ".join(options)))
+    return lines
+
+
+def _handle_arguments(lines: List[str], argv: Sequence[str]) -> None:
     """``--version`` and ``--backends`` print and exit 0; anything else exits 2."""
     if not argv:
         return
@@ -41,8 +52,8 @@ def _handle_arguments(names: List[str], argv: Sequence[str]) -> None:
         sys.stdout.flush()
         sys.exit(0)
     if arg == "--backends" and len(argv) == 1:
-        for name in names:
-            print(name)
+        for line in lines:
+            print(line)
         sys.stdout.flush()
         sys.exit(0)
     sys.stderr.write(
@@ -111,7 +122,7 @@ def serve(backends: Dict[str, Type[Backend]], argv: Optional[Sequence[str]] = No
     print what they say and exit 0; any other argument exits 2.
     """
     names = _check_backends(backends)
-    _handle_arguments(names, sys.argv[1:] if argv is None else list(argv))
+    _handle_arguments(backends_lines(backends), sys.argv[1:] if argv is None else list(argv))
     fd = _connection_fd()
     arm_parent_death()
     gone = parent_gone()

@@ -149,7 +149,10 @@ class CommandLineTests(WorkerCase):
     def test_backends(self) -> None:
         sup = self.worker(args=["-m", "berth_worker", "--backends"])
         self.assertEqual(sup.wait(), 0)
-        self.assertEqual(sup.stdout_text(), "echo\nhog\nfault\n")
+        lines = sup.stdout_text().splitlines()
+        self.assertEqual([line.split(":")[0] for line in lines], ["echo", "hog", "fault"])
+        # Each declares its options.
+        self.assertEqual(lines[0], "echo: chunks, batch, stepping")
 
     def test_unknown_argument_exits_2(self) -> None:
         sup = self.worker(args=["-m", "berth_worker", "--serve"])

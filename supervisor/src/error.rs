@@ -122,6 +122,12 @@ pub enum Error {
     UnknownModel { model: String, known: Vec<String> },
 
     #[error(
+        "model `{model}`: the catalogue holds its maximum of {max} models; remove one \
+         (DELETE /api/models/NAME) or raise max_models"
+    )]
+    CatalogueFull { model: String, max: usize },
+
+    #[error(
         "model `{model}`: {queued} requests are already waiting behind {max_concurrency} running; \
          retry later or raise max_concurrency / max_queue"
     )]
@@ -210,11 +216,19 @@ pub enum ErrorClass {
     Internal,
 }
 
+/// Most names an unknown-model error lists: a catalogue of thousands must
+/// not make every 404 as large.
+const KNOWN_SHOWN: usize = 10;
+
 fn known_suffix(known: &[String]) -> String {
-    if known.is_empty() {
-        "; register it first".into()
-    } else {
-        format!(" (registered: {})", known.join(", "))
+    match known.len() {
+        0 => "; register it first".into(),
+        n if n <= KNOWN_SHOWN => format!(" (registered: {})", known.join(", ")),
+        n => format!(
+            " (registered: {}, and {} more; GET /api/models lists them)",
+            known[..KNOWN_SHOWN].join(", "),
+            n - KNOWN_SHOWN
+        ),
     }
 }
 
@@ -312,6 +326,7 @@ impl Error {
             Error::ShuttingDown { .. } => "shutting_down",
             Error::Io { .. } => "io_error",
             Error::UnknownModel { .. } => "model_not_found",
+            Error::CatalogueFull { .. } => "catalogue_full",
             Error::QueueFull { .. } => "queue_full",
             Error::BudgetExceeded { .. } => "memory_budget_exceeded",
             Error::GpuBudgetExceeded { .. } => "gpu_memory_budget_exceeded",
@@ -354,6 +369,7 @@ impl Error {
             }
             Error::InvalidSpec { .. } | Error::InvalidRequest { .. } => ErrorClass::Invalid,
             Error::UnknownModel { .. } => ErrorClass::NotFound,
+            Error::CatalogueFull { .. } => ErrorClass::Conflict,
             Error::QueueFull { .. } => ErrorClass::Overloaded,
             Error::ShuttingDown { .. }
             | Error::BudgetExceeded { .. }

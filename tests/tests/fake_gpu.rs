@@ -83,7 +83,8 @@ impl FakeGpu {
     }
 
     fn serve(&self, config: &str) -> Server {
-        Server::start_env(config, &[], &self.env())
+        // The tests register gpu-hog models over HTTP.
+        Server::start_env(&format!("test_backends = true\n{config}"), &[], &self.env())
     }
 }
 

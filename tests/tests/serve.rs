@@ -309,7 +309,8 @@ fn swaps_under_load_drop_no_request() {
 
 #[test]
 fn a_swap_that_fails_to_load_leaves_the_old_worker_serving() {
-    let server = Server::start("[[model]]\nname = \"echo\"\nbackend = \"echo\"\n");
+    let server =
+        Server::start("test_backends = true\n[[model]]\nname = \"echo\"\nbackend = \"echo\"\n");
     assert_eq!(server.post("/api/models/echo/load", json!({})).0, 200);
     let pid = server.ps()[0]["pid"].clone();
     let (status, body) = server.post(

@@ -197,7 +197,7 @@ fn the_sidecar_serves_python_models_and_leaves_nothing_named_behind() {
     let shm_before = dev_shm();
     let command = format!("{:?}", python_worker_command());
     let config = format!(
-        "[workers.py]\ncommand = {command}\n\n\
+        "test_backends = true\n[workers.py]\ncommand = {command}\n\n\
          [[model]]\nname = \"direct\"\nbackend = \"echo\"\ncommand = {command}\n"
     );
     let mut server = Server::start_env(&config, &[], &[("TMPDIR", tmp.to_str().unwrap())]);

@@ -107,7 +107,16 @@ pub type LoadFn = fn(&LoadSpec, &LoadContext) -> Result<Box<dyn Backend>, WireEr
 /// The backends a worker binary can load, by name.
 #[derive(Clone, Default)]
 pub struct Registry {
-    entries: Vec<(&'static str, LoadFn)>,
+    entries: Vec<Entry>,
+}
+
+/// One backend: its name, how it loads, and the options it takes where it
+/// declares them.
+#[derive(Clone)]
+struct Entry {
+    name: &'static str,
+    load: LoadFn,
+    options: Option<&'static [&'static str]>,
 }
 
 impl fmt::Debug for Registry {
@@ -124,32 +133,77 @@ impl Registry {
 
     /// The backends built into `berth-worker`.
     pub fn builtin() -> Self {
+        use crate::backends::{echo, embed, fault, generate, gpu_hog, hog};
         let mut r = Self::new();
-        r.register("echo", crate::backends::echo::load);
-        r.register("hog", crate::backends::hog::load);
-        r.register("fault", crate::backends::fault::load);
-        r.register("generate", crate::backends::generate::load);
-        r.register("embed", crate::backends::embed::load);
-        r.register("gpu-hog", crate::backends::gpu_hog::load);
+        r.register_with_options("echo", echo::load, echo::OPTIONS);
+        r.register_with_options("hog", hog::load, hog::OPTIONS);
+        r.register_with_options("fault", fault::load, fault::OPTIONS);
+        r.register_with_options("generate", generate::load, generate::OPTIONS);
+        r.register_with_options("embed", embed::load, embed::OPTIONS);
+        r.register_with_options("gpu-hog", gpu_hog::load, gpu_hog::OPTIONS);
         r
     }
 
-    /// Adds (or replaces) a backend.
+    /// Adds (or replaces) a backend whose options are not declared: the
+    /// supervisor learns of an unknown option only when a load fails.
     pub fn register(&mut self, name: &'static str, load: LoadFn) -> &mut Self {
-        self.entries.retain(|(n, _)| *n != name);
-        self.entries.push((name, load));
+        self.insert(Entry {
+            name,
+            load,
+            options: None,
+        })
+    }
+
+    /// Adds (or replaces) a backend that takes exactly `options` (its load
+    /// refuses any other, with [`Options::only`](crate::Options::only)):
+    /// the supervisor then refuses a model naming another option when it
+    /// is registered, before anything starts.
+    pub fn register_with_options(
+        &mut self,
+        name: &'static str,
+        load: LoadFn,
+        options: &'static [&'static str],
+    ) -> &mut Self {
+        self.insert(Entry {
+            name,
+            load,
+            options: Some(options),
+        })
+    }
+
+    fn insert(&mut self, entry: Entry) -> &mut Self {
+        self.entries.retain(|e| e.name != entry.name);
+        self.entries.push(entry);
         self
     }
 
     pub fn names(&self) -> Vec<String> {
-        self.entries.iter().map(|(n, _)| n.to_string()).collect()
+        self.entries.iter().map(|e| e.name.to_string()).collect()
+    }
+
+    /// The options backend `name` takes, where it declared them.
+    pub fn options(&self, name: &str) -> Option<&'static [&'static str]> {
+        self.entries
+            .iter()
+            .find(|e| e.name == name)
+            .and_then(|e| e.options)
+    }
+
+    /// What `--backends` prints: a line per backend, its name and, where it
+    /// declared them, `: ` and its options (docs/wire.md).
+    pub fn backends_lines(&self) -> String {
+        self.entries
+            .iter()
+            .map(|e| match e.options {
+                Some(options) => format!("{}: {}", e.name, options.join(", ")),
+                None => e.name.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     pub fn get(&self, name: &str) -> Option<LoadFn> {
-        self.entries
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, f)| *f)
+        self.entries.iter().find(|e| e.name == name).map(|e| e.load)
     }
 
     /// Loads `spec` in this process. The worker's serve loop uses this, and

@@ -37,8 +37,16 @@ fn it_lists_its_backends_and_version() {
     let out = worker().arg("--backends").output().unwrap();
     let names = String::from_utf8_lossy(&out.stdout);
     for backend in ["echo", "hog", "fault"] {
-        assert!(names.lines().any(|l| l == backend), "{names}");
+        assert!(
+            names.lines().any(|l| l.split(':').next() == Some(backend)),
+            "{names}"
+        );
     }
+    // Each built-in backend declares its options.
+    assert!(
+        names.lines().any(|l| l == "echo: chunks, batch, stepping"),
+        "{names}"
+    );
     let out = worker().arg("--version").output().unwrap();
     let version = String::from_utf8_lossy(&out.stdout);
     assert!(version.contains(&format!(

@@ -33,6 +33,8 @@ from ..options import Options
 class Echo(Backend):
     """Returns what it was given."""
 
+    options = ("chunks", "batch", "stepping")
+
     def __init__(self) -> None:
         self.chunks = 0
         self.batch = 1
@@ -40,7 +42,7 @@ class Echo(Backend):
 
     def load(self, spec: LoadSpec, ctx: LoadContext) -> None:
         opts = Options(spec)
-        opts.only(["chunks", "batch", "stepping"])
+        opts.only(self.options)
         self.chunks = opts.int("chunks", 0, minimum=0)
         self.batch = opts.int("batch", 1, minimum=1)
         if opts.bool("stepping", False):

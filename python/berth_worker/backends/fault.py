@@ -91,6 +91,8 @@ def hang() -> NoReturn:
 class Fault(Backend):
     """Fails as its options say."""
 
+    options = OPTIONS
+
     def __init__(self) -> None:
         self.mode = "ok"
         self.exit_code = 3

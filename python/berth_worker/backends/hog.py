@@ -51,6 +51,8 @@ def touched(size: int, progress: Callable[[], None] = lambda: None) -> bytearray
 class Hog(Backend):
     """Holds, leaks and works on command."""
 
+    options = ("alloc_mib", "leak_kib_per_request", "work_ms", "pool_processes", "batch")
+
     def __init__(self) -> None:
         self.held: List[bytearray] = []
         self.leak_bytes = 0
@@ -61,7 +63,7 @@ class Hog(Backend):
 
     def load(self, spec: LoadSpec, ctx: LoadContext) -> None:
         opts = Options(spec)
-        opts.only(["alloc_mib", "leak_kib_per_request", "work_ms", "pool_processes", "batch"])
+        opts.only(self.options)
         self.batch = opts.int("batch", 1, minimum=1)
         self.name = spec.name
         alloc_mib = opts.int("alloc_mib", 0, minimum=0)

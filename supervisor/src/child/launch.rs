@@ -139,10 +139,11 @@ pub(crate) fn default_program(config: &SupervisorConfig) -> Result<WorkerProgram
 /// held meanwhile.
 pub(crate) fn offered_backends(
     program: &WorkerProgram,
-) -> std::result::Result<Vec<String>, String> {
+) -> std::result::Result<Vec<crate::child::probe::Offered>, String> {
     use std::collections::HashMap;
     use std::sync::Mutex;
-    type Known = HashMap<WorkerProgram, std::result::Result<Vec<String>, String>>;
+    type Known =
+        HashMap<WorkerProgram, std::result::Result<Vec<crate::child::probe::Offered>, String>>;
     static KNOWN: Mutex<Option<Known>> = Mutex::new(None);
     let known = |f: &mut dyn FnMut(&mut Known)| {
         let mut guard = KNOWN.lock().unwrap_or_else(|e| e.into_inner());

@@ -21,13 +21,46 @@ pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most output read; a program printing more is not a berth worker.
 pub(crate) const PROBE_MAX_OUTPUT: usize = 64 << 10;
 
-/// Runs `program --backends` and returns the names it printed, or why
-/// there are none.
-pub(crate) fn ask_backends(program: &WorkerProgram) -> Result<Vec<String>, String> {
+/// A backend a program offers, and the options it takes where it says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Offered {
+    pub name: String,
+    /// `None`: not declared (any option may be refused only at load).
+    pub options: Option<Vec<String>>,
+}
+
+/// Runs `program --backends` and returns what it printed (a line per
+/// backend: `NAME`, or `NAME: OPTION, OPTION, ...`), or why it could not.
+pub(crate) fn ask_backends(program: &WorkerProgram) -> Result<Vec<Offered>, String> {
     ask(program, PROBE_TIMEOUT, PROBE_MAX_OUTPUT)
 }
 
-fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<String>, String> {
+/// One line of `--backends`.
+fn offered(line: &str) -> Option<Offered> {
+    let line = line.trim();
+    if line.is_empty() {
+        return None;
+    }
+    Some(match line.split_once(':') {
+        Some((name, options)) => Offered {
+            name: name.trim().to_string(),
+            options: Some(
+                options
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|o| !o.is_empty())
+                    .map(str::to_string)
+                    .collect(),
+            ),
+        },
+        None => Offered {
+            name: line.to_string(),
+            options: None,
+        },
+    })
+}
+
+fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<Offered>, String> {
     let deadline = Instant::now() + timeout;
     let mut command = Command::new(&program.path);
     command
@@ -114,17 +147,17 @@ fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<S
             crate::report::ExitStatus::from_std(status)
         ));
     }
-    let names: Vec<String> = String::from_utf8_lossy(&output)
+    let offered: Vec<Offered> = String::from_utf8_lossy(&output)
         .lines()
-        .map(|l| l.trim().to_string())
-        .filter(|l| !l.is_empty())
+        .filter_map(offered)
+        .filter(|o| !o.name.is_empty())
         .collect();
-    if names.is_empty() {
+    if offered.is_empty() {
         return Err(format!(
             "`--backends` printed no backend names{stderr_note}"
         ));
     }
-    Ok(names)
+    Ok(offered)
 }
 
 /// Why output could not be read whole.
@@ -236,9 +269,21 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_prints_its_backends() {
-        let names = ask(&sh("printf 'echo\\n\\nhog\\n'"), PROBE_TIMEOUT, 1024).unwrap();
-        assert_eq!(names, ["echo", "hog"]);
+    fn a_worker_prints_its_backends_and_maybe_their_options() {
+        let offered = ask(
+            &sh("printf 'echo\\n\\nhog: alloc_mib, work_ms\\nbare:\\n'"),
+            PROBE_TIMEOUT,
+            1024,
+        )
+        .unwrap();
+        let names: Vec<&str> = offered.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, ["echo", "hog", "bare"]);
+        assert_eq!(offered[0].options, None);
+        assert_eq!(
+            offered[1].options.as_deref(),
+            Some(&["alloc_mib".to_string(), "work_ms".to_string()][..])
+        );
+        assert_eq!(offered[2].options.as_deref(), Some(&[][..]));
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(300);
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request's body must have arrived within this once its head has.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(60);
+/// A write to a client that takes none of it for this long drops the
+/// connection.
+pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connections held at once; past it, new ones get a 503 and are closed.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
 pub const MAX_CONNECTIONS_LIMIT: usize = 1 << 16;
@@ -98,12 +101,23 @@ pub struct ServeConfig {
     /// See [`DEFAULT_BODY_TIMEOUT`] (default 60 s).
     #[serde(default, with = "crate::units::duration_opt")]
     pub body_timeout: Option<Duration>,
+    /// See [`DEFAULT_SEND_TIMEOUT`] (default 30 s).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub send_timeout: Option<Duration>,
     /// Texts one `/v1/embeddings` request may carry (default 2048).
     #[serde(default)]
     pub max_inputs: Option<usize>,
     /// Largest answer a worker may send (default 64 MiB).
     #[serde(default, with = "crate::units::bytes_opt")]
     pub max_response: Option<u64>,
+    /// Models registered at once (default 1024).
+    #[serde(default)]
+    pub max_models: Option<usize>,
+    /// Whether HTTP clients may register (or swap to) the test doubles
+    /// `hog`, `fault` and `gpu-hog`, which hold memory, crash or hang on
+    /// command (default: no; the config may always name them).
+    #[serde(default)]
+    pub test_backends: bool,
     #[serde(default, rename = "model")]
     pub models: Vec<ModelSpec>,
 }
@@ -168,6 +182,7 @@ impl ServeConfig {
             ("restart_backoff", self.restart_backoff),
             ("header_timeout", self.header_timeout),
             ("body_timeout", self.body_timeout),
+            ("send_timeout", self.send_timeout),
         ] {
             check_duration(field, value)?;
         }
@@ -200,12 +215,19 @@ impl ServeConfig {
         if let Some(0) = self.max_loaded {
             return Err("max_loaded must be at least 1".into());
         }
-        for d in [self.header_timeout, self.body_timeout]
+        if let Some(n) = self.max_models
+            && !(1..=1_000_000).contains(&n)
+        {
+            return Err(format!("max_models {n} is out of range: 1 to 1000000"));
+        }
+        for d in [self.header_timeout, self.body_timeout, self.send_timeout]
             .into_iter()
             .flatten()
         {
             if d.is_zero() {
-                return Err("header_timeout and body_timeout must be above 0s".into());
+                return Err(
+                    "header_timeout, body_timeout and send_timeout must be above 0s".into(),
+                );
             }
         }
         if let Some(token) = &self.token
@@ -234,6 +256,10 @@ impl ServeConfig {
         options.connections.max_connections = self
             .max_connections
             .unwrap_or(options.connections.max_connections);
+        options.connections.send_timeout = self
+            .send_timeout
+            .unwrap_or(options.connections.send_timeout);
+        options.test_backends = self.test_backends;
         options
     }
 
@@ -259,6 +285,7 @@ impl ServeConfig {
             restart_backoff: self.restart_backoff.unwrap_or(defaults.restart_backoff),
             workers: self.workers.clone(),
             max_response: self.max_response.unwrap_or(DEFAULT_MAX_RESPONSE),
+            max_models: self.max_models.unwrap_or(defaults.max_models),
             ..defaults
         }
     }
@@ -396,6 +423,7 @@ mod tests {
             ("restart_backoff", true),
             ("header_timeout", true),
             ("body_timeout", true),
+            ("send_timeout", true),
             ("memory_budget", false),
             ("gpu_memory_budget", false),
             ("max_response", false),

@@ -11,7 +11,8 @@
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -64,10 +65,7 @@ pub struct Item {
     embedding: Embedding,
 }
 
-pub async fn embeddings(
-    State(app): State<AppState>,
-    body: Bytes,
-) -> Result<Json<Answered>, ApiError> {
+pub async fn embeddings(State(app): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let req: EmbeddingsRequest = parse(&body)?;
     if !(req.input.is_string()
         || req
@@ -109,27 +107,81 @@ pub async fn embeddings(
         .await?;
     let (vectors, tokens) = vectors(&req.model, count, &reply)?;
     drop(reply);
-    let data: Vec<Item> = vectors
-        .into_iter()
-        .enumerate()
-        .map(|(index, v)| Item {
-            object: "embedding",
-            index,
-            embedding: if base64 {
-                Embedding::Base64(encode_f32_base64(&v))
-            } else {
-                Embedding::Float(v)
-            },
+    let usage = Usage {
+        prompt_tokens: tokens,
+        total_tokens: tokens,
+    };
+    let numbers: usize = vectors.iter().map(Vec::len).sum();
+    if numbers * 4 <= PIECE {
+        let data: Vec<Item> = vectors
+            .into_iter()
+            .enumerate()
+            .map(|(index, v)| item(index, v, base64))
+            .collect();
+        return Ok(Json(Answered {
+            object: "list",
+            data,
+            model: req.model,
+            usage,
         })
-        .collect();
-    Ok(Json(Answered {
-        object: "list",
-        data,
-        model: req.model,
-        usage: Usage {
-            prompt_tokens: tokens,
-            total_tokens: tokens,
+        .into_response());
+    }
+    Ok((
+        [(header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(answer_in_pieces(vectors, base64, req.model, usage)),
+    )
+        .into_response())
+}
+
+/// About how much JSON is written at a time.
+const PIECE: usize = 64 << 10;
+
+fn item(index: usize, vector: Vec<f32>, base64: bool) -> Item {
+    Item {
+        object: "embedding",
+        index,
+        embedding: if base64 {
+            Embedding::Base64(encode_f32_base64(&vector))
+        } else {
+            Embedding::Float(vector)
         },
+    }
+}
+
+/// A large answer, written as the client takes it, a piece of about
+/// [`PIECE`] bytes at a time: what a connection holds is the vectors as
+/// `f32`s, not the four times larger JSON text all at once (a client that
+/// does not read holds that much, until `send_timeout` drops it). The JSON
+/// is the same as [`Answered`]'s.
+fn answer_in_pieces(
+    vectors: Vec<Vec<f32>>,
+    base64: bool,
+    model: String,
+    usage: Usage,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::convert::Infallible>> {
+    let tail = serde_json::to_string(&json!({ "model": model, "usage": usage }))
+        .unwrap_or_else(|_| "{}".into());
+    let mut tail = Some(format!(",{}", &tail[1..]));
+    let mut items = vectors.into_iter().enumerate().peekable();
+    let mut head = Some(r#"{"object":"list","data":["#.to_string());
+    futures_util::stream::iter(std::iter::from_fn(move || {
+        let mut out = head.take().map(String::into_bytes).unwrap_or_default();
+        while out.len() < PIECE {
+            let Some((index, vector)) = items.next() else {
+                break;
+            };
+            let _ = serde_json::to_writer(&mut out, &item(index, vector, base64));
+            if items.peek().is_some() {
+                out.push(b',');
+            }
+        }
+        if items.peek().is_none()
+            && let Some(tail) = tail.take()
+        {
+            out.push(b']');
+            out.extend_from_slice(tail.as_bytes());
+        }
+        (!out.is_empty()).then(|| Ok(Bytes::from(out)))
     }))
 }
 
@@ -220,6 +272,47 @@ fn encode_f32_base64(vector: &[f32]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A large answer written in pieces is, put together, the JSON the
+    /// small-answer path writes whole.
+    #[tokio::test]
+    async fn an_answer_in_pieces_is_the_same_json() {
+        use futures_util::StreamExt;
+        for base64 in [false, true] {
+            let vectors: Vec<Vec<f32>> = (0..200)
+                .map(|i| (0..768).map(|j| (i * j) as f32 / 7.0).collect())
+                .collect();
+            let usage = || Usage {
+                prompt_tokens: 12,
+                total_tokens: 12,
+            };
+            let whole = serde_json::to_string(&Answered {
+                object: "list",
+                data: vectors
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| item(i, v.clone(), base64))
+                    .collect(),
+                model: "m".into(),
+                usage: usage(),
+            })
+            .unwrap();
+            let pieces: Vec<Bytes> = answer_in_pieces(vectors, base64, "m".into(), usage())
+                .map(Result::unwrap)
+                .collect()
+                .await;
+            assert!(pieces.len() > 2, "{} pieces", pieces.len());
+            // A piece ends after the vector that takes it past PIECE.
+            assert!(pieces.iter().all(|p| p.len() < PIECE + (16 << 10)));
+            let joined = String::from_utf8(pieces.concat()).unwrap();
+            assert!(
+                joined == whole,
+                "base64 {base64}: {} bytes in pieces, {} whole",
+                joined.len(),
+                whole.len()
+            );
+        }
+    }
 
     #[test]
     fn base64_matches_the_standard_alphabet() {

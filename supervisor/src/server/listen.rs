@@ -10,6 +10,9 @@
 //! - at most `max_connections` are held; past that a new connection gets a
 //!   503 in one write and is closed at once, so the process never runs out
 //!   of descriptors and the clients it already serves keep being served;
+//! - a write that makes no progress for `send_timeout` (a client that does
+//!   not read its answer) drops the connection, so a stalled reader holds
+//!   its slot and its answer's memory for that long at most;
 //! - on shutdown every connection is told to finish its current request and
 //!   close, and the caller decides how long to wait for them.
 
@@ -67,6 +70,8 @@ impl std::fmt::Display for Listen {
 pub struct ConnectionLimits {
     pub max_connections: usize,
     pub header_timeout: Duration,
+    /// A write that makes no progress this long drops the connection.
+    pub send_timeout: Duration,
 }
 
 /// A bound listener. A unix socket it created is removed when it is
@@ -274,6 +279,7 @@ async fn serve_one<S>(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .keep_alive(true);
+    let stream = SendTimeout::new(stream, limits.send_timeout);
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
     tokio::select! {
@@ -282,6 +288,109 @@ async fn serve_one<S>(
     }
     connection.as_mut().graceful_shutdown();
     let _ = connection.await;
+}
+
+/// A connection whose writes must make progress: once a write (or flush)
+/// has waited `timeout` without the peer taking a byte, it fails with
+/// `TimedOut` and hyper drops the connection. Reads are untouched (the
+/// header and body timeouts bound them).
+struct SendTimeout<S> {
+    inner: S,
+    timeout: Duration,
+    /// Armed when a write first waits; disarmed by any progress.
+    stalled: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> SendTimeout<S> {
+    fn new(inner: S, timeout: Duration) -> Self {
+        SendTimeout {
+            inner,
+            timeout,
+            stalled: None,
+        }
+    }
+
+    /// After the inner write or flush returned `poll`: disarm on progress;
+    /// on a wait, arm the timer (once) and fail if it has run out.
+    fn watch<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        poll: std::task::Poll<std::io::Result<T>>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        use std::future::Future;
+        use std::task::Poll;
+        match poll {
+            Poll::Ready(result) => {
+                self.stalled = None;
+                Poll::Ready(result)
+            }
+            Poll::Pending => {
+                let timeout = self.timeout;
+                let timer = self
+                    .stalled
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "the client took no byte of its answer for {} s (send_timeout)",
+                            timeout.as_secs_f64()
+                        ),
+                    ))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for SendTimeout<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for SendTimeout<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let poll = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let poll = std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let poll = std::pin::Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, poll)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// Raises the soft limit on open descriptors to the hard one, as servers

@@ -147,7 +147,7 @@ pub async fn register(
     Path(name): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let spec = app.confine(spec_from(&name, &body)?)?;
+    let spec = app.confine(app.allowed(spec_from(&name, &body)?)?)?;
     app.supervisor.register(spec)?;
     let entry = app
         .supervisor
@@ -196,6 +196,12 @@ pub async fn swap(
         .map(|e| e.spec)
         .ok_or_else(|| ApiError::from(app.supervisor.unknown(&name)))?;
     let mut spec = swap_spec_from(&name, &body, &registered)?;
+    // The operator's own test models may be swapped as they are; a client
+    // may not turn a model into a test double, nor change one's options,
+    // unless test doubles are allowed.
+    if !(spec.backend == registered.backend && spec.options == registered.options) {
+        spec = app.allowed(spec)?;
+    }
     if spec.model.is_some() && spec.model == registered.model {
         spec.confine = registered.confine.clone();
     } else {

@@ -32,7 +32,13 @@ pub(crate) struct AppState {
     pub supervisor: Supervisor,
     /// Texts one embeddings request may carry.
     pub max_inputs: usize,
+    /// HTTP clients may register the test doubles.
+    pub test_backends: bool,
 }
+
+/// Backends that exist to test berth: they hold memory, crash or hang on
+/// command. A client may name them only where the operator allows it.
+pub const TEST_BACKENDS: &[&str] = &["hog", "fault", "gpu-hog"];
 
 /// How the sidecar serves: its address, who may call it, and its limits.
 #[derive(Debug, Clone)]
@@ -45,6 +51,8 @@ pub struct ServeOptions {
     pub allowed_hosts: Vec<String>,
     pub allowed_origins: Vec<String>,
     pub connections: listen::ConnectionLimits,
+    /// HTTP clients may register the test doubles ([`TEST_BACKENDS`]).
+    pub test_backends: bool,
 }
 
 impl ServeOptions {
@@ -61,7 +69,9 @@ impl ServeOptions {
             connections: listen::ConnectionLimits {
                 max_connections: config::DEFAULT_MAX_CONNECTIONS,
                 header_timeout: config::DEFAULT_HEADER_TIMEOUT,
+                send_timeout: config::DEFAULT_SEND_TIMEOUT,
             },
+            test_backends: false,
         }
     }
 }
@@ -70,11 +80,34 @@ impl AppState {
     /// Models registered through the API must lie inside the models
     /// directory, checked now and again at every load with symlinks
     /// resolved: the API must not become a way to read any file as weights.
+    /// A spec from an HTTP client: no test double unless the operator
+    /// allowed them.
+    pub fn allowed(&self, spec: crate::ModelSpec) -> Result<crate::ModelSpec, ApiError> {
+        if !self.test_backends && TEST_BACKENDS.contains(&spec.backend.as_str()) {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "test_backend",
+                format!(
+                    "model `{}`: backend `{}` is a test double (it holds memory, crashes or \
+                     hangs on command); clients may register it only where the operator \
+                     set `test_backends = true` in the config",
+                    spec.name, spec.backend
+                ),
+            ));
+        }
+        Ok(spec)
+    }
+
     pub fn confine(&self, mut spec: crate::ModelSpec) -> Result<crate::ModelSpec, ApiError> {
         let Some(root) = &self.supervisor.config().models_root else {
             return Ok(spec);
         };
-        if let Some(path) = &spec.model {
+        if let Some(path) = &mut spec.model {
+            // A relative path names a model inside models_dir, as in the
+            // config; never one in the server's working directory.
+            if path.is_relative() {
+                *path = root.join(&*path);
+            }
             crate::config::confined(&spec.name, path, root)?;
         }
         spec.confine = Some(root.clone());
@@ -87,6 +120,7 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
     let state = AppState {
         supervisor,
         max_inputs: options.max_inputs,
+        test_backends: options.test_backends,
     };
     let guard = guard::Guard::new(
         &options.listen,
@@ -143,6 +177,26 @@ async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Nex
         Method::POST | Method::PUT | Method::PATCH
     ) {
         return next.run(request).await;
+    }
+    // A body announced larger than max_body is refused before it is
+    // waited for: a client would otherwise get 408 after body_timeout.
+    let announced = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(length) = announced
+        && length > limits.max as u64
+    {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!(
+                "the request body is {length} bytes, over max_body ({} bytes)",
+                limits.max
+            ),
+        )
+        .into_response();
     }
     let (parts, body) = request.into_parts();
     let read = tokio::time::timeout(limits.timeout, axum::body::to_bytes(body, limits.max)).await;

@@ -21,6 +21,10 @@ impl Supervisor {
             });
         }
         let name = spec.name.clone();
+        let max = self.inner.config.max_models;
+        if !state.catalogue.contains_key(&name) && state.catalogue.len() >= max {
+            return Err(Error::CatalogueFull { model: name, max });
+        }
         let old = state.catalogue.remove(&name);
         let entry = Entry::carry_over(
             old,
@@ -38,17 +42,48 @@ impl Supervisor {
     pub(super) fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
         spec.validate_for(&self.inner.config)?;
         let program = crate::child::launch::worker_program(spec, &self.inner.config)?;
-        if let Ok(offered) = crate::child::launch::offered_backends(&program)
-            && !offered.contains(&spec.backend)
-        {
+        let Ok(offered) = crate::child::launch::offered_backends(&program) else {
+            // The load will say what is wrong with the program.
+            return Ok(());
+        };
+        let Some(backend) = offered.iter().find(|o| o.name == spec.backend) else {
+            let names: Vec<&str> = offered.iter().map(|o| o.name.as_str()).collect();
             return Err(Error::InvalidSpec {
                 model: spec.name.clone(),
                 reason: format!(
                     "worker `{program}` has no backend `{}` (it offers: {})",
                     spec.backend,
-                    offered.join(", ")
+                    names.join(", ")
                 ),
             });
+        };
+        // Options the backend declared: another is refused now, not at load.
+        if let Some(known) = &backend.options {
+            let given = spec.to_load_spec(None).options;
+            let unknown: Vec<&str> = given
+                .keys()
+                .map(String::as_str)
+                .filter(|k| !known.iter().any(|o| o == k))
+                .collect();
+            if !unknown.is_empty() {
+                return Err(Error::InvalidSpec {
+                    model: spec.name.clone(),
+                    reason: format!(
+                        "backend `{}` has no option {} (it takes: {})",
+                        spec.backend,
+                        unknown
+                            .iter()
+                            .map(|k| format!("`{k}`"))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        if known.is_empty() {
+                            "none".to_string()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                });
+            }
         }
         Ok(())
     }

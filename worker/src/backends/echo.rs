@@ -40,9 +40,12 @@ impl std::fmt::Debug for Echo {
     }
 }
 
+/// The options this backend takes.
+pub const OPTIONS: &[&str] = &["chunks", "batch", "stepping"];
+
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["chunks", "batch", "stepping"])?;
+    opts.only(OPTIONS)?;
     Ok(Box::new(Echo {
         chunks: opts.get_or("chunks", 0)?,
         batching: batch_option(spec, &opts)?,

@@ -100,20 +100,23 @@ fn hang() -> ! {
     }
 }
 
+/// The options this backend takes.
+pub const OPTIONS: &[&str] = &[
+    "mode",
+    "exit_code",
+    "load_delay_ms",
+    "crash_on",
+    "crash_on_load_if_exists",
+    "spawn_grandchild",
+    "escape_mib",
+    "escape_clear_mark",
+    "stderr_bytes",
+    "response_bytes",
+];
+
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&[
-        "mode",
-        "exit_code",
-        "load_delay_ms",
-        "crash_on",
-        "crash_on_load_if_exists",
-        "spawn_grandchild",
-        "escape_mib",
-        "escape_clear_mark",
-        "stderr_bytes",
-        "response_bytes",
-    ])?;
+    opts.only(OPTIONS)?;
     if let Some(marker) = opts.str("crash_on_load_if_exists")
         && std::path::Path::new(marker).exists()
     {

@@ -53,9 +53,12 @@ fn describe_error(e: &DriverError, bytes: usize, device: usize) -> String {
     }
 }
 
+/// The options this backend takes.
+pub const OPTIONS: &[&str] = &["alloc_mib", "leak_mib_per_request", "device", "on_oom"];
+
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["alloc_mib", "leak_mib_per_request", "device", "on_oom"])?;
+    opts.only(OPTIONS)?;
     let abort_on_oom = match opts.str("on_oom").unwrap_or("error") {
         "error" => false,
         "abort" => true,

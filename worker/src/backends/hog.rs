@@ -36,9 +36,12 @@ fn touched(bytes: usize, ctx_progress: impl Fn()) -> Vec<u8> {
     v
 }
 
+/// The options this backend takes.
+pub const OPTIONS: &[&str] = &["alloc_mib", "leak_kib_per_request", "work_ms", "batch"];
+
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
-    opts.only(&["alloc_mib", "leak_kib_per_request", "work_ms", "batch"])?;
+    opts.only(OPTIONS)?;
     let batching = crate::backends::common::batch_option(spec, &opts)?;
     let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
     let leak_kib: usize = opts.get_or("leak_kib_per_request", 0)?;
