@@ -189,11 +189,14 @@ pub(crate) async fn sweep_escapees(process: &ProcessWatch) -> Escapees {
     let deadline = Instant::now() + Duration::from_secs(2);
     let mut seen = std::collections::BTreeSet::new();
     loop {
-        let mut found: Vec<u32> = process.cgroup().map(|c| c.members()).unwrap_or_default();
-        found.extend(crate::orphans::carrying_mark(
-            process.mark(),
-            process.start_time(),
-        ));
+        // A cgroup holds everything the worker started (leaving it takes
+        // privileges a worker does not have): where there is one, its
+        // members are the answer, with no scan of every process's
+        // environment for the mark.
+        let mut found: Vec<u32> = match process.cgroup() {
+            Some(cgroup) => cgroup.members(),
+            None => crate::orphans::carrying_mark(process.mark(), process.start_time()),
+        };
         found.sort_unstable();
         found.dedup();
         found.retain(|pid| crate::orphans::is_live(*pid));
