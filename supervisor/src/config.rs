@@ -18,7 +18,10 @@ use crate::error::{Error, Result};
 pub struct ModelSpec {
     /// The name requests use. Letters, digits, `-`, `_`, `.`.
     pub name: String,
-    /// A backend of the worker binary (`echo`, `hog`, `fault`, ...).
+    /// A backend of the worker binary (`echo`, `hog`, `fault`, ...). A
+    /// model served by an HTTP server ([`ModelSpec::http`]) has none; it is
+    /// shown as `http`.
+    #[serde(default)]
     pub backend: String,
     /// Weights file or directory.
     #[serde(default)]
@@ -55,6 +58,11 @@ pub struct ModelSpec {
     /// the operator; the HTTP API refuses it.
     #[serde(default)]
     pub cwd: Option<PathBuf>,
+    /// With `command`: the program is an HTTP inference server (llama.cpp's
+    /// server, vLLM, ...), not a berth worker, and this says how to reach
+    /// it. Set by the operator; the HTTP API refuses it.
+    #[serde(default)]
+    pub http: Option<HttpSpec>,
     /// `mmap` or `read`; passed to the backend as its `load_mode` option.
     #[serde(default)]
     pub load_mode: Option<String>,
@@ -114,6 +122,7 @@ impl ModelSpec {
             env: Vec::new(),
             command: None,
             cwd: None,
+            http: None,
             load_mode: None,
             keep_alive: None,
             memory_limit: None,
@@ -220,8 +229,22 @@ impl ModelSpec {
         {
             return invalid(format!("max_queue {n} is out of range: 0 to {MAX_QUEUE}"));
         }
-        if self.backend.trim().is_empty() {
+        // A model on a declared kind may be an HTTP server's, which has
+        // no backend: `validate_for` checks it against the kind.
+        if self.backend.trim().is_empty() && self.http.is_none() && self.worker.is_none() {
             return invalid("no backend given".into());
+        }
+        if let Some(http) = &self.http {
+            if self.command.is_none() {
+                return invalid(
+                    "`http` says how to reach a server started by `command`; give the command"
+                        .into(),
+                );
+            }
+            http.check().map_err(|reason| Error::InvalidSpec {
+                model: self.name.clone(),
+                reason,
+            })?;
         }
         if self.options.len() > MAX_OPTIONS {
             return invalid(format!(
@@ -288,10 +311,27 @@ impl ModelSpec {
         Ok(())
     }
 
+    /// The HTTP server settings of this model: its own, or its worker
+    /// kind's; `None` for a berth worker.
+    pub fn http_spec<'a>(&'a self, config: &'a SupervisorConfig) -> Option<&'a HttpSpec> {
+        self.http.as_ref().or_else(|| {
+            self.worker
+                .as_ref()
+                .and_then(|k| config.workers.get(k))
+                .and_then(|k| k.http.as_ref())
+        })
+    }
+
     /// [`ModelSpec::validate`], and the worker kind it names is one `config`
     /// declares.
     pub fn validate_for(&self, config: &SupervisorConfig) -> Result<()> {
         self.validate()?;
+        if self.backend.trim().is_empty() && self.http_spec(config).is_none() {
+            return Err(Error::InvalidSpec {
+                model: self.name.clone(),
+                reason: "no backend given".into(),
+            });
+        }
         if let Some(declared) = self.worker.as_ref().and_then(|k| config.workers.get(k)) {
             declared
                 .check(self.worker.as_deref().unwrap_or_default())
@@ -525,6 +565,10 @@ pub struct WorkerKind {
     /// only an operator writes it.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// With `command`: the program is an HTTP inference server, reached as
+    /// this says (see [`HttpSpec`]).
+    #[serde(default)]
+    pub http: Option<HttpSpec>,
 }
 
 impl WorkerKind {
@@ -535,6 +579,7 @@ impl WorkerKind {
             command: None,
             cwd: None,
             env: BTreeMap::new(),
+            http: None,
         }
     }
 
@@ -545,6 +590,7 @@ impl WorkerKind {
             command: Some(argv.into_iter().map(Into::into).collect()),
             cwd: None,
             env: BTreeMap::new(),
+            http: None,
         }
     }
 
@@ -558,10 +604,113 @@ impl WorkerKind {
                 "worker kind `{name}` has neither `binary` nor `command`; give one"
             )),
             (None, Some(argv)) => {
-                check_command(argv).map_err(|e| format!("worker kind `{name}`: {e}"))
+                check_command(argv).map_err(|e| format!("worker kind `{name}`: {e}"))?;
+                match &self.http {
+                    Some(http) => http
+                        .check()
+                        .map_err(|e| format!("worker kind `{name}`: {e}")),
+                    None => Ok(()),
+                }
             }
+            (Some(_), None) if self.http.is_some() => Err(format!(
+                "worker kind `{name}`: `http` goes with a `command` that starts the server"
+            )),
             (Some(_), None) => Ok(()),
         }
+    }
+}
+
+/// How to reach an HTTP inference server that a `command` starts: what
+/// tells it is ready, what to rewrite on the way, how to stop it.
+///
+/// In the command, `{port}` is replaced by a free loopback port berth
+/// chooses for each start (a swap's new server gets its own), `{socket}` by
+/// the path of a unix socket berth chooses instead (for a server that can
+/// listen on one), and `{model}` by the model's resolved path.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSpec {
+    /// Polled with GET until it answers 200: then the server is ready;
+    /// polled once a second while it runs: a server that stops answering
+    /// for `unhealthy_after` is stopped and restarted (default `/health`).
+    #[serde(default = "default_health")]
+    pub health: String,
+    /// The model name the server knows, put in the `model` field of the
+    /// requests relayed to it (default: the request's as it is).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Headers added to every request relayed to the server (its own API
+    /// key, say); berth's own `Authorization` is never passed on.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// The signal that asks the server to stop (`SIGTERM`, `SIGINT`,
+    /// `SIGQUIT`, `SIGHUP`); the whole process group gets it.
+    #[serde(default = "default_stop_signal")]
+    pub stop_signal: String,
+    /// How long the server has after that signal before SIGKILL (default 10 s).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub stop_grace: Option<Duration>,
+    /// A server whose health has not answered 200 for this long is declared
+    /// lost (default 30 s).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub unhealthy_after: Option<Duration>,
+}
+
+fn default_health() -> String {
+    "/health".into()
+}
+
+fn default_stop_signal() -> String {
+    "SIGTERM".into()
+}
+
+/// Signals an HTTP server may be asked to stop with.
+pub(crate) const STOP_SIGNALS: &[&str] = &["SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP"];
+
+impl HttpSpec {
+    /// A server polled at `health`, otherwise with the defaults.
+    pub fn new(health: impl Into<String>) -> Self {
+        HttpSpec {
+            health: health.into(),
+            model: None,
+            headers: BTreeMap::new(),
+            stop_signal: default_stop_signal(),
+            stop_grace: None,
+            unhealthy_after: None,
+        }
+    }
+
+    /// Every field well formed.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if !self.health.starts_with('/') || self.health.chars().any(char::is_whitespace) {
+            return Err(format!(
+                "`http.health` is a path on the server, such as \"/health\", not `{}`",
+                self.health
+            ));
+        }
+        if !STOP_SIGNALS.contains(&self.stop_signal.as_str()) {
+            return Err(format!(
+                "`http.stop_signal` `{}` is not one of {}",
+                self.stop_signal,
+                STOP_SIGNALS.join(", ")
+            ));
+        }
+        for (name, value) in &self.headers {
+            if axum::http::HeaderName::try_from(name.as_str()).is_err()
+                || axum::http::HeaderValue::try_from(value.as_str()).is_err()
+            {
+                return Err(format!(
+                    "`http.headers` `{name}` is not a valid HTTP header"
+                ));
+            }
+        }
+        for (field, value) in [
+            ("http.stop_grace", self.stop_grace),
+            ("http.unhealthy_after", self.unhealthy_after),
+        ] {
+            check_duration(field, value)?;
+        }
+        Ok(())
     }
 }
 

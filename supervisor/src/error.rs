@@ -26,6 +26,13 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    #[error("model `{model}`: its HTTP server (pid {pid}) {reason}")]
+    ServerFailed {
+        model: String,
+        pid: u32,
+        reason: String,
+    },
+
     #[error("model `{model}`: worker pid {pid} {reason}")]
     Handshake {
         model: String,
@@ -297,6 +304,7 @@ impl Error {
             Error::WorkerBinaryNotFound { .. } => "worker_not_found",
             Error::Spawn { .. } => "spawn_failed",
             Error::Handshake { .. } => "handshake_failed",
+            Error::ServerFailed { .. } => "server_failed",
             Error::ProtocolMismatch { .. } => "protocol_mismatch",
             Error::UnexpectedMessage { .. } => "unexpected_message",
             Error::LoadTimeout { .. } => "load_timeout",
@@ -347,6 +355,7 @@ impl Error {
                 ErrorClass::Internal
             }
             Error::Handshake { .. }
+            | Error::ServerFailed { .. }
             | Error::ProtocolMismatch { .. }
             | Error::UnexpectedMessage { .. }
             | Error::MemoryLimitExceeded { .. } => ErrorClass::WorkerFailed,

@@ -34,11 +34,11 @@ pub use base::{CapMechanism, KillCause, StopGraces};
 pub use berth_protocol as protocol;
 pub use berth_protocol::{Body, Bulk};
 pub use child::handle::{Piece, ResponseStream, WorkerHandle};
-pub use config::{ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
+pub use config::{HttpSpec, ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport};
 pub use supervisor::{
-    BatchingStatus, CatalogueEntry, ModelCounters, ModelState, ModelStatus, RequestOptions,
+    BatchingStatus, CatalogueEntry, Lease, ModelCounters, ModelState, ModelStatus, RequestOptions,
     RequestStream, Supervisor, SwapReport,
 };
 pub use units::{mib, parse_bytes, parse_duration};

@@ -26,6 +26,7 @@ use crate::child::memory::{ProcessMemory, process_memory};
 use crate::child::process::ProcessWatch;
 use crate::child::routes::{Backlog, Dispatch, Reply, Routes, Waiting, piece_bytes};
 use crate::child::stream::SendError;
+use crate::child::upstream::Upstream;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
 
@@ -71,6 +72,9 @@ pub struct WorkerHandle {
     baseline_rss: AtomicU64,
     load_micros: AtomicU64,
     died_tx: watch::Sender<Option<Arc<Death>>>,
+    /// For a model served by an HTTP server: how it is reached. Its
+    /// commands, routes and pongs are then unused.
+    upstream: Option<Arc<Upstream>>,
 }
 
 impl std::fmt::Debug for WorkerHandle {
@@ -80,6 +84,19 @@ impl std::fmt::Debug for WorkerHandle {
             .field("backend", &self.backend)
             .field("pid", &self.pid)
             .finish_non_exhaustive()
+    }
+}
+
+/// What an HTTP server's model shows as its backend.
+pub const HTTP_BACKEND: &str = "http";
+
+/// A request in flight on a worker, counted out when dropped.
+#[derive(Debug)]
+pub(crate) struct InFlightToken(Arc<InFlight>);
+
+impl Drop for InFlightToken {
+    fn drop(&mut self) {
+        self.0.leave();
     }
 }
 
@@ -167,13 +184,54 @@ impl WorkerHandle {
             baseline_rss: AtomicU64::new(0),
             load_micros: AtomicU64::new(0),
             died_tx: watch::channel(None).0,
+            upstream: None,
         });
-        // The death watch: once the process is reaped and its last events and
-        // stderr lines are in, fail whatever is still pending.
-        let died_tx = handle.died_tx.clone();
-        let process = Arc::clone(&handle.process);
-        let routes = Arc::clone(&handle.routes);
-        let mut reader_done = handle.reader_done.clone();
+        handle.watch_death();
+        Ok(handle)
+    }
+
+    /// Wraps an HTTP server that answered its health check.
+    pub(crate) fn upstream(
+        model: &str,
+        process: Arc<ProcessWatch>,
+        upstream: Arc<Upstream>,
+        started_at: Instant,
+    ) -> Arc<Self> {
+        let (_, pongs) = watch::channel(None);
+        let (_, control) = mpsc::unbounded_channel();
+        let handle = Arc::new(WorkerHandle {
+            model: model.to_string(),
+            backend: HTTP_BACKEND.to_string(),
+            pid: process.pid(),
+            worker_version: format!("HTTP server at {}", upstream.address()),
+            commands: Link::None,
+            routes: Arc::new(Routes::new(0)),
+            process,
+            control: tokio::sync::Mutex::new(control),
+            pongs,
+            reader_done: watch::channel(true).1,
+            next_seq: AtomicU64::new(1),
+            started_at,
+            requests: AtomicU64::new(0),
+            in_flight: Arc::default(),
+            memory: Mutex::default(),
+            load_info: Mutex::default(),
+            baseline_rss: AtomicU64::new(0),
+            load_micros: AtomicU64::new(0),
+            died_tx: watch::channel(None).0,
+            upstream: Some(upstream),
+        });
+        handle.watch_death();
+        handle
+    }
+
+    /// The death watch: once the process is reaped and its last events and
+    /// stderr lines are in, fail whatever is still pending.
+    fn watch_death(self: &Arc<Self>) {
+        let died_tx = self.died_tx.clone();
+        let process = Arc::clone(&self.process);
+        let routes = Arc::clone(&self.routes);
+        let mut reader_done = self.reader_done.clone();
         tokio::spawn(async move {
             let exit = process.exited().await;
             let _ = tokio::time::timeout(Duration::from_millis(500), reader_done.wait_for(|d| *d))
@@ -192,7 +250,26 @@ impl WorkerHandle {
             // a later `death()` must find it.
             died_tx.send_replace(Some(death));
         });
-        Ok(handle)
+    }
+
+    /// How a model served by an HTTP server is reached; `None` for a berth
+    /// worker.
+    pub fn upstream_server(&self) -> Option<&Arc<Upstream>> {
+        self.upstream.as_ref()
+    }
+
+    /// The processes besides the worker whose memory counts as its: for an
+    /// HTTP server, what it started (its group and its cgroup), which is
+    /// where a server that forks workers keeps its memory.
+    fn tree(&self) -> Option<Vec<u32>> {
+        self.upstream.as_ref()?;
+        let mut pids = crate::child::memory::group_members(self.pid);
+        if let Some(cgroup) = self.process.cgroup() {
+            pids.extend(cgroup.members());
+        }
+        pids.sort_unstable();
+        pids.dedup();
+        Some(pids)
     }
 
     pub fn model(&self) -> &str {
@@ -250,9 +327,13 @@ impl WorkerHandle {
         *self.memory.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Reads the worker's memory from procfs now and records it.
+    /// Reads the worker's memory from procfs now and records it (for an
+    /// HTTP server, with everything it started).
     pub fn sample_memory(&self) -> Option<ProcessMemory> {
-        let reading = process_memory(self.pid)?;
+        let reading = match self.tree() {
+            Some(tree) => crate::child::memory::tree_memory(self.pid, &tree)?,
+            None => process_memory(self.pid)?,
+        };
         let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
         let peak = m.last.peak_rss_bytes.max(reading.peak_rss_bytes);
         m.last = ProcessMemory {
@@ -266,7 +347,10 @@ impl WorkerHandle {
     /// Reads just the worker's resident memory now (`statm`: cheap, unlike
     /// a full sample) and records it; `None` once the process is gone.
     pub fn sample_rss(&self) -> Option<u64> {
-        let rss = crate::child::memory::resident_bytes(self.pid)?;
+        let rss = match self.tree() {
+            Some(tree) => crate::child::memory::tree_resident_bytes(self.pid, &tree)?,
+            None => crate::child::memory::resident_bytes(self.pid)?,
+        };
         let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
         m.last.rss_bytes = rss;
         m.last.peak_rss_bytes = m.last.peak_rss_bytes.max(rss);
@@ -395,6 +479,15 @@ impl WorkerHandle {
     /// Sends one request; the answer arrives on the returned stream.
     /// Dropping the stream before its end cancels the request in the worker.
     pub fn call_stream(&self, body: Body) -> Result<ResponseStream> {
+        if self.upstream.is_some() {
+            return Err(Error::InvalidRequest {
+                model: self.model.clone(),
+                reason: "it is served by an HTTP server, which takes HTTP requests: send them \
+                         through berth serve's /v1 routes, or lease the model \
+                         (Supervisor::lease) and send them to its address"
+                    .into(),
+            });
+        }
         let id = self.routes.next_id();
         let (tx, rx) = mpsc::unbounded_channel();
         let unread = Arc::new(Backlog::default());
@@ -464,8 +557,25 @@ impl WorkerHandle {
         }
     }
 
-    /// Pings the worker and waits for its pong (its own stats).
+    /// Pings the worker and waits for its pong (its own stats). An HTTP
+    /// server's health is polled instead: its stats are then the supervisor's
+    /// own figures (bytes relayed as progress).
     pub async fn ping(&self, timeout: Duration) -> Option<WorkerStats> {
+        if let Some(upstream) = &self.upstream {
+            let healthy = upstream.health(timeout).await == Some(axum::http::StatusCode::OK);
+            if !healthy {
+                return None;
+            }
+            let stats = WorkerStats {
+                rss_bytes: self.memory().last.rss_bytes,
+                peak_rss_bytes: self.memory().last.peak_rss_bytes,
+                progress: upstream.progress(),
+                requests_done: upstream.answered(),
+                in_flight: self.in_flight(),
+            };
+            self.record_stats(stats);
+            return Some(stats);
+        }
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let mut pongs = self.pongs.clone();
         self.send(Command::Ping { seq }).ok()?;
@@ -494,6 +604,24 @@ impl WorkerHandle {
                 return self.in_flight() == 0;
             }
         }
+    }
+
+    /// The signal a stop sends after the `Shutdown` command (or first, for
+    /// an HTTP server, which takes no command), and the grace after it.
+    pub(crate) fn stop_signal(&self, graces: crate::base::StopGraces) -> (Signal, Duration) {
+        match &self.upstream {
+            Some(upstream) => (upstream.stop_signal(), upstream.stop_grace()),
+            None => (Signal::SIGTERM, graces.term),
+        }
+    }
+
+    /// Marks a request in flight for as long as the returned token lives:
+    /// what a relayed HTTP request holds, so drains, keep-alive and
+    /// eviction see it as they see a worker's request.
+    pub(crate) fn enter(&self) -> InFlightToken {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.enter();
+        InFlightToken(Arc::clone(&self.in_flight))
     }
 
     /// Asks the worker to exit (the first step of a stop).

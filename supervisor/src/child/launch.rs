@@ -15,8 +15,8 @@ use crate::child::limits::{Cgroup, MemoryCap};
 use crate::child::memory::system_memory;
 use crate::child::process::ProcessWatch;
 use crate::child::spawn::{Connect, SpawnOptions, find_worker_binary, spawn};
-use crate::child::{health, stop, stream};
-use crate::config::{ModelSpec, SupervisorConfig};
+use crate::child::{health, stop, stream, upstream};
+use crate::config::{HttpSpec, ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
 use crate::report::LoadReport;
@@ -45,6 +45,8 @@ pub(crate) enum Wire {
     Ipc,
     /// The stream wire (`docs/wire.md`): a worker in any language.
     Stream,
+    /// None: an HTTP inference server (`child/upstream.rs`).
+    Http,
 }
 
 /// A worker program: what to execute, the arguments that select its worker
@@ -58,6 +60,8 @@ pub(crate) struct WorkerProgram {
     pub env: Vec<(String, String)>,
     pub cwd: Option<PathBuf>,
     pub wire: Wire,
+    /// How to reach it, for an HTTP server.
+    pub http: Option<HttpSpec>,
 }
 
 impl WorkerProgram {
@@ -68,6 +72,7 @@ impl WorkerProgram {
             env: Vec::new(),
             cwd: None,
             wire: Wire::Ipc,
+            http: None,
         }
     }
 }
@@ -102,9 +107,16 @@ pub(crate) fn worker_program(spec: &ModelSpec, config: &SupervisorConfig) -> Res
                 model: spec.name.clone(),
                 reason: "`command` is empty".into(),
             })?;
-            WorkerProgram {
-                wire: Wire::Stream,
-                ..WorkerProgram::plain(program.into(), args.to_vec())
+            match spec.http_spec(config) {
+                Some(http) => WorkerProgram {
+                    wire: Wire::Http,
+                    http: Some(http.clone()),
+                    ..WorkerProgram::plain(program.into(), args.to_vec())
+                },
+                None => WorkerProgram {
+                    wire: Wire::Stream,
+                    ..WorkerProgram::plain(program.into(), args.to_vec())
+                },
             }
         }
         (_, Some(path)) => WorkerProgram::plain(path.clone(), Vec::new()),
@@ -194,6 +206,9 @@ pub(crate) async fn launch(
             source,
         }
     };
+    if program.wire == Wire::Http {
+        return launch_server(spec, config, program, env, weights, gpus, spawned, started).await;
+    }
     // The wire's listening end: a one-shot ipc server, or a socket pair
     // whose other end the child inherits (closed here once it is started).
     let listening = match program.wire {
@@ -206,6 +221,7 @@ pub(crate) async fn launch(
                 stream::io::socket_pair().map_err(io_error("cannot create the worker's socket"))?;
             Listening::Stream(ours, theirs)
         }
+        Wire::Http => unreachable!("launched above"),
     };
     let connect = match &listening {
         Listening::Ipc(_, name) => Connect::Ipc(name),
@@ -351,6 +367,139 @@ pub(crate) async fn launch(
         system_available_bytes: system_memory().available_bytes,
         details: serde_json::from_str(&info.details).unwrap_or(serde_json::Value::Null),
         max_batch: info.max_batch.max(1),
+    };
+    Ok((handle, report))
+}
+
+/// Starts an HTTP server for `spec` and waits until its health answers 200
+/// (`child/upstream.rs`): the same spawn, cgroup, mark and reports as a
+/// worker's, with readiness in place of the hello and the load.
+#[allow(clippy::too_many_arguments)]
+async fn launch_server(
+    spec: &ModelSpec,
+    config: &SupervisorConfig,
+    program: WorkerProgram,
+    env: Vec<(String, String)>,
+    weights: Option<PathBuf>,
+    gpus: Option<Vec<u32>>,
+    spawned: &(dyn Fn(u32) + Send + Sync),
+    started: Instant,
+) -> Result<(Arc<WorkerHandle>, LoadReport)> {
+    let model = spec.name.as_str();
+    let timeout = spec.load_timeout.unwrap_or(config.load_timeout);
+    let deadline = started + timeout;
+    let http = program.http.clone().expect("an HTTP program has its spec");
+    let prepared = upstream::prepare(
+        model,
+        &program.path.display().to_string(),
+        &program.args,
+        weights.as_deref(),
+    )
+    .map_err(|reason| Error::InvalidSpec {
+        model: model.into(),
+        reason,
+    })?;
+    let cap = spec
+        .memory_limit
+        .map(|limit| MemoryCap::prepare(model, limit));
+    let fence = match &cap {
+        Some(_) => None,
+        None => Cgroup::create(model, None)
+            .inspect_err(|why| tracing::debug!(model, "no cgroup for the server: {why}"))
+            .ok(),
+    };
+    let mark = crate::orphans::new_mark();
+    let spawning = crate::orphans::spawning();
+    let path = PathBuf::from(&prepared.path);
+    let child = spawn(SpawnOptions {
+        model,
+        binary: &path,
+        args: &prepared.args,
+        connect: Connect::None,
+        cwd: program.cwd.as_deref(),
+        mark: &mark,
+        extra_env: &env,
+        cgroup_procs: cap
+            .as_ref()
+            .and_then(MemoryCap::cgroup)
+            .or(fence.as_ref())
+            .map(Cgroup::procs_file),
+    })
+    .await?;
+    let process = Arc::new(ProcessWatch::start(model, child, cap, fence, &mark));
+    drop(spawning);
+    process.spawn_rss_guard();
+    let pid = process.pid();
+    spawned(pid);
+    let upstream = Arc::new(upstream::Upstream::new(model, &prepared, http));
+    tracing::debug!(model, pid, address = %upstream.address(), "server started");
+    let spawn_ms = ms(started.elapsed());
+    let ready = tokio::select! {
+        ready = upstream.wait_ready(deadline) => ready,
+        exit = process.exited() => {
+            let stderr_tail = process.stderr_tail().await;
+            let cause = process
+                .kill_cause()
+                .or_else(|| crate::base::KillCause::from_stderr(&stderr_tail));
+            if let Some(crate::base::KillCause::MemoryLimit { .. }) = cause {
+                let death = crate::child::death::Death { exit, stderr_tail, cause, in_flight: Vec::new() };
+                return Err(death.error(model, pid, "load"));
+            }
+            return Err(Error::ServerFailed {
+                model: model.into(),
+                pid,
+                reason: format!("{exit} before it was ready{}", process.stderr_suffix().await),
+            });
+        }
+    };
+    if let Err(last) = ready {
+        kill_and_reap(&process).await;
+        return Err(Error::LoadTimeout {
+            model: model.into(),
+            pid,
+            timeout,
+            phase: "ready (its health never answered 200)",
+        })
+        .inspect_err(|_| tracing::warn!(model, pid, "the server was not ready in time: {last}"));
+    }
+    let ready_ms = ms(started.elapsed()) - spawn_ms;
+    let handle =
+        WorkerHandle::upstream(model, Arc::clone(&process), Arc::clone(&upstream), started);
+    let memory = handle.sample_memory().unwrap_or_default();
+    handle.set_baseline(started.elapsed());
+    health::spawn(
+        Arc::downgrade(&handle),
+        health::HealthPolicy {
+            interval: config.heartbeat_interval,
+            heartbeat_timeout: upstream.unhealthy_after(),
+            stall_timeout: spec.stall_timeout,
+        },
+    );
+    let report = LoadReport {
+        model: model.into(),
+        backend: handle.backend().to_string(),
+        pid,
+        worker_version: handle.worker_version().to_string(),
+        load_ms: ms(started.elapsed()),
+        spawn_ms,
+        backend_load_ms: ready_ms,
+        rss_bytes: memory.rss_bytes,
+        anon_bytes: memory.anon_bytes,
+        file_bytes: memory.file_bytes,
+        pss_bytes: memory.pss_bytes,
+        peak_rss_bytes: memory
+            .peak_rss_bytes
+            .max(process.cap().and_then(MemoryCap::peak).unwrap_or(0)),
+        memory_limit_bytes: process.cap().map(|c| c.limit),
+        memory_cap: process.cap().map(|c| c.mechanism),
+        gpus,
+        vram_bytes: match gpu::inventory() {
+            Inventory::Devices(devices) => gpu::process_vram(&devices, pid),
+            Inventory::NoGpu(_) => None,
+        },
+        system_available_bytes: system_memory().available_bytes,
+        details: serde_json::json!({ "address": upstream.address().to_string() }),
+        max_batch: 1,
     };
     Ok((handle, report))
 }

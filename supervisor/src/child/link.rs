@@ -13,6 +13,9 @@ use crate::child::stream::{SendError, StreamReader, StreamWriter};
 pub(crate) enum Link {
     Ipc(IpcSender<Command>),
     Stream(StreamWriter),
+    /// An HTTP server takes no commands: requests are relayed to it, its
+    /// health is polled, and a stop signals it.
+    None,
 }
 
 /// Where events come from.
@@ -35,6 +38,9 @@ impl Link {
         match self {
             Link::Ipc(tx) => tx.send(for_ipc(command)).map_err(|_| SendError::Closed),
             Link::Stream(writer) => writer.send(&command),
+            Link::None => Err(SendError::Refused(
+                "an HTTP server takes no worker commands; send it HTTP requests".into(),
+            )),
         }
     }
 }

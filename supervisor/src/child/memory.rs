@@ -82,6 +82,36 @@ pub fn group_members(pgid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// The memory of a process and of everything it started that is still in
+/// `extra` (its process group, its cgroup): summed. What a server that
+/// forks workers of its own (vLLM, a uvicorn with workers) holds.
+pub fn tree_memory(pid: u32, extra: &[u32]) -> Option<ProcessMemory> {
+    let mut total = process_memory(pid)?;
+    for other in extra.iter().copied().filter(|p| *p != pid) {
+        if let Some(m) = process_memory(other) {
+            total.rss_bytes += m.rss_bytes;
+            total.anon_bytes += m.anon_bytes;
+            total.file_bytes += m.file_bytes;
+            total.pss_bytes += m.pss_bytes;
+            total.peak_rss_bytes += m.peak_rss_bytes;
+        }
+    }
+    Some(total)
+}
+
+/// [`resident_bytes`] of a process and of `extra`, summed.
+pub fn tree_resident_bytes(pid: u32, extra: &[u32]) -> Option<u64> {
+    let own = resident_bytes(pid)?;
+    Some(
+        own + extra
+            .iter()
+            .copied()
+            .filter(|p| *p != pid)
+            .filter_map(resident_bytes)
+            .sum::<u64>(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,8 +4,8 @@
 //! reader), `routes` (a worker's events to the requests waiting), `death`
 //! (what a dead worker leaves), `health` (heartbeats, stalls), `stop`,
 //! `process` (reaping, kill causes), `output` (bounded stdout/stderr),
-//! `memory` (procfs), `limits` (memory caps), and `probe` (asking a program
-//! for its backends).
+//! `memory` (procfs), `limits` (memory caps), `probe` (asking a program
+//! for its backends), and `upstream` (an HTTP server run as a worker).
 
 pub(crate) mod death;
 pub mod handle;
@@ -22,3 +22,4 @@ mod routes;
 pub mod spawn;
 pub mod stop;
 pub(crate) mod stream;
+pub mod upstream;

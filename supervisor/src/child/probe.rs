@@ -265,6 +265,7 @@ mod tests {
             env: Vec::new(),
             cwd: None,
             wire: Wire::Ipc,
+            http: None,
         }
     }
 

@@ -121,6 +121,8 @@ pub enum Connect<'a> {
     /// It inherits this socket at [`WORKER_FD`] (the stream wire). The
     /// descriptor is close-on-exec in the supervisor; only this child gets it.
     Stream(RawFd),
+    /// No wire: an HTTP server, reached on the address in its command.
+    None,
 }
 
 /// Marks every descriptor from `first` up close-on-exec, so that an exec
@@ -186,6 +188,7 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
             command.env(ENV_FD, WORKER_FD.to_string());
             Some(fd)
         }
+        Connect::None => None,
     };
     if let Some(dir) = opts.cwd {
         command.current_dir(dir);

@@ -32,19 +32,28 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     } else if worker.request_shutdown() && process.exited_within(graces.shutdown).await.is_some() {
         StopKind::Graceful
     } else {
-        tracing::info!(
-            model = worker.model(),
-            pid,
-            "worker did not exit on shutdown; sending SIGTERM"
-        );
-        process.signal_group(Signal::SIGTERM);
-        if process.exited_within(graces.term).await.is_some() {
+        let (signal, grace) = worker.stop_signal(graces);
+        if worker.upstream_server().is_some() {
+            tracing::info!(
+                model = worker.model(),
+                pid,
+                "asking the HTTP server to stop: {signal}"
+            );
+        } else {
+            tracing::info!(
+                model = worker.model(),
+                pid,
+                "worker did not exit on shutdown; sending {signal}"
+            );
+        }
+        process.signal_group(signal);
+        if process.exited_within(grace).await.is_some() {
             StopKind::Sigterm
         } else {
             tracing::warn!(
                 model = worker.model(),
                 pid,
-                "worker ignored SIGTERM; sending SIGKILL"
+                "worker ignored {signal}; sending SIGKILL"
             );
             process.signal_group(Signal::SIGKILL);
             StopKind::Sigkill

@@ -37,7 +37,7 @@ pub struct SwapArgs {
 
 /// Fields of a registered spec that only the operator sets: the server
 /// keeps them across a swap, so the CLI does not send them back.
-const OPERATOR_ONLY: &[&str] = &["worker_binary", "env", "command", "cwd"];
+const OPERATOR_ONLY: &[&str] = &["worker_binary", "env", "command", "cwd", "http"];
 
 pub fn run(args: SwapArgs) -> ExitCode {
     let client = Client::new(&args.remote);

@@ -124,6 +124,7 @@ impl Guard {
             && has_body(headers)
             && !is_json(text(header::CONTENT_TYPE))
             && !(takes_bytes(path) && is_octet_stream(text(header::CONTENT_TYPE)))
+            && !(takes_forms(path) && is_form(text(header::CONTENT_TYPE)))
         {
             return Some(ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -171,6 +172,17 @@ fn is_json(content_type: Option<&str>) -> bool {
 /// cross-site without a preflight, so it is as safe to accept.
 fn is_octet_stream(content_type: Option<&str>) -> bool {
     media_type_is(content_type, "application/octet-stream")
+}
+
+/// Routes whose body may be a form: audio for a model served by an HTTP
+/// server (`/v1/audio/transcriptions`). A page can send a form cross-site
+/// without a preflight, but not without its `Origin`, which is checked.
+fn takes_forms(path: &str) -> bool {
+    path.starts_with("/v1/audio/")
+}
+
+fn is_form(content_type: Option<&str>) -> bool {
+    media_type_is(content_type, "multipart/form-data")
 }
 
 /// Routes whose body may be raw bytes: a backend's own request (`infer`).

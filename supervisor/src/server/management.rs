@@ -43,7 +43,7 @@ pub async fn catalogue(State(app): State<AppState>) -> Json<Value> {
 /// Fields only the operator sets (the config, the CLI's own flags, the
 /// embedding host): which program runs, its environment, its directory.
 /// An HTTP client names a declared worker kind (`worker`) instead.
-const OPERATOR_ONLY: &[&str] = &["worker_binary", "env", "command", "cwd"];
+const OPERATOR_ONLY: &[&str] = &["worker_binary", "env", "command", "cwd", "http"];
 
 /// An operator-only field `field` given over HTTP.
 fn operator_only(name: &str, field: &str) -> ApiError {
@@ -103,6 +103,7 @@ fn swap_spec_from(name: &str, body: &[u8], registered: &ModelSpec) -> Result<Mod
     spec.env = registered.env.clone();
     spec.command = registered.command.clone();
     spec.cwd = registered.cwd.clone();
+    spec.http = registered.http.clone();
     Ok(spec)
 }
 

@@ -23,6 +23,7 @@ mod management;
 pub mod metrics;
 pub mod notify;
 mod openai;
+mod relay;
 
 pub use error::ApiError;
 pub use listen::Listen;
@@ -156,6 +157,8 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
         .layer(DefaultBodyLimit::max(options.max_body))
+        // `/v1` requests for models served by HTTP servers go to them.
+        .layer(middleware::from_fn_with_state(state.clone(), relay::route))
         .layer(middleware::from_fn_with_state(body, read_body))
         .layer(middleware::from_fn_with_state(guard, guard::check))
         .layer(middleware::map_response(openai_shaped))

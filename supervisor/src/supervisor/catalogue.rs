@@ -10,7 +10,10 @@ use crate::report::UnloadReport;
 impl Supervisor {
     /// Adds a model to the catalogue (or replaces an unloaded one's spec).
     /// It loads on its first request, or with [`Supervisor::load_registered`].
-    pub fn register(&self, spec: ModelSpec) -> Result<()> {
+    pub fn register(&self, mut spec: ModelSpec) -> Result<()> {
+        if spec.backend.is_empty() && spec.http_spec(&self.inner.config).is_some() {
+            spec.backend = crate::child::handle::HTTP_BACKEND.into();
+        }
         self.check_spec(&spec)?;
         let mut state = self.lock();
         if let Some(slot) = state.slots.get(&spec.name) {
@@ -42,6 +45,25 @@ impl Supervisor {
     pub(super) fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
         spec.validate_for(&self.inner.config)?;
         let program = crate::child::launch::worker_program(spec, &self.inner.config)?;
+        if program.wire == crate::child::launch::Wire::Http {
+            // A server is not asked for backends; its command is checked
+            // for its placeholders.
+            return crate::child::upstream::prepare(
+                &spec.name,
+                "",
+                &program.args,
+                spec.model.as_deref(),
+            )
+            .map(|prepared| {
+                if let Some(dir) = prepared.socket_dir {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
+            })
+            .map_err(|reason| Error::InvalidSpec {
+                model: spec.name.clone(),
+                reason,
+            });
+        }
         let Ok(offered) = crate::child::launch::offered_backends(&program) else {
             // The load will say what is wrong with the program.
             return Ok(());
@@ -98,6 +120,10 @@ impl Supervisor {
         let mut programs = vec![default_program(config).map_err(|e| e.to_string())?];
         for (name, kind) in &config.workers {
             kind.check(name)?;
+            if kind.http.is_some() {
+                // An HTTP server is not a berth worker: nothing to ask.
+                continue;
+            }
             let mut spec = ModelSpec::new("check", "any");
             spec.worker = Some(name.clone());
             programs.push(worker_program(&spec, config).map_err(|e| e.to_string())?);
@@ -135,6 +161,15 @@ impl Supervisor {
             model: model.into(),
             known: self.lock().catalogue.keys().cloned().collect(),
         }
+    }
+
+    /// Whether `model` is registered and served by an HTTP server (its
+    /// requests are relayed, see [`Supervisor::lease`]).
+    pub fn is_http_model(&self, model: &str) -> bool {
+        self.lock()
+            .catalogue
+            .get(model)
+            .is_some_and(|e| e.spec.http_spec(&self.inner.config).is_some())
     }
 
     /// Every registered model with its state.

@@ -43,7 +43,7 @@ mod types;
 pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters};
 
 pub use crashes::LastExit;
-pub use requests::RequestStream;
+pub use requests::{Lease, RequestStream};
 pub use types::{
     BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport,
 };

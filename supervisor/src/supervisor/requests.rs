@@ -75,6 +75,75 @@ impl Supervisor {
         body: Body,
         options: RequestOptions,
     ) -> Result<RequestStream> {
+        let hash = crate::child::handle::body_hash(&body);
+        let mut body = Some(body);
+        let admitted = self
+            .admit(model, options, Some(hash), |worker| {
+                worker.call_stream(body.take().expect("sent once"))
+            })
+            .await?;
+        Ok(RequestStream {
+            inner: admitted.routed,
+            model: model.to_string(),
+            supervisor: Arc::downgrade(&self.inner),
+            counters: admitted.counters,
+            started: admitted.started,
+            keep_alive: options.keep_alive,
+            deadline: admitted.deadline,
+            failed: false,
+            _permit: admitted.permit,
+        })
+    }
+
+    /// Holds a model served by an HTTP server ([`ModelSpec::http`]) for one
+    /// request, loading it first if it is registered but not loaded: the
+    /// [`Lease`] says where the server listens, and counts as a request in
+    /// flight (for `max_concurrency` and its queue, drains, keep-alive and
+    /// eviction) until it is dropped. `berth serve` relays its `/v1`
+    /// requests through one; an embedding host sends its own.
+    ///
+    /// [`ModelSpec::http`]: crate::ModelSpec::http
+    pub async fn lease(&self, model: &str, options: RequestOptions) -> Result<Lease> {
+        let admitted = self
+            .admit(model, options, None, |worker| {
+                if worker.upstream_server().is_none() {
+                    return Err(Error::InvalidRequest {
+                        model: model.into(),
+                        reason: "it is served by a berth worker, not an HTTP server: send it \
+                                 requests with Supervisor::request (or berth serve's routes)"
+                            .into(),
+                    });
+                }
+                Ok((Arc::clone(worker), worker.enter()))
+            })
+            .await?;
+        let (worker, in_flight) = admitted.routed;
+        Ok(Lease {
+            worker,
+            _in_flight: in_flight,
+            model: model.to_string(),
+            supervisor: Arc::downgrade(&self.inner),
+            counters: admitted.counters,
+            started: admitted.started,
+            keep_alive: options.keep_alive,
+            deadline: admitted.deadline,
+            failed: false,
+            _permit: admitted.permit,
+        })
+    }
+
+    /// What every request goes through before it reaches a worker: the
+    /// quarantine (by `hash`), the concurrency permit and its bounded
+    /// queue, the deadline, loading the model if needed; then `route` is
+    /// called with the ready worker, under the lock a swap switches routing
+    /// under, so a drain never misses what it registers.
+    async fn admit<T>(
+        &self,
+        model: &str,
+        options: RequestOptions,
+        hash: Option<u64>,
+        mut route: impl FnMut(&Arc<WorkerHandle>) -> Result<T>,
+    ) -> Result<Admitted<T>> {
         self.check_running(model)?;
         for (field, value) in [
             ("keep_alive", options.keep_alive),
@@ -87,14 +156,13 @@ impl Supervisor {
                 }
             })?;
         }
-        let hash = crate::child::handle::body_hash(&body);
         let (permits, queued, max_queue, counters, concurrency) = {
             let state = self.lock();
             let entry = state
                 .catalogue
                 .get(model)
                 .ok_or_else(|| self.unknown_locked(model, &state))?;
-            if entry.health.is_quarantined(hash) {
+            if hash.is_some_and(|h| entry.health.is_quarantined(h)) {
                 entry.counters.errors.fetch_add(1, Ordering::Relaxed);
                 return Err(Error::Quarantined {
                     model: model.into(),
@@ -137,7 +205,6 @@ impl Supervisor {
         let give_up = started
             .checked_add(self.inner.config.load_timeout.saturating_mul(2))
             .unwrap_or(started + Duration::from_secs(3600));
-        let mut body = Some(body);
         while Instant::now() < give_up {
             within(deadline, model, started, self.ensure_loaded(model))
                 .await
@@ -153,27 +220,23 @@ impl Supervisor {
                 match state.slots.get(model) {
                     Some(slot) if slot.state() == ModelState::Ready && !slot.hold => {
                         let worker = slot.worker.as_ref().expect("ready slots have a worker");
-                        Some(worker.call_stream(body.take().expect("sent once"))?)
+                        Some(route(worker)?)
                     }
                     _ => None,
                 }
             };
-            let Some(inner) = routed else {
+            let Some(routed) = routed else {
                 // Changing state (a recycle holding requests, a restart): wait for it.
                 let _ = tokio::time::timeout(Duration::from_millis(50), changed).await;
                 continue;
             };
             counters.requests.fetch_add(1, Ordering::Relaxed);
-            return Ok(RequestStream {
-                inner,
-                model: model.to_string(),
-                supervisor: Arc::downgrade(&self.inner),
+            return Ok(Admitted {
+                routed,
+                permit,
                 counters,
                 started,
-                keep_alive: options.keep_alive,
                 deadline,
-                failed: false,
-                _permit: permit,
             });
         }
         Err(Error::Busy {
@@ -209,6 +272,15 @@ impl Supervisor {
         }
         entry.spec.max_rss.is_some() || entry.spec.max_requests.is_some()
     }
+}
+
+/// A request let through to a ready worker.
+struct Admitted<T> {
+    routed: T,
+    permit: OwnedSemaphorePermit,
+    counters: Arc<ModelCounters>,
+    started: Instant,
+    deadline: Option<tokio::time::Instant>,
 }
 
 /// Counts a request out of its model's queue when dropped.
@@ -298,6 +370,95 @@ impl Drop for RequestStream {
             if Supervisor::request_finished(&inner, &self.model, self.keep_alive) {
                 Supervisor::maybe_recycle(&inner, &self.model);
             }
+        }
+    }
+}
+
+/// A model served by an HTTP server, held for one request (see
+/// [`Supervisor::lease`]). While it lives the request counts as in flight
+/// on the server, and holds one of the model's concurrency slots; when it
+/// is dropped, the model's keep-alive, metrics and recycling policy take
+/// note, as for any request.
+pub struct Lease {
+    worker: Arc<WorkerHandle>,
+    _in_flight: crate::child::handle::InFlightToken,
+    model: String,
+    supervisor: Weak<Inner>,
+    counters: Arc<ModelCounters>,
+    started: Instant,
+    keep_alive: Option<Duration>,
+    deadline: Option<tokio::time::Instant>,
+    failed: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("model", &self.model)
+            .field("pid", &self.worker.pid())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lease {
+    /// Where the server listens: `http://127.0.0.1:PORT` or `unix:PATH`.
+    pub fn address(&self) -> &crate::child::upstream::Address {
+        self.upstream().address()
+    }
+
+    /// The server's process.
+    pub fn pid(&self) -> u32 {
+        self.worker.pid()
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// The request's deadline, if it has one.
+    pub fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.deadline
+    }
+
+    pub(crate) fn upstream(&self) -> &Arc<crate::child::upstream::Upstream> {
+        self.worker
+            .upstream_server()
+            .expect("a lease is only given on an HTTP server")
+    }
+
+    /// Resolves once the server has died, with the error its requests
+    /// fail with (exit status, cause, stderr tail).
+    pub async fn died(&self) -> Error {
+        let death = self.worker.death().await;
+        death.error(&self.model, self.worker.pid(), "request")
+    }
+
+    /// [`Lease::died`] as a future that owns what it needs.
+    pub fn death_watch(&self) -> impl std::future::Future<Output = Error> + Send + 'static {
+        let (worker, model) = (Arc::clone(&self.worker), self.model.clone());
+        async move {
+            let death = worker.death().await;
+            death.error(&model, worker.pid(), "request")
+        }
+    }
+
+    /// Counts the request as failed (in the model's error counter).
+    pub fn failed(&mut self) {
+        self.failed = true;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.failed {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        self.counters.observe_latency(self.started.elapsed());
+        if let Some(inner) = self.supervisor.upgrade()
+            && Supervisor::request_finished(&inner, &self.model, self.keep_alive)
+        {
+            Supervisor::maybe_recycle(&inner, &self.model);
         }
     }
 }

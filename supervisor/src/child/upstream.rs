@@ -1,0 +1,465 @@
+//! The supervisor's side of an unmodified HTTP inference server (llama.cpp's
+//! server, vLLM, TabbyAPI, infinity) run as a model's worker.
+//!
+//! The process is a worker like any other: the same spawn (own group, own
+//! cgroup, parent-death signal, cleared environment plus the kind's, GPU
+//! placement), output handling, memory accounting, stop and reports. What
+//! differs is the link:
+//! - its command names `{port}` (a free loopback port chosen for each
+//!   start, so a swap's new server has its own) or `{socket}` (a unix socket
+//!   path chosen likewise), and `{model}`, the model's resolved path;
+//! - it is ready when `GET health` answers 200, polled every 100 ms within
+//!   the load timeout (a server that exits first fails the load with its
+//!   exit and stderr);
+//! - the heartbeat is the same poll, once a second, while it runs;
+//! - a request is an HTTP exchange, relayed by the front door over a small
+//!   pool of kept-alive connections (`server/relay.rs`); the bytes relayed
+//!   are the worker's progress counter, for stall detection;
+//! - there is no shutdown message: a stop sends the kind's `stop_signal`
+//!   to the group, waits `stop_grace`, then SIGKILL.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use nix::sys::signal::Signal;
+
+use crate::config::HttpSpec;
+
+/// Default grace between the stop signal and SIGKILL.
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long a server may not answer its health before it is lost.
+pub const DEFAULT_UNHEALTHY_AFTER: Duration = Duration::from_secs(30);
+/// Idle kept-alive connections kept per server.
+const POOL: usize = 32;
+
+/// Where a server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    Tcp(std::net::SocketAddr),
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Address::Tcp(addr) => write!(f, "http://{addr}"),
+            Address::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// A command line with its placeholders filled in, and where the server
+/// it starts will listen.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub args: Vec<String>,
+    pub path: String,
+    pub address: Address,
+    /// A folder made for the socket, removed with the server.
+    pub socket_dir: Option<PathBuf>,
+}
+
+/// Fills in `{port}`, `{socket}` and `{model}` in `program` and `args`.
+pub(crate) fn prepare(
+    model: &str,
+    program: &str,
+    args: &[String],
+    weights: Option<&Path>,
+) -> Result<Prepared, String> {
+    let all = || std::iter::once(program).chain(args.iter().map(String::as_str));
+    let wants_port = all().any(|a| a.contains("{port}"));
+    let wants_socket = all().any(|a| a.contains("{socket}"));
+    let (address, socket_dir) = match (wants_port, wants_socket) {
+        (true, false) => (Address::Tcp(free_port()?), None),
+        (false, true) => {
+            let dir = socket_dir(model)?;
+            (Address::Unix(dir.join("server.sock")), Some(dir))
+        }
+        (true, true) => return Err("the command names both `{port}` and `{socket}`".into()),
+        (false, false) => {
+            return Err(
+                "the command must name `{port}` (a loopback port berth chooses for each start) \
+                 or `{socket}` (a unix socket path), where the server is to listen"
+                    .into(),
+            );
+        }
+    };
+    if all().any(|a| a.contains("{model}")) && weights.is_none() {
+        return Err("the command names `{model}` but the model has no `model` path".into());
+    }
+    let fill = |text: &str| {
+        let mut text = text.to_string();
+        match &address {
+            Address::Tcp(addr) => text = text.replace("{port}", &addr.port().to_string()),
+            Address::Unix(path) => text = text.replace("{socket}", &path.display().to_string()),
+        }
+        if let Some(weights) = weights {
+            text = text.replace("{model}", &weights.display().to_string());
+        }
+        text
+    };
+    Ok(Prepared {
+        path: fill(program),
+        args: args.iter().map(|a| fill(a)).collect(),
+        address,
+        socket_dir,
+    })
+}
+
+/// A loopback port free now. Another process may take it before the server
+/// binds it; the server then fails to start, and the load says so.
+fn free_port() -> Result<std::net::SocketAddr, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("cannot find a free loopback port: {e}"))
+}
+
+/// A private folder (0700) for one server's socket.
+fn socket_dir(model: &str) -> Result<PathBuf, String> {
+    use std::os::unix::fs::DirBuilderExt;
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "berth-{}-{model}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| format!("cannot make a folder for the server's socket: {e}"))?;
+    Ok(dir)
+}
+
+/// A kept-alive connection to the server and the task that drives it.
+struct Conn {
+    sender: SendRequest<Body>,
+    driver: tokio::task::JoinHandle<()>,
+}
+
+/// A running HTTP server, as the supervisor reaches it.
+pub struct Upstream {
+    model: String,
+    address: Address,
+    spec: HttpSpec,
+    idle: Mutex<Vec<Conn>>,
+    /// Bytes relayed from the server: the progress counter.
+    progress: AtomicU64,
+    /// Requests answered (headers received).
+    answered: AtomicU64,
+    socket_dir: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("model", &self.model)
+            .field("address", &self.address)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.socket_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Why a request could not be relayed.
+#[derive(Debug)]
+pub enum RelayError {
+    /// No connection could be made, or it broke before the answer's head.
+    Connect(std::io::Error),
+    Http(hyper::Error),
+}
+
+impl std::fmt::Display for RelayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RelayError::Connect(e) => write!(f, "cannot connect: {e}"),
+            RelayError::Http(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl Upstream {
+    pub(crate) fn new(model: &str, prepared: &Prepared, spec: HttpSpec) -> Self {
+        Upstream {
+            model: model.to_string(),
+            address: prepared.address.clone(),
+            spec,
+            idle: Mutex::new(Vec::new()),
+            progress: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            socket_dir: prepared.socket_dir.clone(),
+        }
+    }
+
+    pub fn address(&self) -> &Address {
+        &self.address
+    }
+
+    pub fn spec(&self) -> &HttpSpec {
+        &self.spec
+    }
+
+    /// The signal that asks the server to stop.
+    pub(crate) fn stop_signal(&self) -> Signal {
+        match self.spec.stop_signal.as_str() {
+            "SIGINT" => Signal::SIGINT,
+            "SIGQUIT" => Signal::SIGQUIT,
+            "SIGHUP" => Signal::SIGHUP,
+            _ => Signal::SIGTERM,
+        }
+    }
+
+    pub(crate) fn stop_grace(&self) -> Duration {
+        self.spec.stop_grace.unwrap_or(DEFAULT_STOP_GRACE)
+    }
+
+    pub(crate) fn unhealthy_after(&self) -> Duration {
+        self.spec.unhealthy_after.unwrap_or(DEFAULT_UNHEALTHY_AFTER)
+    }
+
+    /// Counts relayed bytes (the worker's progress).
+    pub(crate) fn relayed(&self, bytes: u64) {
+        self.progress.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn progress(&self) -> u64 {
+        self.progress.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn answered(&self) -> u64 {
+        self.answered.load(Ordering::Relaxed)
+    }
+
+    async fn connect(&self) -> std::io::Result<Conn> {
+        let (sender, connection) = match &self.address {
+            Address::Tcp(addr) => {
+                let stream = tokio::net::TcpStream::connect(addr).await?;
+                let _ = stream.set_nodelay(true);
+                let (sender, connection) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                        .await
+                        .map_err(std::io::Error::other)?;
+                let driver = tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+                (sender, driver)
+            }
+            Address::Unix(path) => {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                let (sender, connection) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                        .await
+                        .map_err(std::io::Error::other)?;
+                let driver = tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+                (sender, driver)
+            }
+        };
+        Ok(Conn {
+            sender,
+            driver: connection,
+        })
+    }
+
+    /// An idle connection from the pool, else a new one.
+    async fn checkout(&self) -> std::io::Result<Conn> {
+        loop {
+            let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            match pooled {
+                Some(conn) if conn.sender.is_ready() => return Ok(conn),
+                Some(conn) => conn.driver.abort(),
+                None => return self.connect().await,
+            }
+        }
+    }
+
+    fn checkin(&self, conn: Conn) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < POOL && conn.sender.is_ready() {
+            idle.push(conn);
+        } else {
+            conn.driver.abort();
+        }
+    }
+
+    /// Sends `request` and returns the answer's head with its body to be
+    /// read; the connection goes back to the pool once the body is read to
+    /// its end, and is closed if the body is dropped before (a client that
+    /// went away: the server sees its request end).
+    pub(crate) async fn send(
+        self: &Arc<Self>,
+        request: Request<Body>,
+    ) -> Result<Response<PooledBody>, RelayError> {
+        let mut conn = self.checkout().await.map_err(RelayError::Connect)?;
+        if let Err(e) = conn.sender.ready().await {
+            conn.driver.abort();
+            return Err(RelayError::Http(e));
+        }
+        let response = match conn.sender.send_request(request).await {
+            Ok(response) => response,
+            Err(e) => {
+                conn.driver.abort();
+                return Err(RelayError::Http(e));
+            }
+        };
+        self.answered.fetch_add(1, Ordering::Relaxed);
+        let (head, body) = response.into_parts();
+        Ok(Response::from_parts(
+            head,
+            PooledBody {
+                inner: body,
+                conn: Some(conn),
+                upstream: Arc::clone(self),
+            },
+        ))
+    }
+
+    /// `GET health` within `timeout`: its status, or `None` when no answer
+    /// came. Over a connection of its own, never a pooled one, so a server
+    /// busy answering relayed requests still answers it at once if it can.
+    pub(crate) async fn health(&self, timeout: Duration) -> Option<StatusCode> {
+        let attempt = async {
+            let mut conn = self.connect().await.ok()?;
+            let request = Request::get(&self.spec.health)
+                .header(axum::http::header::HOST, self.host())
+                .body(Body::empty())
+                .ok()?;
+            let response = conn.sender.send_request(request).await.ok();
+            conn.driver.abort();
+            response.map(|r| r.status())
+        };
+        tokio::time::timeout(timeout, attempt).await.ok().flatten()
+    }
+
+    /// The `Host` a request to the server carries.
+    pub(crate) fn host(&self) -> String {
+        match &self.address {
+            Address::Tcp(addr) => addr.to_string(),
+            Address::Unix(_) => "localhost".into(),
+        }
+    }
+
+    /// Polls `health` until it answers 200, every 100 ms: `Ok` when ready,
+    /// `Err` with the last thing seen if `deadline` passes first.
+    pub(crate) async fn wait_ready(&self, deadline: Instant) -> Result<(), String> {
+        let mut last = "no answer".to_string();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(last);
+            }
+            match self.health(left.min(Duration::from_secs(2))).await {
+                Some(StatusCode::OK) => return Ok(()),
+                Some(status) => last = format!("GET {} answered {status}", self.spec.health),
+                None => last = format!("GET {} did not answer", self.spec.health),
+            }
+            tokio::time::sleep(Duration::from_millis(100).min(left)).await;
+        }
+    }
+}
+
+/// An answer's body from the server; its connection goes back to the pool
+/// when it ends, and is closed if it is dropped before its end.
+pub struct PooledBody {
+    inner: Incoming,
+    conn: Option<Conn>,
+    upstream: Arc<Upstream>,
+}
+
+impl std::fmt::Debug for PooledBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PooledBody")
+    }
+}
+
+impl hyper::body::Body for PooledBody {
+    type Data = axum::body::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            std::task::Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    self.upstream.relayed(data.len() as u64);
+                }
+            }
+            std::task::Poll::Ready(None) => {
+                if let Some(conn) = self.conn.take() {
+                    self.upstream.checkin(conn);
+                }
+            }
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for PooledBody {
+    fn drop(&mut self) {
+        // Dropped before its end: the connection is closed, so the server
+        // sees the request end (llama.cpp stops generating).
+        if let Some(conn) = self.conn.take() {
+            conn.driver.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_filled_and_one_address_is_required() {
+        let args: Vec<String> = ["--model", "{model}", "--port", "{port}"]
+            .map(String::from)
+            .to_vec();
+        let prepared = prepare("m", "server", &args, Some(Path::new("/models/x.gguf"))).unwrap();
+        let Address::Tcp(addr) = &prepared.address else {
+            panic!("{:?}", prepared.address)
+        };
+        assert_eq!(
+            prepared.args,
+            [
+                "--model",
+                "/models/x.gguf",
+                "--port",
+                &addr.port().to_string()
+            ]
+        );
+        let socket = prepare("m", "server", &["--sock={socket}".to_string()], None).unwrap();
+        let Address::Unix(path) = &socket.address else {
+            panic!()
+        };
+        assert_eq!(socket.args, [format!("--sock={}", path.display())]);
+        drop(socket);
+        let err = prepare("m", "server", &["--port=8000".to_string()], None).unwrap_err();
+        assert!(err.contains("{port}"), "{err}");
+        let err = prepare("m", "server", &["{port}".into(), "{model}".into()], None).unwrap_err();
+        assert!(err.contains("no `model` path"), "{err}");
+    }
+}

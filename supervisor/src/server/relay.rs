@@ -1,0 +1,374 @@
+//! Relaying requests to models served by HTTP servers (llama.cpp's server,
+//! vLLM, ...): a `/v1` request whose `model` names such a model is passed to
+//! its server through a [`Lease`](crate::Lease), and the answer passed back.
+//!
+//! The relay parses nothing it does not need: the `model` field, to route
+//! (rewritten to the server's own name where the operator set one). Every
+//! other field, and routes berth does not serve itself (`/v1/completions`,
+//! `/v1/rerank`, audio), pass untouched; the answer's status, headers and
+//! body come back as the server sends them, a stream's pieces as they
+//! arrive, never buffered whole. What is dropped on the way is what is
+//! hop-by-hop (`Connection`, `Transfer-Encoding`, ...) and berth's own
+//! credentials (`Authorization`, `Cookie`): the server gets the operator's
+//! `http.headers` instead.
+//!
+//! A client that goes away closes its request to the server. A server that
+//! dies mid-answer ends it at once: a stream gets a last event with the
+//! cause (exit status, stderr tail), any other answer is cut.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+
+use super::AppState;
+use super::error::ApiError;
+use crate::child::upstream::PooledBody;
+use crate::{Lease, RequestOptions};
+
+/// Headers that belong to one connection (RFC 9110 §7.6.1), and berth's
+/// own credentials: never passed on, either way.
+const NOT_PASSED: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "authorization",
+    "cookie",
+];
+
+/// The middleware: a POST under `/v1/` whose `model` is served by an HTTP
+/// server is relayed to it; anything else goes on to berth's own routes.
+pub(crate) async fn route(State(app): State<AppState>, request: Request, next: Next) -> Response {
+    if request.method() != Method::POST || !request.uri().path().starts_with("/v1/") {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    // The body was read whole (and bounded) by `read_body`.
+    let bytes = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
+    let model = model_of(&parts.headers, &bytes);
+    match model {
+        Some(model) if app.supervisor.is_http_model(&model) => {
+            relay(
+                &app,
+                &model,
+                &parts.method,
+                &parts.uri,
+                &parts.headers,
+                bytes,
+            )
+            .await
+        }
+        _ => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+    }
+}
+
+/// The `model` a request names: the JSON body's `model` field, or a
+/// multipart form's `model` part (audio transcriptions).
+fn model_of(headers: &HeaderMap, body: &[u8]) -> Option<String> {
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if let Some(boundary) = multipart_boundary(content_type) {
+        return multipart_field(body, &boundary, "model");
+    }
+    #[derive(serde::Deserialize)]
+    struct Named {
+        model: String,
+    }
+    serde_json::from_slice::<Named>(body).ok().map(|n| n.model)
+}
+
+fn multipart_boundary(content_type: &str) -> Option<String> {
+    let mut parts = content_type.split(';');
+    if !parts
+        .next()?
+        .trim()
+        .eq_ignore_ascii_case("multipart/form-data")
+    {
+        return None;
+    }
+    parts.find_map(|p| {
+        let (key, value) = p.trim().split_once('=')?;
+        key.eq_ignore_ascii_case("boundary")
+            .then(|| value.trim_matches('"').to_string())
+    })
+}
+
+/// The value of the form field `name` in a `multipart/form-data` body.
+fn multipart_field(body: &[u8], boundary: &str, name: &str) -> Option<String> {
+    let delimiter = format!("--{boundary}");
+    let text = String::from_utf8_lossy(body);
+    text.split(delimiter.as_str()).find_map(|part| {
+        let (head, value) = part.split_once("\r\n\r\n")?;
+        let named = head.lines().any(|l| {
+            l.to_ascii_lowercase().starts_with("content-disposition:")
+                && l.contains(&format!("name=\"{name}\""))
+        });
+        named.then(|| value.trim_end_matches("\r\n").to_string())
+    })
+}
+
+/// Relays one request to `model`'s server and returns its answer.
+async fn relay(
+    app: &AppState,
+    model: &str,
+    method: &Method,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let lease = match app.supervisor.lease(model, RequestOptions::default()).await {
+        Ok(lease) => lease,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    let upstream = std::sync::Arc::clone(lease.upstream());
+    let spec = upstream.spec();
+    let body = match &spec.model {
+        Some(name) => renamed(body, name),
+        None => body,
+    };
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut request = axum::http::Request::builder()
+        .method(method.clone())
+        .uri(path)
+        .body(Body::from(body))
+        .expect("a method and path from a request are valid");
+    for (name, value) in headers {
+        if !NOT_PASSED.contains(&name.as_str()) {
+            request.headers_mut().append(name.clone(), value.clone());
+        }
+    }
+    if let Ok(host) = HeaderValue::try_from(upstream.host()) {
+        request.headers_mut().insert(header::HOST, host);
+    }
+    for (name, value) in &spec.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::try_from(name.as_str()),
+            HeaderValue::try_from(value.as_str()),
+        ) {
+            request.headers_mut().insert(name, value);
+        }
+    }
+    let died = Box::pin(on_death(&lease));
+    let sent = tokio::select! {
+        sent = upstream.send(request) => sent,
+        error = lease.died() => return ApiError::from(error).into_response(),
+    };
+    let mut lease = lease;
+    let response = match sent {
+        Ok(response) => response,
+        Err(e) => {
+            lease.failed();
+            // A server that died answers with its death, not a broken socket.
+            let dead =
+                tokio::time::timeout(std::time::Duration::from_millis(300), lease.died()).await;
+            return match dead {
+                Ok(error) => ApiError::from(error).into_response(),
+                Err(_) => ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_unreachable",
+                    format!(
+                        "model `{model}`: its HTTP server at {} did not answer: {e}",
+                        upstream.address()
+                    ),
+                )
+                .into_response(),
+            };
+        }
+    };
+    let (mut head, body) = response.into_parts();
+    let stream = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("text/event-stream"));
+    let passed: Vec<HeaderName> = head
+        .headers
+        .keys()
+        .filter(|n| NOT_PASSED.contains(&n.as_str()) && *n != header::CONTENT_LENGTH)
+        .cloned()
+        .collect();
+    for name in passed {
+        head.headers.remove(name);
+    }
+    let body = RelayBody {
+        inner: body,
+        lease: Some(lease),
+        died: Some(died),
+        stream,
+        ended: false,
+        broken: false,
+        model: model.to_string(),
+    };
+    Response::from_parts(head, Body::new(body))
+}
+
+/// `body` with its JSON `model` field set to `name` (the server's own name
+/// for the model); any other body as it is.
+fn renamed(body: Bytes, name: &str) -> Bytes {
+    match serde_json::from_slice::<Value>(&body) {
+        Ok(Value::Object(mut object)) => {
+            object.insert("model".into(), Value::String(name.into()));
+            serde_json::to_vec(&object).map(Bytes::from).unwrap_or(body)
+        }
+        _ => body,
+    }
+}
+
+/// A future that resolves with the server's death as an error.
+fn on_death(lease: &Lease) -> impl Future<Output = ApiError> + Send + 'static {
+    let watch = lease.death_watch();
+    async move { ApiError::from(watch.await) }
+}
+
+/// The server's answer on its way to the client: frames pass as they come;
+/// the lease (a request in flight) ends with the body; a death of the
+/// server ends the body at once.
+struct RelayBody {
+    inner: PooledBody,
+    lease: Option<Lease>,
+    died: Option<Pin<Box<dyn Future<Output = ApiError> + Send>>>,
+    stream: bool,
+    ended: bool,
+    /// The server's answer broke off; what is left is to say why.
+    broken: bool,
+    model: String,
+}
+
+/// How long a stream whose server's answer broke off waits to learn why
+/// (the server's exit, reaped within milliseconds when it died).
+const WHY_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+impl hyper::body::Body for RelayBody {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        // Once the answer broke off, only why is left to tell.
+        let polled = if self.broken {
+            Poll::Pending
+        } else {
+            Pin::new(&mut self.inner).poll_frame(cx)
+        };
+        let broke = match polled {
+            Poll::Ready(None) => {
+                self.ended = true;
+                self.lease = None;
+                return Poll::Ready(None);
+            }
+            Poll::Ready(Some(Ok(frame))) => return Poll::Ready(Some(Ok(frame))),
+            Poll::Ready(Some(Err(e))) => Some(e),
+            Poll::Pending => None,
+        };
+        if let Some(e) = broke {
+            // The answer broke off: a server that died did that. A stream
+            // learns why as a last event; any other answer is cut.
+            self.broken = true;
+            self.fail();
+            if !self.stream {
+                self.ended = true;
+                return Poll::Ready(Some(Err(Box::new(e))));
+            }
+            let died = self.died.take();
+            let broke_off = ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_broke_off",
+                format!("model `{}`: its server's answer broke off: {e}", self.model),
+            );
+            self.died = Some(Box::pin(async move {
+                match died {
+                    Some(died) => tokio::time::timeout(WHY_WAIT, died)
+                        .await
+                        .unwrap_or(broke_off),
+                    None => broke_off,
+                }
+            }));
+        }
+        let Some(died) = self.died.as_mut() else {
+            return Poll::Pending;
+        };
+        let Poll::Ready(error) = died.as_mut().poll(cx) else {
+            return Poll::Pending;
+        };
+        self.died = None;
+        self.ended = true;
+        self.fail();
+        if self.stream {
+            // A last event, so a streaming client reads why.
+            let event = format!("data: {}\n\n", error.body());
+            Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from(event)))))
+        } else {
+            Poll::Ready(Some(Err(error.message.into())))
+        }
+    }
+}
+
+impl RelayBody {
+    fn fail(&mut self) {
+        if let Some(mut lease) = self.lease.take() {
+            lease.failed();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_is_read_from_json_or_a_form() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        assert_eq!(
+            model_of(
+                &headers,
+                br#"{"messages": [], "model": "m1", "tools": [1]}"#
+            ),
+            Some("m1".into())
+        );
+        assert_eq!(model_of(&headers, b"not json"), None);
+        headers.insert(
+            header::CONTENT_TYPE,
+            "multipart/form-data; boundary=XyZ".parse().unwrap(),
+        );
+        let form = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF....\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ--\r\n";
+        assert_eq!(model_of(&headers, form), Some("whisper-1".into()));
+    }
+
+    #[test]
+    fn a_rename_keeps_every_other_field() {
+        let body =
+            Bytes::from_static(br#"{"model":"berth-name","tools":[{"x":1}],"logprobs":true}"#);
+        let renamed: Value = serde_json::from_slice(&renamed(body, "upstream-name")).unwrap();
+        assert_eq!(
+            renamed,
+            serde_json::json!({"model": "upstream-name", "tools": [{"x": 1}], "logprobs": true})
+        );
+    }
+}

@@ -1,0 +1,178 @@
+"""A small OpenAI-style HTTP server, standard library only, for the faults a
+real inference server does not commit on cue. berth runs it as a model's
+server (`[workers.NAME] http = ...`), the way it runs llama.cpp's server.
+
+    fake_upstream.py --port PORT [--mode MODE[,MODE...]] [--hold-mib N]
+
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions (with
+"stream": true, server-sent events: `chunks` pieces, `interval_ms` apart,
+each carrying the time it was sent), and any other POST under /v1/, which
+answers what it received: the body, the path and the headers. A body's
+"status" field sets the answer's status.
+
+Modes:
+  never-ready        /health answers 503 for ever
+  exit-at-start      exits with status 3 before it listens, saying why
+  hang-health-after  /health stops answering after N checks (--after N)
+  crash-mid-stream   a stream exits the process (SIGKILL itself) after 2 pieces
+  ignore-sigterm     SIGTERM is ignored
+  fork-child         forks a child holding --child-mib MiB, in its group
+  fork-escape        ... and the child leaves the group and session (setsid)
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ARGS = None
+HEALTH_CHECKS = 0
+HELD = []
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # quiet: berth logs stderr
+        pass
+
+    def send_json(self, status, value):
+        body = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        global HEALTH_CHECKS
+        if self.path == "/health":
+            HEALTH_CHECKS += 1
+            if "never-ready" in ARGS.mode:
+                return self.send_json(503, {"status": "loading"})
+            if "hang-health-after" in ARGS.mode and HEALTH_CHECKS > ARGS.after:
+                time.sleep(3600)
+            return self.send_json(200, {"status": "ok"})
+        if self.path == "/v1/models":
+            return self.send_json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        return self.send_json(404, {"error": "no such route"})
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length", "0"))
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if self.path == "/v1/chat/completions" and isinstance(body, dict) and body.get("stream"):
+            return self.stream(body)
+        if self.path == "/v1/chat/completions":
+            return self.send_json(200, {
+                "object": "chat.completion",
+                "model": body.get("model") if isinstance(body, dict) else None,
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "hello from fake"}}],
+                "received": body,
+                "headers": {k.lower(): v for k, v in self.headers.items()},
+            })
+        status = body.get("status", 200) if isinstance(body, dict) else 200
+        self.send_json(status, {
+            "path": self.path,
+            "received": body if body is not None else raw.decode("latin-1"),
+            "headers": {k.lower(): v for k, v in self.headers.items()},
+            "pid": os.getpid(),
+        })
+
+    def stream(self, body):
+        chunks = int(body.get("chunks", 5))
+        interval = float(body.get("interval_ms", 0)) / 1000
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def piece(text):
+            data = text.encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        try:
+            for i in range(chunks):
+                if "crash-mid-stream" in ARGS.mode and i == 2:
+                    sys.stderr.write("fake_upstream: crashing mid-stream as asked\n")
+                    sys.stderr.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                event = {"choices": [{"index": 0, "delta": {"content": "tok%d " % i}}],
+                         "sent_at": time.time(), "i": i}
+                piece("data: %s\n\n" % json.dumps(event))
+                if interval:
+                    time.sleep(interval)
+            piece("data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+def fork_child(escape):
+    pid = os.fork()
+    if pid:
+        return
+    if escape:
+        os.setsid()
+    held = bytearray(ARGS.child_mib << 20)
+    for i in range(0, len(held), 4096):
+        held[i] = 1
+    HELD.append(held)
+    while True:
+        time.sleep(3600)
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--socket")
+    parser.add_argument("--mode", default="")
+    parser.add_argument("--after", type=int, default=3)
+    parser.add_argument("--hold-mib", type=int, default=0)
+    parser.add_argument("--child-mib", type=int, default=64)
+    parser.add_argument("--model")
+    ARGS = parser.parse_args()
+    ARGS.mode = set(filter(None, ARGS.mode.split(",")))
+    if "exit-at-start" in ARGS.mode:
+        sys.stderr.write("fake_upstream: exiting at start as asked\n")
+        sys.exit(3)
+    if "ignore-sigterm" in ARGS.mode:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if ARGS.hold_mib:
+        held = bytearray(ARGS.hold_mib << 20)
+        for i in range(0, len(held), 4096):
+            held[i] = 1
+        HELD.append(held)
+    if "fork-child" in ARGS.mode or "fork-escape" in ARGS.mode:
+        fork_child("fork-escape" in ARGS.mode)
+    if ARGS.socket:
+        class UnixServer(ThreadingHTTPServer):
+            address_family = socket.AF_UNIX
+
+            def server_bind(self):
+                self.socket.bind(self.server_address)
+                self.server_name, self.server_port = "localhost", 0
+
+        server = UnixServer(ARGS.socket, Handler)
+    else:
+        server = ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler)
+    server.daemon_threads = True
+    sys.stderr.write("fake_upstream: listening\n")
+    sys.stderr.flush()
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
