@@ -63,6 +63,10 @@ pub struct ModelSpec {
     /// it. Set by the operator; the HTTP API refuses it.
     #[serde(default)]
     pub http: Option<HttpSpec>,
+    /// Other names requests may use for this model (llama-swap's
+    /// `aliases`), unique across the catalogue.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub aliases: Vec<String>,
     /// `mmap` or `read`; passed to the backend as its `load_mode` option.
     #[serde(default)]
     pub load_mode: Option<String>,
@@ -123,6 +127,7 @@ impl ModelSpec {
             command: None,
             cwd: None,
             http: None,
+            aliases: Vec::new(),
             load_mode: None,
             keep_alive: None,
             memory_limit: None,
@@ -191,6 +196,16 @@ impl ModelSpec {
                 "a model name is 1 to {MAX_NAME_LEN} letters, digits, `-`, `_` and `.`, \
                  and does not start with `.`"
             ));
+        }
+        for alias in &self.aliases {
+            if alias.is_empty()
+                || alias.len() > MAX_NAME_LEN
+                || alias.chars().any(|c| c.is_control() || c.is_whitespace())
+            {
+                return invalid(format!(
+                    "alias `{alias}` is not a name: 1 to {MAX_NAME_LEN} characters, no spaces"
+                ));
+            }
         }
         if let Some(mode) = &self.load_mode
             && mode != "mmap"
@@ -633,6 +648,8 @@ pub struct HttpSpec {
     /// Polled with GET until it answers 200: then the server is ready;
     /// polled once a second while it runs: a server that stops answering
     /// for `unhealthy_after` is stopped and restarted (default `/health`).
+    /// `none`: the server has no such route; it is ready, and healthy, while
+    /// it accepts connections.
     #[serde(default = "default_health")]
     pub health: String,
     /// The model name the server knows, put in the `model` field of the
@@ -682,9 +699,12 @@ impl HttpSpec {
 
     /// Every field well formed.
     pub fn check(&self) -> std::result::Result<(), String> {
-        if !self.health.starts_with('/') || self.health.chars().any(char::is_whitespace) {
+        if self.health != "none"
+            && (!self.health.starts_with('/') || self.health.chars().any(char::is_whitespace))
+        {
             return Err(format!(
-                "`http.health` is a path on the server, such as \"/health\", not `{}`",
+                "`http.health` is a path on the server, such as \"/health\" (or \"none\": \
+                 ready once it accepts connections), not `{}`",
                 self.health
             ));
         }

@@ -157,6 +157,22 @@ pub fn deploy_python() -> PathBuf {
         .clone()
 }
 
+/// `python3` of llama.cpp's server's environment:
+/// `tests/python/requirements-llamacpp.txt` (`llama-cpp-python[server]`,
+/// built from source by pip the first time, and the OpenAI client).
+pub fn llamacpp_python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            venv(
+                "python-llamacpp-venv",
+                &["tests/python/requirements-llamacpp.txt"],
+                false,
+            )
+        })
+        .clone()
+}
+
 /// Where the examples' package (`berth_examples`) lies: the working
 /// directory of their workers.
 pub fn examples_dir() -> PathBuf {

@@ -333,6 +333,11 @@ impl Upstream {
     pub(crate) async fn health(&self, timeout: Duration) -> Option<StatusCode> {
         let attempt = async {
             let mut conn = self.connect().await.ok()?;
+            if self.spec.health == "none" {
+                // No health route: accepting a connection is all there is.
+                conn.driver.abort();
+                return Some(StatusCode::OK);
+            }
             let request = Request::get(&self.spec.health)
                 .header(axum::http::header::HOST, self.host())
                 .body(Body::empty())

@@ -26,6 +26,11 @@ pub struct ServeArgs {
     /// The worker program (default: this executable, as `berth worker`).
     #[arg(long, env = "BERTH_WORKER")]
     worker: Option<PathBuf>,
+    /// A llama-swap `config.yaml`: its models are served as HTTP-server
+    /// models beside the config's (docs/upstream.md says what maps, and
+    /// berth says at start what it ignores).
+    #[arg(long, value_name = "CONFIG_YAML")]
+    llama_swap: Option<PathBuf>,
 }
 
 pub async fn run(args: ServeArgs) -> ExitCode {
@@ -36,7 +41,7 @@ pub async fn run(args: ServeArgs) -> ExitCode {
 }
 
 async fn start(args: ServeArgs) -> Result<(), String> {
-    let config = match &args.config {
+    let mut config = match &args.config {
         Some(path) => {
             let config = ServeConfig::read(path)?;
             fetch_named_defaults(&config.models, &config.models_root())?;
@@ -47,6 +52,9 @@ async fn start(args: ServeArgs) -> Result<(), String> {
         }
         None => ServeConfig::default(),
     };
+    if let Some(path) = &args.llama_swap {
+        add_llama_swap(&mut config, path)?;
+    }
     let listen = Listen::parse(
         args.listen
             .as_deref()
@@ -75,7 +83,7 @@ async fn start(args: ServeArgs) -> Result<(), String> {
     supervisor
         .check_workers()
         .map_err(|e| format!("cannot start workers: {e}"))?;
-    let models = if args.config.is_some() {
+    let models = if args.config.is_some() || args.llama_swap.is_some() {
         config.models.clone()
     } else {
         default_catalogue(&models_root)?
@@ -173,4 +181,43 @@ fn default_catalogue(dir: &std::path::Path) -> Result<Vec<ModelSpec>, String> {
         specs.push(spec);
     }
     Ok(specs)
+}
+
+/// Adds the models of a llama-swap `config.yaml` to `config`, saying what
+/// of it berth ignores.
+fn add_llama_swap(config: &mut ServeConfig, path: &std::path::Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+    let migrated = berth::server::llama_swap::migrate(&text, &|name| std::env::var(name).ok())
+        .map_err(|e| {
+            format!(
+                "`{}` is not a llama-swap config berth can read: {e}",
+                path.display()
+            )
+        })?;
+    for note in &migrated.notes {
+        eprintln!("berth: llama-swap config {}: {note}", path.display());
+    }
+    for (name, kind) in migrated.workers {
+        if config.workers.contains_key(&name) {
+            return Err(format!(
+                "worker kind `{name}` is declared in the config and made from `{}`; rename one",
+                path.display()
+            ));
+        }
+        config.workers.insert(name, kind);
+    }
+    for model in migrated.models {
+        if config.models.iter().any(|m| m.name == model.name) {
+            return Err(format!(
+                "model `{}` is in the config and in `{}`; rename one",
+                model.name,
+                path.display()
+            ));
+        }
+        config.models.push(model);
+    }
+    config
+        .check()
+        .map_err(|e| format!("`{}`: {e}", path.display()))
 }

@@ -19,6 +19,7 @@ mod error;
 mod guard;
 pub mod infer;
 pub mod listen;
+pub mod llama_swap;
 mod management;
 pub mod metrics;
 pub mod notify;

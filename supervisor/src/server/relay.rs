@@ -61,7 +61,7 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
     let bytes = axum::body::to_bytes(body, usize::MAX)
         .await
         .unwrap_or_default();
-    let model = model_of(&parts.headers, &bytes);
+    let model = model_of(&parts.headers, &bytes).map(|m| app.supervisor.canonical(&m));
     match model {
         Some(model) if app.supervisor.is_http_model(&model) => {
             relay(

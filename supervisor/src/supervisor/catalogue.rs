@@ -24,6 +24,19 @@ impl Supervisor {
             });
         }
         let name = spec.name.clone();
+        // Names and aliases are one namespace: none may name two models.
+        for other in spec.aliases.iter().chain(std::iter::once(&spec.name)) {
+            let taken = state
+                .catalogue
+                .iter()
+                .find(|(n, e)| *n != &name && (*n == other || e.spec.aliases.contains(other)));
+            if let Some((holder, _)) = taken {
+                return Err(Error::InvalidSpec {
+                    model: name,
+                    reason: format!("the name `{other}` is already model `{holder}`'s"),
+                });
+            }
+        }
         let max = self.inner.config.max_models;
         if !state.catalogue.contains_key(&name) && state.catalogue.len() >= max {
             return Err(Error::CatalogueFull { model: name, max });
@@ -161,6 +174,20 @@ impl Supervisor {
             model: model.into(),
             known: self.lock().catalogue.keys().cloned().collect(),
         }
+    }
+
+    /// The registered name `name` stands for: itself, or the model it is
+    /// an alias of.
+    pub fn canonical(&self, name: &str) -> String {
+        let state = self.lock();
+        if state.catalogue.contains_key(name) {
+            return name.to_string();
+        }
+        state
+            .catalogue
+            .iter()
+            .find(|(_, e)| e.spec.aliases.iter().any(|a| a == name))
+            .map_or_else(|| name.to_string(), |(n, _)| n.clone())
     }
 
     /// Whether `model` is registered and served by an HTTP server (its

@@ -144,6 +144,9 @@ impl Supervisor {
         hash: Option<u64>,
         mut route: impl FnMut(&Arc<WorkerHandle>) -> Result<T>,
     ) -> Result<Admitted<T>> {
+        // A request may name the model by one of its aliases.
+        let canonical = self.canonical(model);
+        let model = canonical.as_str();
         self.check_running(model)?;
         for (field, value) in [
             ("keep_alive", options.keep_alive),
