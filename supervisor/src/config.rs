@@ -99,6 +99,14 @@ pub struct ModelSpec {
     /// free memory that fits); it gets `CUDA_VISIBLE_DEVICES` accordingly.
     #[serde(default)]
     pub gpus: Option<crate::gpu::GpuRequest>,
+    /// The device memory the model takes on each of its GPUs (`20GiB`):
+    /// placement reserves it within `gpu_memory_budget`, and the worker is
+    /// told its share (`BERTH_VRAM_BYTES`, and JAX's
+    /// `XLA_CLIENT_MEM_FRACTION`), so frameworks that preallocate take that
+    /// much and no more. Without it, a model is placed by what it last
+    /// measured (or its weights' size) and JAX is told not to preallocate.
+    #[serde(default, with = "crate::units::bytes_opt")]
+    pub vram: Option<u64>,
     /// Requests sent to the worker at once (default 8).
     #[serde(default)]
     pub max_concurrency: Option<usize>,
@@ -133,6 +141,7 @@ impl ModelSpec {
             memory_limit: None,
             stall_timeout: None,
             gpus: None,
+            vram: None,
             max_rss: None,
             max_requests: None,
             max_restarts: None,
@@ -227,10 +236,24 @@ impl ModelSpec {
         for (field, value) in [
             ("memory_limit", self.memory_limit),
             ("max_rss", self.max_rss),
+            ("vram", self.vram),
         ] {
             if let Err(reason) = check_bytes(field, value) {
                 return invalid(reason);
             }
+        }
+        match (self.vram, &self.gpus) {
+            (Some(0), _) => {
+                return invalid("vram 0 is no share of a GPU: give its size, as `4GiB`".into());
+            }
+            (Some(_), None) => {
+                return invalid(
+                    "vram is the memory the model takes on its GPUs: set `gpus` too \
+                     (`gpus = \"auto\"`)"
+                        .into(),
+                );
+            }
+            _ => {}
         }
         if let Some(n) = self.max_concurrency
             && !(1..=MAX_CONCURRENCY).contains(&n)

@@ -442,3 +442,93 @@ fn a_python_worker_is_placed_and_its_vram_proven_back_like_any_other() {
     let status = gpus(&server);
     assert_eq!(status["devices"][1]["processes"], json!([]), "{status}");
 }
+
+/// The variables a worker's environment holds, by name.
+fn environ_of(pid: u32) -> std::collections::HashMap<String, String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    String::from_utf8_lossy(&environ)
+        .split('\0')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Two JAX-like workers on one 80 GiB card (`gpu-hog` preallocating as
+/// XLA's client does, from the variables JAX reads). With each model's
+/// `vram` declared, berth tells each its share and both load and serve;
+/// left as JAX is by default (the operator sets preallocation back on),
+/// the second fails at load, out of memory, and the first serves on.
+/// Without a declared share, berth turns preallocation off.
+#[test]
+fn jax_workers_share_a_card_when_berth_tells_them_their_share() {
+    let fake = FakeGpu::new();
+    let jax = |name: &str, extra: &str| {
+        format!(
+            "[[model]]\nname = \"{name}\"\nbackend = \"gpu-hog\"\ngpus = [0]\n\
+             options = {{ preallocate = \"xla\", alloc_mib = 1024 }}\n{extra}\n"
+        )
+    };
+    let shared = format!(
+        "{}{}",
+        jax("jax-a", "vram = \"30GiB\""),
+        jax("jax-b", "vram = \"30GiB\"")
+    );
+    let server = fake.serve(&shared);
+    let a = load(&server, "jax-a");
+    let b = load(&server, "jax-b");
+    assert_eq!((&a["gpus"], &b["gpus"]), (&json!([0]), &json!([0])));
+    let env = environ_of(u(&a["pid"]) as u32);
+    assert_eq!(env["XLA_CLIENT_MEM_FRACTION"], "0.375", "{env:?}");
+    assert_eq!(env["XLA_PYTHON_CLIENT_MEM_FRACTION"], "0.375", "{env:?}");
+    assert_eq!(env["BERTH_VRAM_BYTES"], (30 * GIB).to_string());
+    // Each took its share (30 GiB), its 1 GiB, and a context.
+    for report in [&a, &b] {
+        assert_eq!(u(&report["vram_bytes"]), 31 * GIB + CONTEXT, "{report}");
+    }
+    for model in ["jax-a", "jax-b"] {
+        let (status, reply) = server.post(&format!("/api/models/{model}/infer"), json!({}));
+        assert_eq!(status, 200, "{model}: {reply}");
+    }
+    drop(server);
+
+    let fake = FakeGpu::new();
+    let alone = format!(
+        "{}{}",
+        jax(
+            "jax-a",
+            "env = [[\"XLA_PYTHON_CLIENT_PREALLOCATE\", \"true\"]]"
+        ),
+        jax(
+            "jax-b",
+            "env = [[\"XLA_PYTHON_CLIENT_PREALLOCATE\", \"true\"]]"
+        )
+    );
+    let server = fake.serve(&alone);
+    let a = load(&server, "jax-a");
+    assert_eq!(
+        u(&a["vram_bytes"]),
+        60 * GIB + GIB + CONTEXT,
+        "JAX's default: 75% of the card: {a}"
+    );
+    let (status, err) = server.post("/api/models/jax-b/load", json!({}));
+    assert_ne!(status, 200, "{err}");
+    assert!(
+        err.to_string().contains("out of memory"),
+        "the second fails at load, saying why: {err}"
+    );
+    let (status, reply) = server.post("/api/models/jax-a/infer", json!({}));
+    assert_eq!(status, 200, "the first serves on: {reply}");
+    drop(server);
+
+    // No share declared: berth turns JAX's preallocation off, and both fit.
+    let fake = FakeGpu::new();
+    let server = fake.serve(&format!("{}{}", jax("jax-a", ""), jax("jax-b", "")));
+    let a = load(&server, "jax-a");
+    let b = load(&server, "jax-b");
+    let env = environ_of(u(&a["pid"]) as u32);
+    assert_eq!(env["XLA_PYTHON_CLIENT_PREALLOCATE"], "false", "{env:?}");
+    assert!(!env.contains_key("XLA_CLIENT_MEM_FRACTION"), "{env:?}");
+    for report in [&a, &b] {
+        assert_eq!(u(&report["vram_bytes"]), GIB + CONTEXT, "{report}");
+    }
+}

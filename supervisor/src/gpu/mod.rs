@@ -5,14 +5,17 @@
 //! rest of berth works as before.
 //!
 //! One concern per file: `nvml` reads the devices, `status` is what
-//! `/api/gpus`, `berth gpus` and the metrics show, and `placement` decides
-//! which devices a model's worker goes on within the VRAM budget.
+//! `/api/gpus`, `berth gpus` and the metrics show, `placement` decides
+//! which devices a model's worker goes on within the VRAM budget, and
+//! `frameworks` tells the worker's frameworks (JAX) its share of a card.
 
+mod frameworks;
 mod nvml;
 mod placement;
 mod status;
 
-pub use nvml::{DeviceReading, Inventory, inventory, process_vram, uuid};
+pub use frameworks::{VRAM_BYTES, framework_env};
+pub use nvml::{DeviceReading, Inventory, inventory, process_vram, total_bytes, uuid};
 pub use placement::{AutoWord, GpuRequest, Holder, Plan, plan, worker_env};
 pub use status::{DeviceStatus, GpuProcess, GpuStatus};
 

@@ -93,6 +93,12 @@ pub fn uuid(index: u32) -> Option<String> {
     nvml().ok()?.device_by_index(index).ok()?.uuid().ok()
 }
 
+/// The memory of NVML's device `index`, in bytes; `None` without a driver.
+pub fn total_bytes(index: u32) -> Option<u64> {
+    let device = nvml().ok()?.device_by_index(index).ok()?;
+    device.memory_info().ok().map(|m| m.total)
+}
+
 /// VRAM held by `pid` across `devices`; `None` when it holds none.
 pub fn process_vram(devices: &[DeviceReading], pid: u32) -> Option<u64> {
     let bytes: u64 = devices

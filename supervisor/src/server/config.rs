@@ -415,6 +415,7 @@ mod tests {
             ("restart_window", true),
             ("memory_limit", false),
             ("max_rss", false),
+            ("vram", false),
         ];
         let top_fields = [
             ("keep_alive", true),
@@ -485,7 +486,7 @@ mod tests {
                         .flatten()
                         .all(|d| *d <= crate::config::MAX_DURATION)
                     } else {
-                        [spec.memory_limit, spec.max_rss]
+                        [spec.memory_limit, spec.max_rss, spec.vram]
                             .iter()
                             .flatten()
                             .all(|b| *b <= crate::config::MAX_BYTES)

@@ -272,7 +272,8 @@ impl Need {
     /// Sized from what the model's last worker measured when it ran the
     /// same thing, else from its weights on disk (`disk`, measured by
     /// [`disk_footprint`] before the state lock was taken), else from its
-    /// `memory_limit`, else [`UNKNOWN_FOOTPRINT`].
+    /// `memory_limit`, else [`UNKNOWN_FOOTPRINT`]; on GPUs, its declared
+    /// `vram` comes first.
     pub(super) fn new(spec: &ModelSpec, entry: Option<&Entry>, replacing: bool, disk: u64) -> Need {
         let same = entry.filter(|e| {
             e.spec.backend == spec.backend
@@ -287,11 +288,14 @@ impl Need {
         Need {
             ram: same.and_then(|e| e.last_peak_bytes).unwrap_or(unmeasured),
             replacing,
+            // A declared share is the operator's word; else what it last
+            // measured, else its weights' size.
             gpu: spec.gpus.clone().map(|request| {
-                (
-                    request,
-                    same.and_then(|e| e.last_vram_bytes).unwrap_or(disk),
-                )
+                let vram = spec
+                    .vram
+                    .or_else(|| same.and_then(|e| e.last_vram_bytes))
+                    .unwrap_or(disk);
+                (request, vram)
             }),
         }
     }

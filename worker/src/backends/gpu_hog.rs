@@ -11,7 +11,13 @@
 //! `device` (an index among the worker's visible devices, default 0),
 //! `on_oom`: `error` (default: the request fails, the worker serves on) or
 //! `abort` (the error goes to stderr and the process aborts, as a framework
-//! with an uncaught out-of-memory exception dies).
+//! with an uncaught out-of-memory exception dies), `preallocate`: `xla`
+//! (before `alloc_mib`, take what JAX's XLA client preallocates at its
+//! first operation, read from the variables JAX reads: a fraction of the
+//! device's memory, `XLA_CLIENT_MEM_FRACTION` or
+//! `XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 when neither is set; nothing with
+//! `XLA_PYTHON_CLIENT_PREALLOCATE=false`), so that berth's settings for JAX
+//! workers are tested on a machine with no JAX for CUDA.
 
 use std::sync::Arc;
 
@@ -54,7 +60,34 @@ fn describe_error(e: &DriverError, bytes: usize, device: usize) -> String {
 }
 
 /// The options this backend takes.
-pub const OPTIONS: &[&str] = &["alloc_mib", "leak_mib_per_request", "device", "on_oom"];
+pub const OPTIONS: &[&str] = &[
+    "alloc_mib",
+    "leak_mib_per_request",
+    "device",
+    "on_oom",
+    "preallocate",
+];
+
+/// What XLA's client preallocates on a device of `total` bytes, from the
+/// variables JAX reads (`env` looks one up).
+fn xla_preallocation(total: usize, env: impl Fn(&str) -> Option<String>) -> Result<usize, String> {
+    if env("XLA_PYTHON_CLIENT_PREALLOCATE").is_some_and(|v| v == "false" || v == "0") {
+        return Ok(0);
+    }
+    let fraction =
+        match env("XLA_CLIENT_MEM_FRACTION").or_else(|| env("XLA_PYTHON_CLIENT_MEM_FRACTION")) {
+            None => 0.75,
+            Some(text) => match text.parse::<f64>() {
+                Ok(f) if (0.0..=1.0).contains(&f) => f,
+                _ => {
+                    return Err(format!(
+                        "the memory fraction `{text}` is not a number from 0 to 1"
+                    ));
+                }
+            },
+        };
+    Ok((total as f64 * fraction) as usize)
+}
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
@@ -95,6 +128,23 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     ctx.progress().advance();
     let stream = context.default_stream();
     let mut held = Vec::new();
+    match opts.str("preallocate") {
+        None => {}
+        Some("xla") => {
+            let total = context
+                .total_mem()
+                .map_err(|e| fail(format!("cannot read device {device}'s memory: {e}")))?;
+            let bytes = xla_preallocation(total, |name| std::env::var(name).ok()).map_err(fail)?;
+            if bytes > 0 {
+                held.push(
+                    stream
+                        .alloc_zeros::<u8>(bytes)
+                        .map_err(|e| fail(describe_error(&e, bytes, device)))?,
+                );
+            }
+        }
+        Some(other) => return Err(fail(format!("preallocate `{other}` is not `xla`"))),
+    }
     // A zero-byte allocation is an error on devices without memory pools.
     if alloc_mib > 0 {
         held.push(
@@ -114,6 +164,44 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         device,
         abort_on_oom,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::xla_preallocation;
+
+    #[test]
+    fn xla_takes_three_quarters_unless_told_otherwise() {
+        let gib = 1usize << 30;
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(xla_preallocation(80 * gib, env(&[])), Ok(60 * gib));
+        assert_eq!(
+            xla_preallocation(80 * gib, env(&[("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.25")])),
+            Ok(20 * gib)
+        );
+        assert_eq!(
+            xla_preallocation(
+                80 * gib,
+                env(&[
+                    ("XLA_CLIENT_MEM_FRACTION", "0.5"),
+                    ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.25")
+                ])
+            ),
+            Ok(40 * gib)
+        );
+        assert_eq!(
+            xla_preallocation(80 * gib, env(&[("XLA_PYTHON_CLIENT_PREALLOCATE", "false")])),
+            Ok(0)
+        );
+        assert!(xla_preallocation(80 * gib, env(&[("XLA_CLIENT_MEM_FRACTION", "lots")])).is_err());
+    }
 }
 
 impl GpuHog {

@@ -1,0 +1,120 @@
+//! What a worker placed on GPUs is told about its share of a card, so that
+//! the frameworks inside it take that share and no more.
+//!
+//! JAX (XLA's client) preallocates 75% of every visible card at its first
+//! operation and keeps it for the life of the process: a second JAX worker
+//! on the same card then fails at load, however small its model. PyTorch
+//! allocates on demand and caches what it frees, so two PyTorch workers
+//! share a card by default (and the cache is what an unload gives back).
+//! So, for a worker berth places on GPUs:
+//!
+//! - with the model's `vram` declared, it gets `BERTH_VRAM_BYTES` and
+//!   `XLA_CLIENT_MEM_FRACTION` (and the older `XLA_PYTHON_CLIENT_MEM_FRACTION`)
+//!   set to that share of the card, rounded down: JAX preallocates exactly
+//!   its share, which placement has reserved within `gpu_memory_budget`;
+//! - without it, `XLA_PYTHON_CLIENT_PREALLOCATE=false`: JAX allocates as it
+//!   goes, berth measures what the worker really holds (and places the
+//!   model by that next time), and with a `gpu_memory_budget` the fraction
+//!   caps it at the budget's share of the card.
+//!
+//! Whatever the operator set in the worker kind's or the model's `env` is
+//! left as it is: their word wins. It decides on figures it is given and
+//! reads nothing itself.
+
+/// The variables JAX reads for the share of each card it may take: the
+/// current name and the one it replaced, which older releases read.
+const FRACTION: [&str; 2] = ["XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"];
+const PREALLOCATE: &str = "XLA_PYTHON_CLIENT_PREALLOCATE";
+/// The share berth reserved for the worker on each of its GPUs, in bytes,
+/// for any framework (or backend) to read.
+pub const VRAM_BYTES: &str = "BERTH_VRAM_BYTES";
+
+/// The environment that tells the frameworks in a worker its share of each
+/// card: `share`, the model's declared `vram`; `budget`, the per-GPU
+/// budget; `total`, the memory of the smallest of its cards (`None` when
+/// NVML could not say); `set`, what the operator's env already holds.
+pub fn framework_env(
+    share: Option<u64>,
+    budget: Option<u64>,
+    total: Option<u64>,
+    set: &[(String, String)],
+) -> Vec<(String, String)> {
+    let operator = |name: &str| set.iter().any(|(k, _)| k == name);
+    let mut env = Vec::new();
+    if let Some(share) = share {
+        env.push((VRAM_BYTES.to_string(), share.to_string()));
+    } else if !operator(PREALLOCATE) {
+        env.push((PREALLOCATE.to_string(), "false".into()));
+    }
+    let cap = share.or(budget);
+    if let (Some(cap), Some(total)) = (cap, total)
+        && total > 0
+        && !FRACTION.iter().any(|name| operator(name))
+    {
+        let fraction = fraction_of(cap, total);
+        for name in FRACTION {
+            env.push((name.to_string(), fraction.clone()));
+        }
+    }
+    env
+}
+
+/// `part / total` rounded down to three decimals (so the framework never
+/// takes more than its share), at least 0.001 and at most 1.
+fn fraction_of(part: u64, total: u64) -> String {
+    let thousandths = (u128::from(part) * 1000 / u128::from(total)).clamp(1, 1000);
+    format!("{}.{:03}", thousandths / 1000, thousandths % 1000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::GIB;
+
+    fn get<'a>(env: &'a [(String, String)], name: &str) -> Option<&'a str> {
+        env.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn a_declared_share_becomes_jax_s_fraction_of_the_card() {
+        let env = framework_env(Some(20 * GIB), Some(60 * GIB), Some(80 * GIB), &[]);
+        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), Some("0.250"));
+        assert_eq!(get(&env, "XLA_PYTHON_CLIENT_MEM_FRACTION"), Some("0.250"));
+        assert_eq!(get(&env, VRAM_BYTES), Some("21474836480"));
+        // JAX preallocates its share: no growth on demand.
+        assert_eq!(get(&env, PREALLOCATE), None);
+        // Rounded down, never up, never 0, never past the card.
+        assert_eq!(fraction_of(GIB, 3 * GIB), "0.333");
+        assert_eq!(fraction_of(1, 80 * GIB), "0.001");
+        assert_eq!(fraction_of(90 * GIB, 80 * GIB), "1.000");
+    }
+
+    #[test]
+    fn without_a_share_jax_grows_on_demand_within_the_budget() {
+        let env = framework_env(None, Some(40 * GIB), Some(80 * GIB), &[]);
+        assert_eq!(get(&env, PREALLOCATE), Some("false"));
+        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), Some("0.500"));
+        assert_eq!(get(&env, VRAM_BYTES), None);
+        let env = framework_env(None, None, Some(80 * GIB), &[]);
+        assert_eq!(env, [(PREALLOCATE.to_string(), "false".to_string())]);
+        // NVML could not give the card's size: no fraction is made up.
+        let env = framework_env(Some(GIB), None, None, &[]);
+        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), None);
+        assert_eq!(get(&env, VRAM_BYTES), Some("1073741824"));
+    }
+
+    #[test]
+    fn what_the_operator_set_is_left_alone() {
+        let set = [
+            (
+                "XLA_PYTHON_CLIENT_MEM_FRACTION".to_string(),
+                "0.9".to_string(),
+            ),
+            (PREALLOCATE.to_string(), "true".to_string()),
+        ];
+        let env = framework_env(None, Some(40 * GIB), Some(80 * GIB), &set);
+        assert!(env.is_empty(), "{env:?}");
+        let env = framework_env(Some(20 * GIB), None, Some(80 * GIB), &set);
+        assert_eq!(env, [(VRAM_BYTES.to_string(), (20 * GIB).to_string())]);
+    }
+}
