@@ -239,6 +239,47 @@ async fn every_file_a_backend_opens_is_confined_and_regular() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `quant=q8_0` caches its converted copy beside the GGUF: a symlink
+/// planted at the cache's name (to a file outside the folder, newer than
+/// the GGUF) is neither read as the cache nor written through; the copy is
+/// made anew in its place and the model serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_symlink_at_the_q8_0_cache_is_not_followed() {
+    let dir = scratch("q8cache");
+    let folder = dir.join("smol");
+    std::fs::create_dir_all(&folder).unwrap();
+    let gguf = default_model("smollm2");
+    let copy = folder.join(gguf.file_name().unwrap());
+    std::fs::hard_link(&gguf, &copy)
+        .or_else(|_| std::fs::copy(&gguf, &copy).map(|_| ()))
+        .unwrap();
+    let outside = dir.join("outside.txt");
+    std::fs::write(&outside, "not weights, and not berth's to read or write").unwrap();
+    let stem = copy.file_stem().unwrap().to_string_lossy().into_owned();
+    let cache = folder.join(format!("{stem}.Q8_0.gguf"));
+    std::os::unix::fs::symlink(&outside, &cache).unwrap();
+    let sup = supervisor();
+    let load = sup
+        .load(
+            ModelSpec::new("q8", "generate")
+                .model(&copy)
+                .option("quant", "q8_0"),
+        )
+        .await;
+    assert!(load.is_ok(), "the cache was made anew: {load:?}");
+    assert_eq!(
+        std::fs::read_to_string(&outside).unwrap(),
+        "not weights, and not berth's to read or write"
+    );
+    let meta = std::fs::symlink_metadata(&cache).unwrap();
+    assert!(
+        meta.file_type().is_file(),
+        "the symlink was replaced by the copy"
+    );
+    sup.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A GGUF whose `token_embd` claims 2^62 × 2^62 elements (a header is
 /// cheap to write) is refused at load, naming the tensor, instead of
 /// loading and then failing every chat with an overflow.

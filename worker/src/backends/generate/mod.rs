@@ -89,7 +89,7 @@ use gguf::{Counted, check_model, dominant_dtype, md_str, md_u32, parse_gguf};
 use model::{Llama, MAX_SEQ_LEN};
 use request::{Settings, parse_request};
 use template::{ChatMl, IM_END, IM_START};
-use weights::{Data, Source, open_data, q8_0_source};
+use weights::{Data, Source, data_of, open_data, q8_0_source};
 
 /// The options this backend takes.
 pub const OPTIONS: &[&str] = &[
@@ -174,6 +174,10 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     let (data, file) = match source {
         Source::File(p) => (
             open_data(&p, load_mode).map_err(fail)?,
+            p.display().to_string(),
+        ),
+        Source::Cached(opened, p) => (
+            data_of(opened, &p, load_mode).map_err(fail)?,
             p.display().to_string(),
         ),
         Source::Converted(bytes) => (

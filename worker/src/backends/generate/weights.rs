@@ -1,7 +1,6 @@
 //! The weights' bytes: the model file mapped or read, and the `quant=q8_0`
 //! conversion with its cache next to the source file.
 
-use std::fs::File;
 use std::io::{BufWriter, Cursor, Seek, Write};
 use std::path::{Path, PathBuf};
 
@@ -12,7 +11,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use super::gguf::{check_model, parse_gguf};
 use crate::Progress;
 use crate::backends::LoadMode;
-use crate::backends::files::{FileError, open_file};
+use crate::backends::files::{FileError, ModelFile, open_file, open_in};
 
 /// `general.file_type` for "mostly Q8_0" (llama.cpp's `LLAMA_FTYPE_MOSTLY_Q8_0`).
 const FILE_TYPE_Q8_0: u32 = 7;
@@ -38,13 +37,19 @@ pub(super) fn open_data(path: &Path, mode: LoadMode) -> Result<Data, String> {
     let shown = path.display();
     // A regular file only: a FIFO would hold the load for ever, a device
     // never ends, a symlink loop is not a model (`files.rs`).
-    let mut model = open_file(path).map_err(|e| match e {
+    let model = open_file(path).map_err(|e| match e {
         FileError::Missing => format!("model file `{shown}` does not exist"),
         FileError::NotRegular("a directory") => {
             format!("`{shown}` is a directory; the generate backend needs a GGUF file")
         }
         e => format!("model file `{shown}` {e}"),
     })?;
+    data_of(model, path, mode)
+}
+
+/// The bytes of a model file already open, mapped or read.
+pub(super) fn data_of(mut model: ModelFile, path: &Path, mode: LoadMode) -> Result<Data, String> {
+    let shown = path.display();
     let read_err = |e: std::io::Error| format!("cannot read model file `{shown}`: {e}");
     let len = model.file.metadata().map_err(read_err)?.len();
     match mode {
@@ -70,20 +75,27 @@ fn q8_0_cache_path(src: &Path) -> PathBuf {
     src.with_file_name(format!("{stem}.Q8_0.gguf"))
 }
 
-fn is_fresh(cache: &Path, src: &Path) -> bool {
-    let modified = |p: &Path| {
-        std::fs::metadata(p)
-            .ok()
-            .filter(|m| m.is_file())
-            .and_then(|m| m.modified().ok())
+/// The cached copy `cache`, opened beneath the source's folder (a symlink
+/// planted there cannot lead elsewhere) and only when it is a regular file
+/// no older than `src`.
+fn fresh_cache(cache: &Path, src: &Path) -> Option<ModelFile> {
+    let name = cache.file_name()?.to_str()?;
+    let dir = match cache.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
     };
-    matches!((modified(cache), modified(src)), (Some(c), Some(s)) if c >= s)
+    let file = open_in(dir, name).ok()?;
+    let cached = file.file.metadata().ok()?.modified().ok()?;
+    let source = std::fs::metadata(src).ok()?.modified().ok()?;
+    (cached >= source).then_some(file)
 }
 
-/// The weights' source after the `quant` option: a file, or (when the Q8_0
-/// copy could not be written next to the source) converted bytes.
+/// The weights' source after the `quant` option: a file by its path, the
+/// cached copy already open, or (when the Q8_0 copy could not be written
+/// next to the source) converted bytes.
 pub(super) enum Source {
     File(PathBuf),
+    Cached(ModelFile, PathBuf),
     Converted(Vec<u8>),
 }
 
@@ -148,8 +160,8 @@ pub(super) fn q8_0_source(
     progress: &Progress,
 ) -> Result<Source, String> {
     let cache = q8_0_cache_path(src);
-    if is_fresh(&cache, src) {
-        return Ok(Source::File(cache));
+    if let Some(file) = fresh_cache(&cache, src) {
+        return Ok(Source::Cached(file, cache));
     }
     let shown = src.display().to_string();
     let data = open_data(src, mode)?;
@@ -170,15 +182,23 @@ pub(super) fn q8_0_source(
         .unwrap_or_default();
     let tmp = cache.with_file_name(format!(".{file_name}.{}.tmp", std::process::id()));
     let written = (|| -> Result<(), String> {
-        let file = File::create(&tmp).map_err(|e| e.to_string())?;
+        // A new file only: a name planted there (a symlink) is not followed.
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| e.to_string())?;
         let mut out = BufWriter::new(file);
         convert_to_q8_0(&content, &data, &mut out, progress)?;
         let file = out.into_inner().map_err(|e| e.to_string())?;
         file.sync_all().map_err(|e| e.to_string())?;
         std::fs::rename(&tmp, &cache).map_err(|e| e.to_string())
     })();
-    match written {
-        Ok(()) => Ok(Source::File(cache)),
+    let cached = written.and_then(|()| {
+        fresh_cache(&cache, src).ok_or_else(|| "it was not there once written".to_string())
+    });
+    match cached {
+        Ok(file) => Ok(Source::Cached(file, cache)),
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
             eprintln!(
