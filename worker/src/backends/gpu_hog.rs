@@ -166,6 +166,40 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     }))
 }
 
+impl GpuHog {
+    fn held_bytes(&self) -> usize {
+        self.held.iter().map(CudaSlice::len).sum()
+    }
+}
+
+impl Backend for GpuHog {
+    fn handle(&mut self, _request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
+        if self.leak_bytes > 0 {
+            let leaked = self
+                .stream
+                .alloc_zeros::<u8>(self.leak_bytes)
+                .map_err(|e| {
+                    let message = describe_error(&e, self.leak_bytes, self.device);
+                    if self.abort_on_oom {
+                        eprintln!("gpu-hog: {message}");
+                        std::process::abort();
+                    }
+                    WireError::new(ErrorKind::Backend, message)
+                })?;
+            self.held.push(leaked);
+        }
+        ctx.progress().advance();
+        Ok(Body::json(
+            serde_json::json!({ "held_bytes": self.held_bytes(), "device": self.device })
+                .to_string(),
+        ))
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({ "held_bytes": self.held_bytes(), "device": self.device })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::xla_preallocation;
@@ -201,39 +235,5 @@ mod tests {
             Ok(0)
         );
         assert!(xla_preallocation(80 * gib, env(&[("XLA_CLIENT_MEM_FRACTION", "lots")])).is_err());
-    }
-}
-
-impl GpuHog {
-    fn held_bytes(&self) -> usize {
-        self.held.iter().map(CudaSlice::len).sum()
-    }
-}
-
-impl Backend for GpuHog {
-    fn handle(&mut self, _request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
-        if self.leak_bytes > 0 {
-            let leaked = self
-                .stream
-                .alloc_zeros::<u8>(self.leak_bytes)
-                .map_err(|e| {
-                    let message = describe_error(&e, self.leak_bytes, self.device);
-                    if self.abort_on_oom {
-                        eprintln!("gpu-hog: {message}");
-                        std::process::abort();
-                    }
-                    WireError::new(ErrorKind::Backend, message)
-                })?;
-            self.held.push(leaked);
-        }
-        ctx.progress().advance();
-        Ok(Body::json(
-            serde_json::json!({ "held_bytes": self.held_bytes(), "device": self.device })
-                .to_string(),
-        ))
-    }
-
-    fn describe(&self) -> serde_json::Value {
-        serde_json::json!({ "held_bytes": self.held_bytes(), "device": self.device })
     }
 }
