@@ -352,9 +352,11 @@ async fn a_leaking_model_is_recycled_and_serves_20000_requests() {
     assert!(recycles >= 5, "recycled several times: {recycles}");
     sup.shutdown().await;
     let peak = counters.worker_peak_rss_bytes.load(Ordering::Relaxed);
-    // One step of leak plus the page it straddles.
+    // One step of leak, plus what the worker's own small allocations (its
+    // reply buffers, a thread's stack pages) added meanwhile: 8 KiB of
+    // slack was once exceeded by 8 KiB more, far below a second step.
     assert!(
-        peak <= MAX_RSS + STEP + (8 << 10),
+        peak <= MAX_RSS + STEP + (64 << 10),
         "peak {peak} vs max_rss {MAX_RSS} + one step"
     );
 }
