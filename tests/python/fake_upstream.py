@@ -14,6 +14,9 @@ Modes:
   never-ready        /health answers 503 for ever
   exit-at-start      exits with status 3 before it listens, saying why
   hang-health-after  /health stops answering after N checks (--after N)
+  health-503-after   /health answers 503 for 3 checks after N (--after N), then 200 again
+  drain-on-sigterm   SIGTERM closes the listening socket at once (as uvicorn
+                     does), lets running requests finish, then exits 0
   crash-mid-stream   a stream exits the process (SIGKILL itself) after 2 pieces
   ignore-sigterm     SIGTERM is ignored
   fork-child         forks a child holding --child-mib MiB, in its group
@@ -33,6 +36,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 ARGS = None
 HEALTH_CHECKS = 0
 HELD = []
+# POSTs being answered, for drain-on-sigterm.
+ACTIVE = 0
+LOCK = threading.Lock()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -57,12 +63,24 @@ class Handler(BaseHTTPRequestHandler):
                 return self.send_json(503, {"status": "loading"})
             if "hang-health-after" in ARGS.mode and HEALTH_CHECKS > ARGS.after:
                 time.sleep(3600)
+            if "health-503-after" in ARGS.mode and ARGS.after < HEALTH_CHECKS <= ARGS.after + 3:
+                return self.send_json(503, {"status": "busy"})
             return self.send_json(200, {"status": "ok"})
         if self.path == "/v1/models":
             return self.send_json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
         return self.send_json(404, {"error": "no such route"})
 
     def do_POST(self):
+        global ACTIVE
+        with LOCK:
+            ACTIVE += 1
+        try:
+            self.post()
+        finally:
+            with LOCK:
+                ACTIVE -= 1
+
+    def post(self):
         length = int(self.headers.get("Content-Length", "0"))
         raw = self.rfile.read(length)
         try:
@@ -169,9 +187,24 @@ def main():
     else:
         server = ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler)
     server.daemon_threads = True
+    if "drain-on-sigterm" in ARGS.mode:
+        # serve_forever runs in this thread: stop it from another.
+        signal.signal(signal.SIGTERM,
+                      lambda *_: threading.Thread(target=server.shutdown).start())
     sys.stderr.write("fake_upstream: listening\n")
     sys.stderr.flush()
     server.serve_forever()
+    # Only drain-on-sigterm gets here: no new connections, the running
+    # requests finish, then a clean exit.
+    server.server_close()
+    sys.stderr.write("fake_upstream: SIGTERM, draining\n")
+    sys.stderr.flush()
+    while True:
+        with LOCK:
+            if ACTIVE == 0:
+                break
+        time.sleep(0.02)
+    sys.exit(0)
 
 
 if __name__ == "__main__":

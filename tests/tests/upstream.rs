@@ -226,6 +226,104 @@ fn a_server_that_stops_answering_its_health_is_restarted() {
     assert!(!alive(first as u32));
 }
 
+/// A few failed health checks inside `unhealthy_after` (a busy server
+/// answering 503) do not make a server lost: it keeps its pid.
+#[test]
+fn a_few_failed_health_checks_within_the_window_are_not_a_lost_server() {
+    let server = Server::start(&config("health-503-after", ", \"--after\", \"2\"", ""));
+    assert_eq!(server.post("/api/models/fake/load", json!({})).0, 200);
+    let first = ps_of(&server, "fake")["pid"].as_u64().unwrap();
+    // Three checks answer 503 (about 3 s, the window), then 200 again.
+    std::thread::sleep(Duration::from_secs(7));
+    let ps = ps_of(&server, "fake");
+    assert_eq!(ps["pid"].as_u64(), Some(first), "{ps}");
+    assert_eq!(ps["restarts"], 0, "{ps}");
+    assert_eq!(server.post("/v1/rerank", json!({"model": "fake"})).0, 200);
+}
+
+/// A server that closes its listening socket at SIGTERM (as uvicorn does)
+/// and finishes what it is answering: its health fails from then on, which
+/// during a stop is no reason to kill it; the stream in flight ends whole
+/// and the server exits on its own.
+#[test]
+fn a_server_draining_after_sigterm_is_not_killed_for_its_health() {
+    // Its health may fail for 1 s before it is lost; its stop takes longer.
+    let server = Server::start(&format!(
+        "drain_timeout = \"200ms\"\n{}",
+        config("drain-on-sigterm", "", "")
+            .replace("unhealthy_after = \"3s\"", "unhealthy_after = \"1s\"")
+            .replace("stop_grace = \"2s\"", "stop_grace = \"10s\"")
+    ));
+    assert_eq!(server.post("/api/models/fake/load", json!({})).0, 200);
+    std::thread::scope(|scope| {
+        let stream = scope.spawn(|| {
+            server.post_text(
+                "/v1/chat/completions",
+                json!({"model": "fake", "stream": true, "chunks": 30, "interval_ms": 100}),
+            )
+        });
+        // The unload's drain gives up after 200 ms: SIGTERM comes with
+        // about 2.5 s of the stream left.
+        std::thread::sleep(Duration::from_millis(300));
+        let (status, report) = server.post("/api/models/fake/unload", json!({}));
+        assert_eq!(status, 200, "{report}");
+        assert_eq!(report["stop"], "sigterm", "{report}");
+        assert_eq!(report["exit"]["code"], 0, "it exited on its own: {report}");
+        let (status, text) = stream.join().unwrap();
+        assert_eq!(status, 200, "{text}");
+        assert!(
+            text.contains("tok29") && text.contains("[DONE]"),
+            "the stream ended whole: {text}"
+        );
+    });
+}
+
+/// A server that crashes takes what it forked with it, even a child that
+/// left its group: nothing of the dead server lives on beside the new one.
+#[test]
+fn a_crashed_server_leaves_nothing_it_started() {
+    let server = Server::start(&config(
+        "crash-mid-stream,fork-escape",
+        ", \"--child-mib\", \"16\"",
+        "",
+    ));
+    assert_eq!(server.post("/api/models/fake/load", json!({})).0, 200);
+    let first = ps_of(&server, "fake")["pid"].as_u64().unwrap() as u32;
+    let tree = marked_with_the_mark_of(first);
+    assert!(tree.len() >= 2, "the server and its child: {tree:?}");
+    let (status, _) = server.post_text(
+        "/v1/chat/completions",
+        json!({"model": "fake", "stream": true, "chunks": 10}),
+    );
+    assert_eq!(status, 200);
+    assert!(
+        wait_for(Duration::from_secs(15), || {
+            let ps = ps_of(&server, "fake");
+            ps["state"] == "ready" && ps["pid"].as_u64() != Some(u64::from(first))
+        }),
+        "restarted"
+    );
+    for p in tree {
+        assert!(!alive(p), "pid {p} of the crashed server {first} lives on");
+    }
+}
+
+/// The processes carrying the mark of worker `pid` (itself included).
+fn marked_with_the_mark_of(pid: u32) -> Vec<u32> {
+    let mark_of = |p: &procfs::process::Process| {
+        p.environ()
+            .ok()
+            .and_then(|env| env.get(std::ffi::OsStr::new("BERTH_WORKER_MARK")).cloned())
+    };
+    let mark = mark_of(&procfs::process::Process::new(pid as i32).unwrap()).unwrap();
+    procfs::process::all_processes()
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|p| mark_of(p).as_ref() == Some(&mark))
+        .map(|p| p.pid as u32)
+        .collect()
+}
+
 /// A server that ignores SIGTERM and forks a child that leaves its group
 /// and holds memory: the group's memory is counted in ps, and the unload
 /// stops everything (SIGKILL after the grace) and says so.
@@ -240,22 +338,7 @@ fn an_unload_stops_a_server_that_ignores_sigterm_and_everything_it_forked() {
     let pid = ps_of(&server, "fake")["pid"].as_u64().unwrap() as u32;
     // The server and the child it forked (which left its group): the
     // processes carrying the server's mark.
-    let mark = procfs::process::Process::new(pid as i32)
-        .unwrap()
-        .environ()
-        .unwrap()
-        .get(std::ffi::OsStr::new("BERTH_WORKER_MARK"))
-        .unwrap()
-        .clone();
-    let tree: Vec<u32> = procfs::process::all_processes()
-        .unwrap()
-        .filter_map(Result::ok)
-        .filter(|p| {
-            p.environ()
-                .is_ok_and(|env| env.get(std::ffi::OsStr::new("BERTH_WORKER_MARK")) == Some(&mark))
-        })
-        .map(|p| p.pid as u32)
-        .collect();
+    let tree = marked_with_the_mark_of(pid);
     assert!(tree.len() >= 2, "the server and its child: {tree:?}");
     assert!(
         wait_for(Duration::from_secs(10), || {

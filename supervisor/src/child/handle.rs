@@ -234,6 +234,12 @@ impl WorkerHandle {
         let mut reader_done = self.reader_done.clone();
         tokio::spawn(async move {
             let exit = process.exited().await;
+            // A death nobody planned: what the worker started dies with it
+            // before its death is told (and a restart can begin). A stop
+            // sweeps, and counts, for itself.
+            if !process.is_stopping() {
+                crate::child::sweep::sweep_all(&process).await;
+            }
             let _ = tokio::time::timeout(Duration::from_millis(500), reader_done.wait_for(|d| *d))
                 .await;
             let stderr_tail = process.stderr_tail().await;
@@ -558,12 +564,13 @@ impl WorkerHandle {
     }
 
     /// Pings the worker and waits for its pong (its own stats). An HTTP
-    /// server's health is polled instead: its stats are then the supervisor's
-    /// own figures (bytes relayed as progress).
+    /// server's health is polled instead, `timeout` being how long it may go
+    /// without answering 200: its stats are then the supervisor's own
+    /// figures (bytes relayed as progress).
     pub async fn ping(&self, timeout: Duration) -> Option<WorkerStats> {
         if let Some(upstream) = &self.upstream {
-            let healthy = upstream.health(timeout).await == Some(axum::http::StatusCode::OK);
-            if !healthy {
+            // `timeout` is its `unhealthy_after`: a window, not one poll.
+            if !upstream.still_healthy(timeout).await {
                 return None;
             }
             let stats = WorkerStats {

@@ -48,7 +48,8 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
             let Some(worker) = handle.upgrade() else {
                 return;
             };
-            if !worker.is_alive() {
+            // A stop watches its worker itself from here on.
+            if !worker.is_alive() || worker.process().is_stopping() {
                 return;
             }
             // RSS alone (one `statm` read) keeps admission's budget fresh;
@@ -57,7 +58,7 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
             worker.sample_rss();
             let asked = Instant::now();
             let Some(stats) = worker.ping(policy.heartbeat_timeout).await else {
-                if worker.is_alive() {
+                if worker.is_alive() && !worker.process().is_stopping() {
                     tracing::warn!(
                         model = worker.model(),
                         pid = worker.pid(),

@@ -445,6 +445,9 @@ async fn launch_server(
     let ready = tokio::select! {
         ready = upstream.wait_ready(deadline) => ready,
         exit = process.exited() => {
+            // What it started dies with it (a server's engine process
+            // holding GPU memory, say).
+            crate::child::sweep::sweep_all(&process).await;
             let stderr_tail = process.stderr_tail().await;
             let cause = process
                 .kill_cause()
@@ -462,6 +465,7 @@ async fn launch_server(
     };
     if let Err(last) = ready {
         kill_and_reap(&process).await;
+        crate::child::sweep::sweep_all(&process).await;
         return Err(Error::LoadTimeout {
             model: model.into(),
             pid,

@@ -3,6 +3,7 @@
 //! `handshake`, `launch` (spawn → hello → load), `handle` (requests and the
 //! reader), `routes` (a worker's events to the requests waiting), `death`
 //! (what a dead worker leaves), `health` (heartbeats, stalls), `stop`,
+//! `sweep` (killing what a worker left, in its group or outside it),
 //! `process` (reaping, kill causes), `output` (bounded stdout/stderr),
 //! `memory` (procfs), `limits` (memory caps), `probe` (asking a program
 //! for its backends), and `upstream` (an HTTP server run as a worker).
@@ -22,4 +23,5 @@ mod routes;
 pub mod spawn;
 pub mod stop;
 pub(crate) mod stream;
+pub(crate) mod sweep;
 pub mod upstream;

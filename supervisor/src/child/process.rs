@@ -40,6 +40,10 @@ pub(crate) struct ProcessWatch {
     kill_cause: Mutex<Option<KillCause>>,
     /// Highest RSS the supervisor saw (the RSS-polling cap's evidence).
     polled_peak: std::sync::atomic::AtomicU64,
+    /// A stop has begun: its exit is planned, its sweep is the stop's, and
+    /// a health check failing meanwhile (a server closes its socket on
+    /// SIGTERM) is no reason to kill it.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 impl ProcessWatch {
@@ -95,7 +99,19 @@ impl ProcessWatch {
             model: model.to_string(),
             kill_cause: Mutex::new(None),
             polled_peak: std::sync::atomic::AtomicU64::new(0),
+            stopping: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Marks the start of a planned stop.
+    pub fn begin_stop(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether a planned stop has begun.
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn cap(&self) -> Option<&MemoryCap> {

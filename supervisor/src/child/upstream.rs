@@ -154,6 +154,8 @@ pub struct Upstream {
     /// Requests answered (headers received).
     answered: AtomicU64,
     socket_dir: Option<PathBuf>,
+    /// When its health last answered 200 (it was ready when made).
+    last_healthy: Mutex<Instant>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -200,6 +202,7 @@ impl Upstream {
             progress: AtomicU64::new(0),
             answered: AtomicU64::new(0),
             socket_dir: prepared.socket_dir.clone(),
+            last_healthy: Mutex::new(Instant::now()),
         }
     }
 
@@ -347,6 +350,20 @@ impl Upstream {
             response.map(|r| r.status())
         };
         tokio::time::timeout(timeout, attempt).await.ok().flatten()
+    }
+
+    /// One health check of a running server (a poll of at most 5 s): false
+    /// once its health has not answered 200 for `window` (its
+    /// `unhealthy_after`). One refused connection or one 503 is not yet a
+    /// lost server.
+    pub(crate) async fn still_healthy(&self, window: Duration) -> bool {
+        let poll = window.min(Duration::from_secs(5));
+        if self.health(poll).await == Some(StatusCode::OK) {
+            *self.last_healthy.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+            return true;
+        }
+        let since = *self.last_healthy.lock().unwrap_or_else(|e| e.into_inner());
+        since.elapsed() < window
     }
 
     /// The `Host` a request to the server carries.
