@@ -8,13 +8,14 @@ Routes: GET /health, GET /v1/models, POST /v1/chat/completions (with
 "stream": true, server-sent events: `chunks` pieces, `interval_ms` apart,
 each carrying the time it was sent), and any other POST under /v1/, which
 answers what it received: the body, the path and the headers. A body's
-"status" field sets the answer's status.
+"status" field sets the answer's status; its "plain" field makes the answer
+that text, as text/plain.
 
 Modes:
   never-ready        /health answers 503 for ever
   exit-at-start      exits with status 3 before it listens, saying why
   hang-health-after  /health stops answering after N checks (--after N)
-  health-503-after   /health answers 503 for 3 checks after N (--after N), then 200 again
+  health-503-after   /health answers 503 for 2 checks after N (--after N), then 200 again
   drain-on-sigterm   SIGTERM closes the listening socket at once (as uvicorn
                      does), lets running requests finish, then exits 0
   crash-mid-stream   a stream exits the process (SIGKILL itself) after 2 pieces
@@ -63,7 +64,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self.send_json(503, {"status": "loading"})
             if "hang-health-after" in ARGS.mode and HEALTH_CHECKS > ARGS.after:
                 time.sleep(3600)
-            if "health-503-after" in ARGS.mode and ARGS.after < HEALTH_CHECKS <= ARGS.after + 3:
+            if "health-503-after" in ARGS.mode and ARGS.after < HEALTH_CHECKS <= ARGS.after + 2:
                 return self.send_json(503, {"status": "busy"})
             return self.send_json(200, {"status": "ok"})
         if self.path == "/v1/models":
@@ -99,6 +100,14 @@ class Handler(BaseHTTPRequestHandler):
                 "headers": {k.lower(): v for k, v in self.headers.items()},
             })
         status = body.get("status", 200) if isinstance(body, dict) else 200
+        if isinstance(body, dict) and "plain" in body:
+            text = body["plain"].encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+            return
         self.send_json(status, {
             "path": self.path,
             "received": body if body is not None else raw.decode("latin-1"),

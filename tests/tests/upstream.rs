@@ -77,6 +77,16 @@ fn requests_and_answers_pass_through_unchanged() {
     }
     let (status, reply) = server.post("/v1/rerank", json!({"model": "fake", "status": 418}));
     assert_eq!(status, 418, "{reply}");
+    // The server's own error, in its own shape (text, not berth's JSON).
+    let reply = server.raw(
+        "POST",
+        "/v1/rerank",
+        &[("Content-Type", "application/json")],
+        Some(br#"{"model": "fake", "status": 500, "plain": "engine exploded"}"#),
+    );
+    assert_eq!(reply.status, 500);
+    assert_eq!(reply.text(), "engine exploded");
+    assert_eq!(reply.header("content-type"), Some("text/plain"));
     // It is a model like any other in ps, the catalogue and /metrics.
     let ps = ps_of(&server, "fake");
     assert_eq!(ps["backend"], "http", "{ps}");
@@ -84,7 +94,7 @@ fn requests_and_answers_pass_through_unchanged() {
     let (_, metrics) = server.get("/metrics");
     let metrics = metrics.as_str().unwrap_or_default().to_string();
     assert!(
-        metrics.contains("berth_requests_total{model=\"fake\"} 5"),
+        metrics.contains("berth_requests_total{model=\"fake\"} 6"),
         "{metrics}"
     );
 }
@@ -233,7 +243,8 @@ fn a_few_failed_health_checks_within_the_window_are_not_a_lost_server() {
     let server = Server::start(&config("health-503-after", ", \"--after\", \"2\"", ""));
     assert_eq!(server.post("/api/models/fake/load", json!({})).0, 200);
     let first = ps_of(&server, "fake")["pid"].as_u64().unwrap();
-    // Three checks answer 503 (about 3 s, the window), then 200 again.
+    // Two checks, a second apart, answer 503 (inside the 3 s window), then
+    // 200 again.
     std::thread::sleep(Duration::from_secs(7));
     let ps = ps_of(&server, "fake");
     assert_eq!(ps["pid"].as_u64(), Some(first), "{ps}");

@@ -154,7 +154,7 @@ pub struct Upstream {
     /// Requests answered (headers received).
     answered: AtomicU64,
     socket_dir: Option<PathBuf>,
-    /// When its health last answered 200 (it was ready when made).
+    /// When its health last answered 200 (its readiness counts).
     last_healthy: Mutex<Instant>,
 }
 
@@ -349,7 +349,11 @@ impl Upstream {
             conn.driver.abort();
             response.map(|r| r.status())
         };
-        tokio::time::timeout(timeout, attempt).await.ok().flatten()
+        let status = tokio::time::timeout(timeout, attempt).await.ok().flatten();
+        if status == Some(StatusCode::OK) {
+            *self.last_healthy.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        }
+        status
     }
 
     /// One health check of a running server (a poll of at most 5 s): false
@@ -359,7 +363,6 @@ impl Upstream {
     pub(crate) async fn still_healthy(&self, window: Duration) -> bool {
         let poll = window.min(Duration::from_secs(5));
         if self.health(poll).await == Some(StatusCode::OK) {
-            *self.last_healthy.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
             return true;
         }
         let since = *self.last_healthy.lock().unwrap_or_else(|e| e.into_inner());

@@ -234,8 +234,12 @@ async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Nex
 }
 
 /// Turns axum's own plain-text rejections (413 body too large, 405, 415,
-/// ...) into the same error shape as every other error.
+/// ...) into the same error shape as every other error; a model's server's
+/// own answers pass as they are.
 async fn openai_shaped(response: Response) -> Response {
+    if response.extensions().get::<relay::Relayed>().is_some() {
+        return response;
+    }
     let status = response.status();
     let is_json = response
         .headers()

@@ -220,8 +220,15 @@ async fn relay(
         broken: false,
         model: model.to_string(),
     };
+    // The server's answer as it is: berth's error shaping leaves it alone.
+    head.extensions.insert(Relayed);
     Response::from_parts(head, Body::new(body))
 }
+
+/// Marks an answer that came from a model's server, whose body berth
+/// passes on untouched (its errors too, in whatever shape the server gives).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Relayed;
 
 /// `body` with its JSON `model` field set to `name` (the server's own name
 /// for the model); any other body as it is.
