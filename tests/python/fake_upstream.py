@@ -2,7 +2,7 @@
 real inference server does not commit on cue. berth runs it as a model's
 server (`[workers.NAME] http = ...`), the way it runs llama.cpp's server.
 
-    fake_upstream.py --port PORT [--mode MODE[,MODE...]] [--hold-mib N]
+    fake_upstream.py --port PORT [--mode MODE[,MODE...]] [--hold-mib N] [--keepalive-s S]
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions (with
 "stream": true, server-sent events: `chunks` pieces, `interval_ms` apart,
@@ -170,8 +170,12 @@ def main():
     parser.add_argument("--hold-mib", type=int, default=0)
     parser.add_argument("--child-mib", type=int, default=64)
     parser.add_argument("--model")
+    parser.add_argument("--keepalive-s", type=float, default=0,
+                        help="close a connection idle this long (uvicorn's is 5 s)")
     ARGS = parser.parse_args()
     ARGS.mode = set(filter(None, ARGS.mode.split(",")))
+    if ARGS.keepalive_s:
+        Handler.timeout = ARGS.keepalive_s
     if "exit-at-start" in ARGS.mode:
         sys.stderr.write("fake_upstream: exiting at start as asked\n")
         sys.exit(3)

@@ -236,6 +236,25 @@ fn a_server_that_stops_answering_its_health_is_restarted() {
     assert!(!alive(first as u32));
 }
 
+/// A server that closes idle connections (as uvicorn does after 5 s):
+/// requests spaced around its keep-alive, when berth's pooled connection
+/// may be closing under it, all get their answer.
+#[test]
+fn a_server_closing_idle_connections_loses_no_request() {
+    let server = Server::start(&config("", ", \"--keepalive-s\", \"0.3\"", ""));
+    assert_eq!(server.post("/api/models/fake/load", json!({})).0, 200);
+    let mut failed = Vec::new();
+    for i in 0..24u64 {
+        // 0.25 to 0.36 s apart: around the server's 0.3 s.
+        std::thread::sleep(Duration::from_millis(250 + (i % 4) * 37));
+        let (status, reply) = server.post("/v1/rerank", json!({"model": "fake", "i": i}));
+        if status != 200 {
+            failed.push(format!("{i}: {status} {reply}"));
+        }
+    }
+    assert!(failed.is_empty(), "{failed:?}");
+}
+
 /// A few failed health checks inside `unhealthy_after` (a busy server
 /// answering 503) do not make a server lost: it keeps its pid.
 #[test]

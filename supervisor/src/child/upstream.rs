@@ -141,7 +141,14 @@ fn socket_dir(model: &str) -> Result<PathBuf, String> {
 struct Conn {
     sender: SendRequest<Body>,
     driver: tokio::task::JoinHandle<()>,
+    /// Since when it has waited in the pool; `None` until its first answer.
+    idle_since: Option<Instant>,
 }
+
+/// How long a connection may wait in the pool: below the keep-alive of the
+/// servers berth runs (uvicorn's and llama.cpp's own 5 s), so a request is
+/// never written into a connection the server is closing.
+const IDLE_MAX: Duration = Duration::from_secs(2);
 
 /// A running HTTP server, as the supervisor reaches it.
 pub struct Upstream {
@@ -274,6 +281,7 @@ impl Upstream {
         Ok(Conn {
             sender,
             driver: connection,
+            idle_since: None,
         })
     }
 
@@ -282,14 +290,20 @@ impl Upstream {
         loop {
             let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
             match pooled {
-                Some(conn) if conn.sender.is_ready() => return Ok(conn),
+                Some(conn)
+                    if conn.sender.is_ready()
+                        && conn.idle_since.is_some_and(|t| t.elapsed() < IDLE_MAX) =>
+                {
+                    return Ok(conn);
+                }
                 Some(conn) => conn.driver.abort(),
                 None => return self.connect().await,
             }
         }
     }
 
-    fn checkin(&self, conn: Conn) {
+    fn checkin(&self, mut conn: Conn) {
+        conn.idle_since = Some(Instant::now());
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < POOL && conn.sender.is_ready() {
             idle.push(conn);
@@ -307,15 +321,32 @@ impl Upstream {
         request: Request<Body>,
     ) -> Result<Response<PooledBody>, RelayError> {
         let mut conn = self.checkout().await.map_err(RelayError::Connect)?;
-        if let Err(e) = conn.sender.ready().await {
-            conn.driver.abort();
-            return Err(RelayError::Http(e));
-        }
-        let response = match conn.sender.send_request(request).await {
-            Ok(response) => response,
-            Err(e) => {
+        let mut request = request;
+        let response = loop {
+            let reused = conn.idle_since.is_some();
+            if let Err(e) = conn.sender.ready().await {
                 conn.driver.abort();
+                if reused {
+                    // The server closed it while it waited: a new one.
+                    conn = self.connect().await.map_err(RelayError::Connect)?;
+                    continue;
+                }
                 return Err(RelayError::Http(e));
+            }
+            match conn.sender.try_send_request(request).await {
+                Ok(response) => break response,
+                Err(mut e) => {
+                    conn.driver.abort();
+                    // Not written at all (the connection was closing): the
+                    // same request goes again, once, on a new connection.
+                    match e.take_message() {
+                        Some(unsent) if reused => {
+                            request = unsent;
+                            conn = self.connect().await.map_err(RelayError::Connect)?;
+                        }
+                        _ => return Err(RelayError::Http(e.into_error())),
+                    }
+                }
             }
         };
         self.answered.fetch_add(1, Ordering::Relaxed);
