@@ -9,7 +9,7 @@ Routes: GET /health, GET /v1/models, POST /v1/chat/completions (with
 each carrying the time it was sent), and any other POST under /v1/, which
 answers what it received: the body, the path and the headers. A body's
 "status" field sets the answer's status; its "plain" field makes the answer
-that text, as text/plain.
+that text, as text/plain; its "delay_ms" delays the answer.
 
 Modes:
   never-ready        /health answers 503 for ever
@@ -99,6 +99,8 @@ class Handler(BaseHTTPRequestHandler):
                 "received": body,
                 "headers": {k.lower(): v for k, v in self.headers.items()},
             })
+        if isinstance(body, dict) and body.get("delay_ms"):
+            time.sleep(float(body["delay_ms"]) / 1000)
         status = body.get("status", 200) if isinstance(body, dict) else 200
         if isinstance(body, dict) and "plain" in body:
             text = body["plain"].encode()

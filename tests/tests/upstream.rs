@@ -236,6 +236,39 @@ fn a_server_that_stops_answering_its_health_is_restarted() {
     assert!(!alive(first as u32));
 }
 
+/// A request's `timeout` (berth's, as its own routes take it) bounds a
+/// relayed request: an answer that does not come in time gets berth's
+/// deadline error, and a stream past it ends with a last event saying so.
+#[test]
+fn a_request_timeout_bounds_a_relayed_request() {
+    let server = Server::start(&config("", "", ""));
+    assert_eq!(server.post("/api/models/fake/load", json!({})).0, 200);
+    let started = Instant::now();
+    let (status, reply) = server.post(
+        "/v1/rerank",
+        json!({"model": "fake", "delay_ms": 5000, "timeout": "500ms"}),
+    );
+    assert!(started.elapsed() < Duration::from_secs(3), "{reply}");
+    assert_eq!(
+        reply["error"]["code"], "deadline_exceeded",
+        "{status}: {reply}"
+    );
+    let started = Instant::now();
+    let (status, text) = server.post_text(
+        "/v1/chat/completions",
+        json!({"model": "fake", "stream": true, "chunks": 40, "interval_ms": 100, "timeout": "1s"}),
+    );
+    assert_eq!(status, 200, "{text}");
+    assert!(started.elapsed() < Duration::from_secs(3), "{text}");
+    assert!(text.contains("tok1") && !text.contains("tok30"), "{text}");
+    assert!(
+        text.contains("deadline_exceeded"),
+        "the last event says why: {text}"
+    );
+    // The server serves on.
+    assert_eq!(server.post("/v1/rerank", json!({"model": "fake"})).0, 200);
+}
+
 /// A server that closes idle connections (as uvicorn does after 5 s):
 /// requests spaced around its keep-alive, when berth's pooled connection
 /// may be closing under it, all get their answer.

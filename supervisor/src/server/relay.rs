@@ -137,9 +137,21 @@ async fn relay(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Response {
-    let lease = match app.supervisor.lease(model, RequestOptions::default()).await {
+    let options = match options_of(&body) {
+        Ok(options) => options,
+        Err(e) => return e.into_response(),
+    };
+    let lease = match app.supervisor.lease(model, options).await {
         Ok(lease) => lease,
         Err(e) => return ApiError::from(e).into_response(),
+    };
+    let deadline = lease.deadline();
+    let started = std::time::Instant::now();
+    let late = move || {
+        ApiError::from(crate::Error::DeadlineExceeded {
+            model: model.to_string(),
+            after: started.elapsed(),
+        })
     };
     let upstream = std::sync::Arc::clone(lease.upstream());
     let spec = upstream.spec();
@@ -173,6 +185,7 @@ async fn relay(
     let sent = tokio::select! {
         sent = upstream.send(request) => sent,
         error = lease.died() => return ApiError::from(error).into_response(),
+        () = until(deadline) => return late().into_response(),
     };
     let mut lease = lease;
     let response = match sent {
@@ -211,6 +224,20 @@ async fn relay(
     for name in passed {
         head.headers.remove(name);
     }
+    // The request's deadline ends the answer too, as the server's death does.
+    let model_name = model.to_string();
+    let died: Pin<Box<dyn Future<Output = ApiError> + Send>> = match deadline {
+        None => died,
+        Some(_) => Box::pin(async move {
+            tokio::select! {
+                error = died => error,
+                () = until(deadline) => ApiError::from(crate::Error::DeadlineExceeded {
+                    model: model_name,
+                    after: started.elapsed(),
+                }),
+            }
+        }),
+    };
     let body = RelayBody {
         inner: body,
         lease: Some(lease),
@@ -229,6 +256,29 @@ async fn relay(
 /// passes on untouched (its errors too, in whatever shape the server gives).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Relayed;
+
+/// Sleeps until `deadline`; for ever without one.
+async fn until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// berth's own request options in a JSON body (`keep_alive`, `timeout`, as
+/// its own routes take them); they reach the server too, untouched.
+fn options_of(body: &[u8]) -> Result<RequestOptions, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Options {
+        keep_alive: Option<super::openai::KeepAliveField>,
+        timeout: Option<super::openai::KeepAliveField>,
+    }
+    match serde_json::from_slice::<Options>(body) {
+        Ok(o) => super::openai::request_options(o.keep_alive.as_ref(), o.timeout.as_ref()),
+        // Not JSON (a form), or fields of other types: none of berth's.
+        Err(_) => Ok(RequestOptions::default()),
+    }
+}
 
 /// `body` with its JSON `model` field set to `name` (the server's own name
 /// for the model); any other body as it is.
