@@ -77,6 +77,16 @@ fn requests_and_answers_pass_through_unchanged() {
     }
     let (status, reply) = server.post("/v1/rerank", json!({"model": "fake", "status": 418}));
     assert_eq!(status, 418, "{reply}");
+    // Only plain /v1 paths reach it: not its other routes by `..`.
+    for path in ["/v1/../slots", "/v1/%2e%2e/props", "/v1//x"] {
+        let reply = server.raw(
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            Some(br#"{"model": "fake"}"#),
+        );
+        assert_eq!(reply.status, 400, "{path}: {}", reply.text());
+    }
     // The server's own error, in its own shape (text, not berth's JSON).
     let reply = server.raw(
         "POST",

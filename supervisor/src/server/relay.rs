@@ -63,6 +63,14 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
         .unwrap_or_default();
     let model = model_of(&parts.headers, &bytes).map(|m| app.supervisor.canonical(&m));
     match model {
+        Some(model) if app.supervisor.is_http_model(&model) && !plain_path(parts.uri.path()) => {
+            ApiError::bad_request(format!(
+                "model `{model}`: the path `{}` has `.`, `..` or an encoded `/` in it; \
+                 only plain /v1 paths reach its server",
+                parts.uri.path()
+            ))
+            .into_response()
+        }
         Some(model) if app.supervisor.is_http_model(&model) => {
             relay(
                 &app,
@@ -79,6 +87,22 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
                 .await
         }
     }
+}
+
+/// A path with no `.` or `..` segment (written plainly or percent-encoded),
+/// no encoded `/` or `\\` and no empty segment but a trailing one: what berth checked (`/v1/`)
+/// is what the server sees, whatever it normalises.
+fn plain_path(path: &str) -> bool {
+    let lower = path.to_ascii_lowercase();
+    if lower.contains("%2f") || lower.contains("%5c") || lower.contains('\\') {
+        return false;
+    }
+    let segments: Vec<&str> = lower.split('/').skip(1).collect();
+    segments.iter().enumerate().all(|(i, segment)| {
+        let dots = segment.replace("%2e", ".");
+        // A trailing `/` is a path of its own, not a way around `/v1/`.
+        (!segment.is_empty() || i + 1 == segments.len()) && dots != "." && dots != ".."
+    })
 }
 
 /// The `model` a request names: the JSON body's `model` field, or a
@@ -378,7 +402,8 @@ impl hyper::body::Body for RelayBody {
         self.fail();
         if self.stream {
             // A last event, so a streaming client reads why.
-            let event = format!("data: {}\n\n", error.body());
+            // After a blank line: the server may have stopped mid-event.
+            let event = format!("\n\ndata: {}\n\n", error.body());
             Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from(event)))))
         } else {
             Poll::Ready(Some(Err(error.message.into())))
@@ -416,6 +441,24 @@ mod tests {
         );
         let form = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF....\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ--\r\n";
         assert_eq!(model_of(&headers, form), Some("whisper-1".into()));
+    }
+
+    #[test]
+    fn only_plain_paths_reach_a_server() {
+        assert!(plain_path("/v1/chat/completions"));
+        assert!(plain_path("/v1/audio/transcriptions"));
+        assert!(plain_path("/v1/models/"));
+        for path in [
+            "/v1/../slots",
+            "/v1/%2e%2e/props",
+            "/v1/%2E./props",
+            "/v1/./x",
+            "/v1//x",
+            "/v1/a%2fb",
+            "/v1/a\\b",
+        ] {
+            assert!(!plain_path(path), "{path}");
+        }
     }
 
     #[test]
