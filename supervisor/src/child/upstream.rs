@@ -290,8 +290,9 @@ impl Upstream {
         loop {
             let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
             match pooled {
+                // Not closed and not too old; `send` waits for it to be ready.
                 Some(conn)
-                    if conn.sender.is_ready()
+                    if !conn.sender.is_closed()
                         && conn.idle_since.is_some_and(|t| t.elapsed() < IDLE_MAX) =>
                 {
                     return Ok(conn);
@@ -305,7 +306,10 @@ impl Upstream {
     fn checkin(&self, mut conn: Conn) {
         conn.idle_since = Some(Instant::now());
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() < POOL && conn.sender.is_ready() {
+        // Right after an answer's last byte the connection's task may not yet
+        // have made it ready for the next request: only a closed one is
+        // dropped here (checking `is_ready` had dropped every connection).
+        if idle.len() < POOL && !conn.sender.is_closed() {
             idle.push(conn);
         } else {
             conn.driver.abort();
@@ -450,18 +454,20 @@ impl hyper::body::Body for PooledBody {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
         let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
-        match &polled {
+        let ended = match &polled {
             std::task::Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     self.upstream.relayed(data.len() as u64);
                 }
+                // An answer of known length ends with its last byte: whoever
+                // writes it on may never poll for the end (hyper does not).
+                self.inner.is_end_stream()
             }
-            std::task::Poll::Ready(None) => {
-                if let Some(conn) = self.conn.take() {
-                    self.upstream.checkin(conn);
-                }
-            }
-            _ => {}
+            std::task::Poll::Ready(None) => true,
+            _ => false,
+        };
+        if ended && let Some(conn) = self.conn.take() {
+            self.upstream.checkin(conn);
         }
         polled
     }
