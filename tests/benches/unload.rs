@@ -6,36 +6,11 @@
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench unload`
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth::{ModelSpec, Supervisor};
-use berth_tests::bench::{Rounds, machine, runtime};
+use berth_tests::bench::{Rounds, kernel_kill_1gib, machine, runtime};
 use berth_tests::test_config;
-
-/// Seconds from SIGKILL to reaped for a plain process holding 1 GiB,
-/// every page touched.
-fn kernel_kill_1gib() -> f64 {
-    let mut child = Command::new("python3")
-        .args([
-            "-c",
-            "import sys\nb = bytearray(1 << 30)\nb[::4096] = b'\\x01' * (1 << 18)\nprint('ready', flush=True)\nsys.stdin.read()",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3 runs");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "ready");
-    let started = Instant::now();
-    child.kill().unwrap();
-    child.wait().unwrap();
-    started.elapsed().as_secs_f64()
-}
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {

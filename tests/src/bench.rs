@@ -133,3 +133,28 @@ pub fn own_rss() -> u64 {
         .map(|m| m.rss_bytes)
         .unwrap_or(0)
 }
+
+/// Seconds from SIGKILL to reaped for a plain process holding 1 GiB, every
+/// page touched: the floor any stop of a process that size stands on.
+pub fn kernel_kill_1gib() -> f64 {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new("python3")
+        .args([
+            "-c",
+            "import sys\nb = bytearray(1 << 30)\nb[::4096] = b'\\x01' * (1 << 18)\nprint('ready', flush=True)\nsys.stdin.read()",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .expect("the process says it is ready");
+    assert_eq!(line.trim(), "ready");
+    let started = Instant::now();
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reaped");
+    started.elapsed().as_secs_f64()
+}
