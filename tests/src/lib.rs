@@ -429,6 +429,23 @@ impl Server {
         )
     }
 
+    /// `berth ARGS --url URL --json` against this server: whether it
+    /// succeeded, the JSON it printed (or its text), and its stderr.
+    pub fn cli(&self, args: &[&str]) -> (bool, serde_json::Value, String) {
+        let mut command = std::process::Command::new(berth_bin());
+        command.args(args).args(["--url", &self.url, "--json"]);
+        if let Some(token) = &self.token {
+            command.args(["--token", token]);
+        }
+        let out = command.output().expect("berth runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        (
+            out.status.success(),
+            serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::String(stdout)),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    }
+
     /// `/api/ps`'s models.
     pub fn ps(&self) -> Vec<serde_json::Value> {
         let (status, body) = self.get("/api/ps");

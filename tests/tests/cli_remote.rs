@@ -1,25 +1,8 @@
 //! The CLI as a client of a real `berth serve`: what the README's tour does.
 
-use std::process::Command;
-
 use berth_tests::python::python_worker_command;
 use berth_tests::*;
 use serde_json::Value;
-
-/// `berth ARGS --url URL --json`: success, and the JSON it printed.
-fn cli(server: &Server, args: &[&str]) -> (bool, Value, String) {
-    let out = Command::new(berth_bin())
-        .args(args)
-        .args(["--url", &server.url, "--json"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    (
-        out.status.success(),
-        serde_json::from_str(stdout.trim()).unwrap_or(Value::String(stdout)),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
-}
 
 fn options_of(server: &Server, model: &str) -> Value {
     let (_, catalogue) = server.get("/api/models");
@@ -65,11 +48,11 @@ fn swap_from_the_cli_works_for_every_kind_of_model() {
         "#
     ));
     for model in ["builtin", "kind", "own"] {
-        let (ok, load, stderr) = cli(&server, &["load", model]);
+        let (ok, load, stderr) = server.cli(&["load", model]);
         assert!(ok, "{model}: load: {load} {stderr}");
         let old_pid = load["pid"].as_u64().unwrap();
 
-        let (ok, swap, stderr) = cli(&server, &["swap", model, "--option", "chunks=3"]);
+        let (ok, swap, stderr) = server.cli(&["swap", model, "--option", "chunks=3"]);
         assert!(ok, "{model}: swap: {swap} {stderr}");
         let new_pid = swap["new_pid"].as_u64().unwrap();
         assert_eq!(swap["old_pid"].as_u64(), Some(old_pid), "{swap}");
@@ -99,10 +82,8 @@ fn swap_from_the_cli_works_for_every_kind_of_model() {
         assert_eq!(lines.len(), 4, "{model}: 3 chunks and done: {lines:?}");
         assert_eq!(lines[3]["done"], serde_json::json!({"x": 1}), "{lines:?}");
 
-        let (ok, swap, stderr) = cli(
-            &server,
-            &["swap", model, "--option", "batch=4", "--replace-options"],
-        );
+        let (ok, swap, stderr) =
+            server.cli(&["swap", model, "--option", "batch=4", "--replace-options"]);
         assert!(ok, "{model}: swap --replace-options: {swap} {stderr}");
         assert_eq!(
             options_of(&server, model),

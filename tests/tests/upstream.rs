@@ -506,6 +506,34 @@ fn swaps_under_load_fail_no_request() {
     assert!(!alive(first as u32), "the old server was stopped");
 }
 
+/// The CLI drives a server model as any other: load, ps, swap (the
+/// operator's command and `http` kept), unload with its proof.
+#[test]
+fn the_cli_loads_swaps_and_unloads_a_server() {
+    let server = Server::start(&config("", "", ""));
+    let (ok, load, stderr) = server.cli(&["load", "fake"]);
+    assert!(ok, "load: {load} {stderr}");
+    let first = load["pid"].as_u64().unwrap();
+    let (ok, ps, stderr) = server.cli(&["ps"]);
+    assert!(ok, "ps: {ps} {stderr}");
+    assert!(ps.to_string().contains("\"http\""), "{ps}");
+    let (ok, swap, stderr) = server.cli(&["swap", "fake"]);
+    assert!(ok, "swap: {swap} {stderr}");
+    assert_eq!(swap["old_pid"].as_u64(), Some(first), "{swap}");
+    assert_eq!(swap["unload"]["leftover_processes"], 0, "{swap}");
+    assert!(!alive(first as u32));
+    let (status, reply) = server.post("/v1/rerank", json!({"model": "fake"}));
+    assert_eq!(status, 200, "the new server serves: {reply}");
+    assert_eq!(
+        reply["headers"]["x-upstream-key"], "k1",
+        "its http table was kept"
+    );
+    let (ok, unload, stderr) = server.cli(&["unload", "fake"]);
+    assert!(ok, "unload: {unload} {stderr}");
+    assert_eq!(unload["leftover_processes"], 0, "{unload}");
+    assert!(!alive(swap["new_pid"].as_u64().unwrap() as u32));
+}
+
 /// Keep-alive unloads an idle server like any model.
 #[test]
 fn keep_alive_unloads_an_idle_server() {
