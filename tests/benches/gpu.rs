@@ -39,7 +39,7 @@ fn mib(bytes: u64) -> String {
 /// What NVML says this process holds, after the driver has had a moment.
 fn own_vram() -> String {
     std::thread::sleep(Duration::from_millis(200));
-    match process_vram(&devices(), std::process::id()) {
+    match process_vram(&devices(), &[std::process::id()]) {
         Some(bytes) => mib(bytes),
         None => "0 MiB (pid not in NVML's list)".into(),
     }
@@ -81,7 +81,7 @@ async fn berth_unload(sup: &Supervisor) {
     let unload = sup.unload("vram").await.expect("gpu-hog unloads");
     let took = started.elapsed();
     let after = devices();
-    let pid_gone = process_vram(&after, load.pid).is_none();
+    let pid_gone = process_vram(&after, &[load.pid]).is_none();
     let reclaimed = unload.gpu_reclaimed_bytes.unwrap_or(0);
     println!(
         "| berth: gpu-hog {MODEL_MIB} MiB, worker stopped | {} against pid {} | 0 MiB (no process) | {} reclaimed ({:.1}% of what it held), pid {} NVML's list; unload {:.0} ms, of which the device took {:.0} ms to give the memory back |",

@@ -532,3 +532,51 @@ fn jax_workers_share_a_card_when_berth_tells_them_their_share() {
         assert_eq!(u(&report["vram_bytes"]), GIB + CONTEXT, "{report}");
     }
 }
+
+/// An HTTP server placed on a GPU: it is told its device like any worker,
+/// and the device memory of what it started (vLLM keeps its weights in an
+/// engine process of its own) counts as the model's in `ps`, `/api/gpus`
+/// and the unload's proof.
+#[test]
+fn a_server_s_child_holding_vram_counts_as_the_model_s() {
+    let fake = FakeGpu::new();
+    let config = format!(
+        "[workers.srv]\ncommand = [\"{}\", \"{}\", \"--port\", \"{{port}}\", \"--mode\", \"fork-child\", \"--child-mib\", \"8\"]\n\
+         http = {{ health = \"/health\", stop_grace = \"2s\" }}\n\n\
+         [[model]]\nname = \"srv\"\nworker = \"srv\"\ngpus = [1]\n",
+        berth_tests::python::test_python().display(),
+        berth_tests::python::repo_root()
+            .join("tests/python/fake_upstream.py")
+            .display()
+    );
+    let server = fake.serve(&config);
+    let report = load(&server, "srv");
+    assert_eq!(report["gpus"], json!([1]), "{report}");
+    let pid = u(&report["pid"]) as u32;
+    let env = environ_of(pid);
+    assert!(env.contains_key("CUDA_VISIBLE_DEVICES"), "{env:?}");
+    assert_eq!(env["BERTH_GPUS"], "1");
+    assert_eq!(env["XLA_PYTHON_CLIENT_PREALLOCATE"], "false");
+    let children: Vec<u32> = children_of(pid).into_iter().map(|(p, _)| p).collect();
+    assert_eq!(children.len(), 1, "the server's engine: {children:?}");
+    fake.hold(children[0], 1, 3 * GIB);
+    assert!(
+        wait_for(std::time::Duration::from_secs(5), || {
+            server.ps()[0]["vram_bytes"] == json!(3 * GIB)
+        }),
+        "{:?}",
+        server.ps()
+    );
+    let status = gpus(&server);
+    assert_eq!(
+        status["devices"][1]["processes"],
+        json!([{ "pid": children[0], "bytes": 3 * GIB, "model": "srv" }]),
+        "{status}"
+    );
+    assert_eq!(u(&status["devices"][1]["berth_bytes"]), 3 * GIB);
+    let report = unload(&server, "srv");
+    assert_eq!(u(&report["vram_at_stop_bytes"]), 3 * GIB, "{report}");
+    assert_eq!(report["gpu_pid_gone"], true, "{report}");
+    assert!(u(&report["gpu_reclaimed_bytes"]) >= 3 * GIB, "{report}");
+    assert!(!alive(children[0]));
+}

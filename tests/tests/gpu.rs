@@ -37,7 +37,7 @@ async fn gpu_hog_holds_vram_and_the_unload_gives_it_back() {
             assert!(!alive(load.pid));
             if let Inventory::Devices(devices) = inventory() {
                 assert_eq!(
-                    berth::gpu::process_vram(&devices, load.pid),
+                    berth::gpu::process_vram(&devices, &[load.pid]),
                     None,
                     "pid gone from NVML"
                 );

@@ -67,6 +67,10 @@ pub struct WorkerHandle {
     requests: AtomicU64,
     in_flight: Arc<InFlight>,
     memory: Mutex<MemoryState>,
+    /// An HTTP server's tree as last read by a memory sample (never read
+    /// from procfs on the way to it, so it may be taken under the state
+    /// lock): the pids whose GPU memory counts as the model's.
+    tree_seen: Mutex<Vec<u32>>,
     load_info: Mutex<Option<LoadInfo>>,
     /// Resident memory right after load: the base of the per-request trend.
     baseline_rss: AtomicU64,
@@ -180,6 +184,7 @@ impl WorkerHandle {
             requests: AtomicU64::new(0),
             in_flight: Arc::default(),
             memory: Mutex::default(),
+            tree_seen: Mutex::default(),
             load_info: Mutex::default(),
             baseline_rss: AtomicU64::new(0),
             load_micros: AtomicU64::new(0),
@@ -215,6 +220,7 @@ impl WorkerHandle {
             requests: AtomicU64::new(0),
             in_flight: Arc::default(),
             memory: Mutex::default(),
+            tree_seen: Mutex::default(),
             load_info: Mutex::default(),
             baseline_rss: AtomicU64::new(0),
             load_micros: AtomicU64::new(0),
@@ -273,9 +279,23 @@ impl WorkerHandle {
         if let Some(cgroup) = self.process.cgroup() {
             pids.extend(cgroup.members());
         }
+        pids.push(self.pid);
         pids.sort_unstable();
         pids.dedup();
+        *self.tree_seen.lock().unwrap_or_else(|e| e.into_inner()) = pids.clone();
         Some(pids)
+    }
+
+    /// The pids whose device memory is the model's: the worker's own, and
+    /// for an HTTP server everything it started as last seen (vLLM keeps
+    /// its weights in an engine process of its own). Reads nothing.
+    pub fn pids(&self) -> Vec<u32> {
+        let seen = self.tree_seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.is_empty() {
+            vec![self.pid]
+        } else {
+            seen.clone()
+        }
     }
 
     pub fn model(&self) -> &str {

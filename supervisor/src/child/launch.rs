@@ -369,7 +369,7 @@ pub(crate) async fn launch(
         memory_cap: process.cap().map(|c| c.mechanism),
         gpus,
         vram_bytes: match gpu::inventory() {
-            Inventory::Devices(devices) => gpu::process_vram(&devices, pid),
+            Inventory::Devices(devices) => gpu::process_vram(&devices, &[pid]),
             Inventory::NoGpu(_) => None,
         },
         system_available_bytes: system_memory().available_bytes,
@@ -506,7 +506,8 @@ async fn launch_server(
         memory_cap: process.cap().map(|c| c.mechanism),
         gpus,
         vram_bytes: match gpu::inventory() {
-            Inventory::Devices(devices) => gpu::process_vram(&devices, pid),
+            // The tree the memory sample above read.
+            Inventory::Devices(devices) => gpu::process_vram(&devices, &handle.pids()),
             Inventory::NoGpu(_) => None,
         },
         system_available_bytes: system_memory().available_bytes,

@@ -24,7 +24,9 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         .peak_rss_bytes
         .max(worker.memory().last.peak_rss_bytes);
     let before = system_memory();
-    let gpu_before = gpu_reading(pid);
+    // After the memory sample above: an HTTP server's tree is fresh.
+    let pids = worker.pids();
+    let gpu_before = gpu_reading(&pids);
     let process = worker.process();
     process.begin_stop();
 
@@ -65,7 +67,7 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     let escapees = sweep_escapees(process).await;
     let leftover_processes = in_group + escapees.left;
     let gpu_after = match &gpu_before {
-        Some(before) => Some(gpu_given_back(pid, before, started).await),
+        Some(before) => Some(gpu_given_back(&pids, before, started).await),
         None => None,
     };
     let after = system_memory();
@@ -106,14 +108,14 @@ struct GpuBefore {
     used: Vec<(u32, u64)>,
 }
 
-fn gpu_reading(pid: u32) -> Option<GpuBefore> {
+fn gpu_reading(pids: &[u32]) -> Option<GpuBefore> {
     let Inventory::Devices(devices) = gpu::inventory() else {
         return None;
     };
-    let held = gpu::process_vram(&devices, pid)?;
+    let held = gpu::process_vram(&devices, pids)?;
     let used = devices
         .iter()
-        .filter(|d| d.processes.iter().any(|(p, _)| *p == pid))
+        .filter(|d| d.processes.iter().any(|(p, _)| pids.contains(p)))
         .map(|d| (d.index, d.used_bytes))
         .collect();
     Some(GpuBefore { held, used })
@@ -133,12 +135,12 @@ struct GpuAfter {
 /// Waits (up to 5 s) until the worker is gone from NVML's process list and
 /// its devices' used memory is back within 64 MiB of what it would be
 /// without it; returns the drop and how long it took.
-async fn gpu_given_back(pid: u32, before: &GpuBefore, started: Instant) -> GpuAfter {
+async fn gpu_given_back(pids: &[u32], before: &GpuBefore, started: Instant) -> GpuAfter {
     const TOLERANCE: u64 = 64 << 20;
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         if let Inventory::Devices(devices) = gpu::inventory() {
-            let gone = gpu::process_vram(&devices, pid).is_none();
+            let gone = gpu::process_vram(&devices, pids).is_none();
             let before_used: u64 = before.used.iter().map(|(_, u)| u).sum();
             let now_used: u64 = before
                 .used

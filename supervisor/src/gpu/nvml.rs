@@ -99,12 +99,13 @@ pub fn total_bytes(index: u32) -> Option<u64> {
     device.memory_info().ok().map(|m| m.total)
 }
 
-/// VRAM held by `pid` across `devices`; `None` when it holds none.
-pub fn process_vram(devices: &[DeviceReading], pid: u32) -> Option<u64> {
+/// VRAM held by `pids` (a worker, or an HTTP server's whole tree) across
+/// `devices`; `None` when they hold none.
+pub fn process_vram(devices: &[DeviceReading], pids: &[u32]) -> Option<u64> {
     let bytes: u64 = devices
         .iter()
         .flat_map(|d| &d.processes)
-        .filter(|(p, _)| *p == pid)
+        .filter(|(p, _)| pids.contains(p))
         .map(|(_, b)| b)
         .sum();
     (bytes > 0).then_some(bytes)
@@ -118,8 +119,9 @@ mod tests {
     #[test]
     fn per_process_vram_sums_across_devices() {
         let devices = recorded();
-        assert_eq!(process_vram(&devices, 4121), Some(30 * GIB));
-        assert_eq!(process_vram(&devices, 1), None);
+        assert_eq!(process_vram(&devices, &[4121]), Some(30 * GIB));
+        assert_eq!(process_vram(&devices, &[4121, 4188]), Some(40 * GIB));
+        assert_eq!(process_vram(&devices, &[1]), None);
     }
 
     #[test]

@@ -54,9 +54,10 @@ fn gib(bytes: u64) -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
     pub model: String,
-    /// The worker's pid; `None` for a load whose process NVML cannot yet
-    /// be tied to (its reservation stands in for it).
-    pub pid: Option<u32>,
+    /// The worker's pids (an HTTP server's whole tree: vLLM keeps its
+    /// memory in an engine process of its own); none for a load whose
+    /// process NVML cannot yet be tied to (its reservation stands in).
+    pub pids: Vec<u32>,
     /// The devices it was placed on.
     pub gpus: Vec<u32>,
     /// VRAM counted on each of `gpus` for a load still in progress.
@@ -93,19 +94,14 @@ fn held_on(device: &DeviceReading, holder: &Holder) -> u64 {
     }
 }
 
-/// What NVML shows `holder`'s pid holding on `device`.
+/// What NVML shows `holder`'s pids holding on `device`.
 fn seen_on(device: &DeviceReading, holder: &Holder) -> u64 {
-    holder
-        .pid
-        .map(|pid| {
-            device
-                .processes
-                .iter()
-                .filter(|(p, _)| *p == pid)
-                .map(|(_, b)| b)
-                .sum()
-        })
-        .unwrap_or(0)
+    device
+        .processes
+        .iter()
+        .filter(|(p, _)| holder.pids.contains(p))
+        .map(|(_, b)| b)
+        .sum()
 }
 
 /// One device with berth's share of it worked out.
@@ -265,7 +261,7 @@ mod tests {
     fn worker(model: &str, pid: u32, gpu: u32, evictable: bool, last_used: u64) -> Holder {
         Holder {
             model: model.into(),
-            pid: Some(pid),
+            pids: vec![pid],
             gpus: vec![gpu],
             reserved_bytes: 0,
             evictable,
@@ -409,7 +405,7 @@ mod tests {
         // is really 10.
         let loading = Holder {
             model: "loading".into(),
-            pid: None,
+            pids: Vec::new(),
             gpus: vec![1],
             reserved_bytes: 60 * GIB,
             evictable: false,
@@ -428,7 +424,7 @@ mod tests {
         // Once NVML sees the worker (pid 4188 holding 10 GiB of its 60),
         // only the other 50 are still to come: 20 GiB fit, 25 do not.
         let seen = [Holder {
-            pid: Some(4188),
+            pids: vec![4188],
             ..loading
         }];
         let gpu1 = GpuRequest::Devices(vec![1]);

@@ -327,7 +327,7 @@ pub(super) fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
         .values()
         .map(|r| gpu::Holder {
             model: r.model.clone(),
-            pid: Some(r.worker.pid()),
+            pids: r.worker.pids(),
             gpus: r.gpus.clone(),
             reserved_bytes: 0,
             evictable: false,
@@ -340,7 +340,7 @@ pub(super) fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
         if let Some(worker) = &slot.worker {
             holders.push(gpu::Holder {
                 model: name.clone(),
-                pid: Some(worker.pid()),
+                pids: worker.pids(),
                 gpus: slot.gpus.clone(),
                 reserved_bytes: 0,
                 evictable: name != model && is_idle(state, name, slot),
@@ -350,7 +350,7 @@ pub(super) fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
         if let Some(incoming) = slot.incoming_gpu.as_ref().filter(|_| name != model) {
             holders.push(gpu::Holder {
                 model: name.clone(),
-                pid: incoming.pid,
+                pids: incoming.pid.into_iter().collect(),
                 gpus: incoming.gpus.clone(),
                 reserved_bytes: incoming.vram,
                 evictable: false,

@@ -81,7 +81,7 @@ impl Supervisor {
                     status.requests = w.requests();
                     status.in_flight = w.in_flight();
                     status.rss_growth_per_request_bytes = w.rss_growth_per_request();
-                    status.vram_bytes = crate::gpu::process_vram(devices, w.pid());
+                    status.vram_bytes = crate::gpu::process_vram(devices, &w.pids());
                 }
                 status
             })
@@ -103,13 +103,9 @@ impl Supervisor {
             state
                 .slots
                 .iter()
-                .filter_map(|(name, slot)| slot.worker.as_ref().map(|w| (w.pid(), name.clone())))
-                .chain(
-                    state
-                        .retiring
-                        .values()
-                        .map(|r| (r.worker.pid(), r.model.clone())),
-                )
+                .filter_map(|(name, slot)| slot.worker.as_ref().map(|w| (w, name)))
+                .chain(state.retiring.values().map(|r| (&r.worker, &r.model)))
+                .flat_map(|(w, name)| w.pids().into_iter().map(move |pid| (pid, name.clone())))
                 .collect()
         };
         crate::gpu::GpuStatus::new(inventory, &workers)
