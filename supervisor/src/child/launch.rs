@@ -398,7 +398,6 @@ async fn launch_server(
     let deadline = started + timeout;
     let http = program.http.clone().expect("an HTTP program has its spec");
     let prepared = upstream::prepare(
-        model,
         &program.path.display().to_string(),
         &program.args,
         weights.as_deref(),
@@ -473,6 +472,28 @@ async fn launch_server(
             phase: "ready (its health never answered 200)",
         })
         .inspect_err(|_| tracing::warn!(model, pid, "the server was not ready in time: {last}"));
+    }
+    // Ready: and the one answering is the server, alone on its port.
+    if let upstream::Address::Tcp(addr) = upstream.address() {
+        let mut tree = crate::child::memory::group_members(pid);
+        tree.push(pid);
+        match process.cgroup() {
+            Some(cgroup) => tree.extend(cgroup.members()),
+            // Without a cgroup, what it started outside its group carries its mark.
+            None => tree.extend(crate::orphans::carrying_mark(
+                process.mark(),
+                process.start_time(),
+            )),
+        }
+        if let Err(reason) = crate::child::ports::check_listener(addr.port(), &tree) {
+            kill_and_reap(&process).await;
+            crate::child::sweep::sweep_all(&process).await;
+            return Err(Error::ServerFailed {
+                model: model.into(),
+                pid,
+                reason,
+            });
+        }
     }
     let ready_ms = ms(started.elapsed()) - spawn_ms;
     let handle =

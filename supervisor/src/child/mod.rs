@@ -6,7 +6,8 @@
 //! `sweep` (killing what a worker left, in its group or outside it),
 //! `process` (reaping, kill causes), `output` (bounded stdout/stderr),
 //! `memory` (procfs), `limits` (memory caps), `probe` (asking a program
-//! for its backends), and `upstream` (an HTTP server run as a worker).
+//! for its backends), `upstream` (an HTTP server run as a worker) and
+//! `ports` (where such a server listens, and that it is the one there).
 
 pub(crate) mod death;
 pub mod handle;
@@ -17,6 +18,7 @@ pub mod limits;
 pub(crate) mod link;
 pub mod memory;
 pub(crate) mod output;
+pub(crate) mod ports;
 pub(crate) mod probe;
 pub mod process;
 mod routes;

@@ -62,13 +62,12 @@ pub(crate) struct Prepared {
     pub args: Vec<String>,
     pub path: String,
     pub address: Address,
-    /// A folder made for the socket, removed with the server.
-    pub socket_dir: Option<PathBuf>,
+    /// Its port or socket folder, given back with the server.
+    pub reserved: Arc<super::ports::Reserved>,
 }
 
 /// Fills in `{port}`, `{socket}` and `{model}` in `program` and `args`.
 pub(crate) fn prepare(
-    model: &str,
     program: &str,
     args: &[String],
     weights: Option<&Path>,
@@ -76,11 +75,14 @@ pub(crate) fn prepare(
     let all = || std::iter::once(program).chain(args.iter().map(String::as_str));
     let wants_port = all().any(|a| a.contains("{port}"));
     let wants_socket = all().any(|a| a.contains("{socket}"));
-    let (address, socket_dir) = match (wants_port, wants_socket) {
-        (true, false) => (Address::Tcp(free_port()?), None),
+    let (address, reserved) = match (wants_port, wants_socket) {
+        (true, false) => {
+            let (addr, reserved) = super::ports::port()?;
+            (Address::Tcp(addr), reserved)
+        }
         (false, true) => {
-            let dir = socket_dir(model)?;
-            (Address::Unix(dir.join("server.sock")), Some(dir))
+            let (dir, reserved) = super::ports::socket_dir()?;
+            (Address::Unix(dir.join("server.sock")), reserved)
         }
         (true, true) => return Err("the command names both `{port}` and `{socket}`".into()),
         (false, false) => {
@@ -109,32 +111,8 @@ pub(crate) fn prepare(
         path: fill(program),
         args: args.iter().map(|a| fill(a)).collect(),
         address,
-        socket_dir,
+        reserved: Arc::new(reserved),
     })
-}
-
-/// A loopback port free now. Another process may take it before the server
-/// binds it; the server then fails to start, and the load says so.
-fn free_port() -> Result<std::net::SocketAddr, String> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("cannot find a free loopback port: {e}"))
-}
-
-/// A private folder (0700) for one server's socket.
-fn socket_dir(model: &str) -> Result<PathBuf, String> {
-    use std::os::unix::fs::DirBuilderExt;
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "berth-{}-{model}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|e| format!("cannot make a folder for the server's socket: {e}"))?;
-    Ok(dir)
 }
 
 /// A kept-alive connection to the server and the task that drives it.
@@ -160,7 +138,8 @@ pub struct Upstream {
     progress: AtomicU64,
     /// Requests answered (headers received).
     answered: AtomicU64,
-    socket_dir: Option<PathBuf>,
+    /// Its port or socket folder, held while it lives.
+    _reserved: Arc<super::ports::Reserved>,
     /// When its health last answered 200 (its readiness counts).
     last_healthy: Mutex<Instant>,
 }
@@ -171,14 +150,6 @@ impl std::fmt::Debug for Upstream {
             .field("model", &self.model)
             .field("address", &self.address)
             .finish_non_exhaustive()
-    }
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        if let Some(dir) = &self.socket_dir {
-            let _ = std::fs::remove_dir_all(dir);
-        }
     }
 }
 
@@ -208,7 +179,7 @@ impl Upstream {
             idle: Mutex::new(Vec::new()),
             progress: AtomicU64::new(0),
             answered: AtomicU64::new(0),
-            socket_dir: prepared.socket_dir.clone(),
+            _reserved: Arc::clone(&prepared.reserved),
             last_healthy: Mutex::new(Instant::now()),
         }
     }
@@ -500,7 +471,7 @@ mod tests {
         let args: Vec<String> = ["--model", "{model}", "--port", "{port}"]
             .map(String::from)
             .to_vec();
-        let prepared = prepare("m", "server", &args, Some(Path::new("/models/x.gguf"))).unwrap();
+        let prepared = prepare("server", &args, Some(Path::new("/models/x.gguf"))).unwrap();
         let Address::Tcp(addr) = &prepared.address else {
             panic!("{:?}", prepared.address)
         };
@@ -513,15 +484,15 @@ mod tests {
                 &addr.port().to_string()
             ]
         );
-        let socket = prepare("m", "server", &["--sock={socket}".to_string()], None).unwrap();
+        let socket = prepare("server", &["--sock={socket}".to_string()], None).unwrap();
         let Address::Unix(path) = &socket.address else {
             panic!()
         };
         assert_eq!(socket.args, [format!("--sock={}", path.display())]);
         drop(socket);
-        let err = prepare("m", "server", &["--port=8000".to_string()], None).unwrap_err();
+        let err = prepare("server", &["--port=8000".to_string()], None).unwrap_err();
         assert!(err.contains("{port}"), "{err}");
-        let err = prepare("m", "server", &["{port}".into(), "{model}".into()], None).unwrap_err();
+        let err = prepare("server", &["{port}".into(), "{model}".into()], None).unwrap_err();
         assert!(err.contains("no `model` path"), "{err}");
     }
 }

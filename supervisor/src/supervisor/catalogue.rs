@@ -61,21 +61,13 @@ impl Supervisor {
         if program.wire == crate::child::launch::Wire::Http {
             // A server is not asked for backends; its command is checked
             // for its placeholders.
-            return crate::child::upstream::prepare(
-                &spec.name,
-                "",
-                &program.args,
-                spec.model.as_deref(),
-            )
-            .map(|prepared| {
-                if let Some(dir) = prepared.socket_dir {
-                    let _ = std::fs::remove_dir_all(dir);
-                }
-            })
-            .map_err(|reason| Error::InvalidSpec {
-                model: spec.name.clone(),
-                reason,
-            });
+            // (What it reserved is given back as it is dropped.)
+            return crate::child::upstream::prepare("", &program.args, spec.model.as_deref())
+                .map(drop)
+                .map_err(|reason| Error::InvalidSpec {
+                    model: spec.name.clone(),
+                    reason,
+                });
         }
         let Ok(offered) = crate::child::launch::offered_backends(&program) else {
             // The load will say what is wrong with the program.
