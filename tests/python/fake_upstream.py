@@ -104,6 +104,8 @@ class Handler(BaseHTTPRequestHandler):
                 "received": body,
                 "headers": {k.lower(): v for k, v in self.headers.items()},
             })
+        with LOCK:
+            active = ACTIVE
         if isinstance(body, dict) and body.get("delay_ms"):
             time.sleep(float(body["delay_ms"]) / 1000)
         status = body.get("status", 200) if isinstance(body, dict) else 200
@@ -120,6 +122,8 @@ class Handler(BaseHTTPRequestHandler):
             "received": body if body is not None else raw.decode("latin-1"),
             "headers": {k.lower(): v for k, v in self.headers.items()},
             "pid": os.getpid(),
+            # POSTs being answered when this one came in, itself included.
+            "active": active,
         })
 
     def stream(self, body):

@@ -534,6 +534,40 @@ fn the_cli_loads_swaps_and_unloads_a_server() {
     assert!(!alive(swap["new_pid"].as_u64().unwrap() as u32));
 }
 
+/// `max_concurrency` bounds what reaches the server: four clients at
+/// once, a limit of one, and the server never sees two requests at a time
+/// (it counts what it is answering); the rest queue and are all answered.
+#[test]
+fn max_concurrency_bounds_what_reaches_the_server() {
+    let server = Server::start(&config("", "", "max_concurrency = 1"));
+    assert_eq!(server.post("/api/models/fake/load", json!({})).0, 200);
+    let replies: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..4)
+            .map(|_| {
+                scope.spawn(|| {
+                    (0..3)
+                        .map(|_| {
+                            server.post("/v1/rerank", json!({"model": "fake", "delay_ms": 100}))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        clients
+            .into_iter()
+            .flat_map(|c| c.join().unwrap())
+            .collect()
+    });
+    assert_eq!(replies.len(), 12);
+    for (status, reply) in &replies {
+        assert_eq!(*status, 200, "{reply}");
+        assert_eq!(
+            reply["active"], 1,
+            "two at once reached the server: {reply}"
+        );
+    }
+}
+
 /// Keep-alive unloads an idle server like any model.
 #[test]
 fn keep_alive_unloads_an_idle_server() {
