@@ -14,7 +14,8 @@
 //!
 //! A client that goes away closes its request to the server. A server that
 //! dies mid-answer ends it at once: a stream gets a last event with the
-//! cause (exit status, stderr tail), any other answer is cut.
+//! cause (exit status, stderr tail), any other answer is cut. What the relay
+//! reads of a request and rewrites is in `request.rs`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -25,12 +26,18 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use serde_json::Value;
+
+mod request;
+
+use request::{
+    has_two_model_parts, model_of, multipart_boundary, options_of, plain_path, renamed,
+    renamed_form,
+};
 
 use super::AppState;
 use super::error::ApiError;
+use crate::Lease;
 use crate::child::upstream::PooledBody;
-use crate::{Lease, RequestOptions};
 
 /// Headers that belong to one connection (RFC 9110 §7.6.1), and berth's
 /// own credentials: never passed on, either way.
@@ -61,6 +68,10 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
     let bytes = axum::body::to_bytes(body, usize::MAX)
         .await
         .unwrap_or_default();
+    if has_two_model_parts(&parts.headers, &bytes) {
+        // The server could read another than the one berth routed by.
+        return ApiError::bad_request("the form has two `model` parts; send one").into_response();
+    }
     let model = model_of(&parts.headers, &bytes).map(|m| app.supervisor.canonical(&m));
     match model {
         Some(model) if app.supervisor.is_http_model(&model) && !plain_path(parts.uri.path()) => {
@@ -87,69 +98,6 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
                 .await
         }
     }
-}
-
-/// A path with no `.` or `..` segment (written plainly or percent-encoded),
-/// no encoded `/` or `\\` and no empty segment but a trailing one: what berth checked (`/v1/`)
-/// is what the server sees, whatever it normalises.
-fn plain_path(path: &str) -> bool {
-    let lower = path.to_ascii_lowercase();
-    if lower.contains("%2f") || lower.contains("%5c") || lower.contains('\\') {
-        return false;
-    }
-    let segments: Vec<&str> = lower.split('/').skip(1).collect();
-    segments.iter().enumerate().all(|(i, segment)| {
-        let dots = segment.replace("%2e", ".");
-        // A trailing `/` is a path of its own, not a way around `/v1/`.
-        (!segment.is_empty() || i + 1 == segments.len()) && dots != "." && dots != ".."
-    })
-}
-
-/// The `model` a request names: the JSON body's `model` field, or a
-/// multipart form's `model` part (audio transcriptions).
-fn model_of(headers: &HeaderMap, body: &[u8]) -> Option<String> {
-    let content_type = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    if let Some(boundary) = multipart_boundary(content_type) {
-        return multipart_field(body, &boundary, "model");
-    }
-    #[derive(serde::Deserialize)]
-    struct Named {
-        model: String,
-    }
-    serde_json::from_slice::<Named>(body).ok().map(|n| n.model)
-}
-
-fn multipart_boundary(content_type: &str) -> Option<String> {
-    let mut parts = content_type.split(';');
-    if !parts
-        .next()?
-        .trim()
-        .eq_ignore_ascii_case("multipart/form-data")
-    {
-        return None;
-    }
-    parts.find_map(|p| {
-        let (key, value) = p.trim().split_once('=')?;
-        key.eq_ignore_ascii_case("boundary")
-            .then(|| value.trim_matches('"').to_string())
-    })
-}
-
-/// The value of the form field `name` in a `multipart/form-data` body.
-fn multipart_field(body: &[u8], boundary: &str, name: &str) -> Option<String> {
-    let delimiter = format!("--{boundary}");
-    let text = String::from_utf8_lossy(body);
-    text.split(delimiter.as_str()).find_map(|part| {
-        let (head, value) = part.split_once("\r\n\r\n")?;
-        let named = head.lines().any(|l| {
-            l.to_ascii_lowercase().starts_with("content-disposition:")
-                && l.contains(&format!("name=\"{name}\""))
-        });
-        named.then(|| value.trim_end_matches("\r\n").to_string())
-    })
 }
 
 /// Relays one request to `model`'s server and returns its answer.
@@ -179,9 +127,14 @@ async fn relay(
     };
     let upstream = std::sync::Arc::clone(lease.upstream());
     let spec = upstream.spec();
-    let body = match &spec.model {
-        Some(name) => renamed(body, name),
-        None => body,
+    let form = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(multipart_boundary);
+    let body = match (&spec.model, form) {
+        (Some(name), Some(boundary)) => renamed_form(body, &boundary, name),
+        (Some(name), None) => renamed(body, name),
+        (None, _) => body,
     };
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
     let mut request = axum::http::Request::builder()
@@ -289,33 +242,6 @@ async fn until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
-/// berth's own request options in a JSON body (`keep_alive`, `timeout`, as
-/// its own routes take them); they reach the server too, untouched.
-fn options_of(body: &[u8]) -> Result<RequestOptions, ApiError> {
-    #[derive(serde::Deserialize)]
-    struct Options {
-        keep_alive: Option<super::openai::KeepAliveField>,
-        timeout: Option<super::openai::KeepAliveField>,
-    }
-    match serde_json::from_slice::<Options>(body) {
-        Ok(o) => super::openai::request_options(o.keep_alive.as_ref(), o.timeout.as_ref()),
-        // Not JSON (a form), or fields of other types: none of berth's.
-        Err(_) => Ok(RequestOptions::default()),
-    }
-}
-
-/// `body` with its JSON `model` field set to `name` (the server's own name
-/// for the model); any other body as it is.
-fn renamed(body: Bytes, name: &str) -> Bytes {
-    match serde_json::from_slice::<Value>(&body) {
-        Ok(Value::Object(mut object)) => {
-            object.insert("model".into(), Value::String(name.into()));
-            serde_json::to_vec(&object).map(Bytes::from).unwrap_or(body)
-        }
-        _ => body,
-    }
-}
-
 /// A future that resolves with the server's death as an error.
 fn on_death(lease: &Lease) -> impl Future<Output = ApiError> + Send + 'static {
     let watch = lease.death_watch();
@@ -416,59 +342,5 @@ impl RelayBody {
         if let Some(mut lease) = self.lease.take() {
             lease.failed();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_model_is_read_from_json_or_a_form() {
-        let mut headers = HeaderMap::new();
-        headers.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
-        assert_eq!(
-            model_of(
-                &headers,
-                br#"{"messages": [], "model": "m1", "tools": [1]}"#
-            ),
-            Some("m1".into())
-        );
-        assert_eq!(model_of(&headers, b"not json"), None);
-        headers.insert(
-            header::CONTENT_TYPE,
-            "multipart/form-data; boundary=XyZ".parse().unwrap(),
-        );
-        let form = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF....\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ--\r\n";
-        assert_eq!(model_of(&headers, form), Some("whisper-1".into()));
-    }
-
-    #[test]
-    fn only_plain_paths_reach_a_server() {
-        assert!(plain_path("/v1/chat/completions"));
-        assert!(plain_path("/v1/audio/transcriptions"));
-        assert!(plain_path("/v1/models/"));
-        for path in [
-            "/v1/../slots",
-            "/v1/%2e%2e/props",
-            "/v1/%2E./props",
-            "/v1/./x",
-            "/v1//x",
-            "/v1/a%2fb",
-            "/v1/a\\b",
-        ] {
-            assert!(!plain_path(path), "{path}");
-        }
-    }
-
-    #[test]
-    fn a_rename_keeps_every_other_field() {
-        let body =
-            Bytes::from_static(br#"{"model":"berth-name","tools":[{"x":1}],"logprobs":true}"#);
-        let renamed: Value = serde_json::from_slice(&renamed(body, "upstream-name")).unwrap();
-        assert_eq!(
-            renamed,
-            serde_json::json!({"model": "upstream-name", "tools": [{"x": 1}], "logprobs": true})
-        );
     }
 }
