@@ -580,3 +580,30 @@ fn a_server_s_child_holding_vram_counts_as_the_model_s() {
     assert!(u(&report["gpu_reclaimed_bytes"]) >= 3 * GIB, "{report}");
     assert!(!alive(children[0]));
 }
+
+/// A declared `vram` is held for as long as its worker runs, not only
+/// while it loads: a model that has not grown into its share yet still
+/// has it, so a newcomer that would not fit beside the whole share makes
+/// room by evicting it (idle) rather than being placed into it.
+#[test]
+fn a_declared_share_is_held_while_its_model_runs() {
+    let fake = FakeGpu::new();
+    let model = |name: &str, vram: &str| {
+        format!(
+            "[[model]]\nname = \"{name}\"\nbackend = \"gpu-hog\"\ngpus = [0]\nvram = \"{vram}\"\n\
+             options = {{ alloc_mib = 1024 }}\n"
+        )
+    };
+    let server = fake.serve(&format!(
+        "{}{}",
+        model("first", "40GiB"),
+        model("second", "45GiB")
+    ));
+    load(&server, "first");
+    // 80 GiB, 1.5 GiB of it used: 45 GiB is free, but 38.5 GiB of that is
+    // `first`'s share.
+    let report = load(&server, "second");
+    assert_eq!(report["gpus"], json!([0]), "{report}");
+    let loaded: Vec<Value> = server.ps().iter().map(|m| m["name"].clone()).collect();
+    assert_eq!(loaded, [json!("second")], "first was evicted to make room");
+}

@@ -87,6 +87,7 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
                 None => last_progress = Some((stats.progress, answered)),
                 Some((_, since)) => {
                     if let Some(stall) = policy.stall_timeout
+                        && !worker.process().is_stopping()
                         // Never early: at least `stall` without progress;
                         // at most about two intervals late (one until a tick
                         // first sees the request, one to the tick that ends it).

@@ -198,8 +198,8 @@ pub(crate) async fn launch(
     let mut env = program.env.clone();
     if let Some(gpus) = &gpus {
         env.extend(gpu::worker_env(gpus, gpu::uuid));
-        // The smallest card decides the share a framework may take of each.
-        let total = gpus.iter().filter_map(|&i| gpu::total_bytes(i)).min();
+        let totals: Vec<Option<u64>> = gpus.iter().map(|&i| gpu::total_bytes(i)).collect();
+        let total = gpu::fraction_base(&totals);
         env.extend(gpu::framework_env(
             spec.vram,
             config.gpu_memory_budget,

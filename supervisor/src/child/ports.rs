@@ -67,20 +67,27 @@ pub(crate) fn port() -> Result<(SocketAddr, Reserved), String> {
 pub(crate) fn socket_dir() -> Result<(PathBuf, Reserved), String> {
     use std::os::unix::fs::DirBuilderExt;
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "berth-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|e| format!("cannot make a folder for the server's socket: {e}"))?;
-    let reserved = Reserved {
-        port: None,
-        dir: Some(dir.clone()),
-    };
-    Ok((dir, reserved))
+    // A name already taken (left by an earlier berth with the same pid, as
+    // pid 1 in a container, or made by someone else) is passed over.
+    for _ in 0..64 {
+        let dir = std::env::temp_dir().join(format!(
+            "berth-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {
+                let reserved = Reserved {
+                    port: None,
+                    dir: Some(dir.clone()),
+                };
+                return Ok((dir, reserved));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(format!("cannot make a folder for the server's socket: {e}")),
+        }
+    }
+    Err("cannot make a folder for the server's socket: 64 names in a row were taken".into())
 }
 
 /// The inodes of the sockets listening on loopback (or every address) at
@@ -96,9 +103,16 @@ fn listening_on(port: u16) -> HashSet<u64> {
     inodes
 }
 
-/// The listening sockets' inodes at `port` in one `/proc/net/tcp*` table.
+/// The listening sockets' inodes at `port` in one `/proc/net/tcp*` table,
+/// on the addresses a connection to `127.0.0.1:port` can reach: loopback
+/// or every address (a listener on another address is not in the way).
 fn listeners_in(table: &str, port: u16) -> Vec<u64> {
-    let wanted = format!(":{port:04X}");
+    const REACHED: [&str; 4] = [
+        "0100007F",                         // 127.0.0.1
+        "00000000",                         // 0.0.0.0
+        "00000000000000000000000000000000", // ::
+        "0000000000000000FFFF00000100007F", // ::ffff:127.0.0.1
+    ];
     table
         .lines()
         .skip(1)
@@ -106,7 +120,9 @@ fn listeners_in(table: &str, port: u16) -> Vec<u64> {
             let fields: Vec<&str> = line.split_whitespace().collect();
             // sl local_address rem_address st ... uid timeout inode
             let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
-            (local.ends_with(&wanted) && *state == "0A")
+            let (address, at) = local.split_once(':')?;
+            let reached = REACHED.contains(&address) && u16::from_str_radix(at, 16).ok()? == port;
+            (reached && *state == "0A")
                 .then(|| inode.parse().ok())
                 .flatten()
         })
@@ -166,6 +182,7 @@ mod tests {
    0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0
    1: 0100007F:1F90 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 4343 1 0000000000000000 20 4 30 10 -1
    2: 00000000:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4444 1 0000000000000000 100 0 0 10 0
+   3: 0500000A:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4545 1 0000000000000000 100 0 0 10 0
 ";
         assert_eq!(listeners_in(table, 0x1F90), [4242]);
         assert_eq!(listeners_in(table, 0x1F91), [4444]);

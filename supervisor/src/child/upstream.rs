@@ -299,13 +299,18 @@ impl Upstream {
         let mut request = request;
         let response = loop {
             let reused = conn.idle_since.is_some();
-            if let Err(e) = conn.sender.ready().await {
-                conn.driver.abort();
-                if reused {
-                    // The server closed it while it waited: a new one.
+            if reused {
+                // A pooled connection is ready at once, unless the server
+                // closed it while it waited, or left it half-way (an early
+                // answer to an upload it never read): then a new one.
+                let ready = tokio::time::timeout(Duration::from_secs(1), conn.sender.ready()).await;
+                if !matches!(ready, Ok(Ok(()))) {
+                    conn.driver.abort();
                     conn = self.connect().await.map_err(RelayError::Connect)?;
                     continue;
                 }
+            } else if let Err(e) = conn.sender.ready().await {
+                conn.driver.abort();
                 return Err(RelayError::Http(e));
             }
             match conn.sender.try_send_request(request).await {

@@ -31,8 +31,9 @@ pub const VRAM_BYTES: &str = "BERTH_VRAM_BYTES";
 
 /// The environment that tells the frameworks in a worker its share of each
 /// card: `share`, the model's declared `vram`; `budget`, the per-GPU
-/// budget; `total`, the memory of the smallest of its cards (`None` when
-/// NVML could not say); `set`, what the operator's env already holds.
+/// budget; `total`, the memory of the largest of its cards (JAX applies
+/// its fraction to each card's own memory; `None` when NVML could not say
+/// for one of them); `set`, what the operator's env already holds.
 pub fn framework_env(
     share: Option<u64>,
     budget: Option<u64>,
@@ -43,20 +44,37 @@ pub fn framework_env(
     let mut env = Vec::new();
     if let Some(share) = share {
         env.push((VRAM_BYTES.to_string(), share.to_string()));
-    } else if !operator(PREALLOCATE) {
-        env.push((PREALLOCATE.to_string(), "false".into()));
     }
     let cap = share.or(budget);
-    if let (Some(cap), Some(total)) = (cap, total)
-        && total > 0
-        && !FRACTION.iter().any(|name| operator(name))
-    {
-        let fraction = fraction_of(cap, total);
+    let fraction = match (cap, total) {
+        (Some(cap), Some(total)) if total > 0 => Some(fraction_of(cap, total)),
+        _ => None,
+    };
+    let operator_fraction = FRACTION.iter().any(|name| operator(name));
+    if let Some(fraction) = fraction.as_ref().filter(|_| !operator_fraction) {
         for name in FRACTION {
             env.push((name.to_string(), fraction.clone()));
         }
     }
+    // Preallocating is right only for a share berth told it: else JAX's
+    // default (75% of the card) is no one's to take.
+    if (share.is_none() || (fraction.is_none() && !operator_fraction)) && !operator(PREALLOCATE) {
+        env.push((PREALLOCATE.to_string(), "false".into()));
+    }
     env
+}
+
+/// The card size a fraction is worked out against, for a worker on cards of
+/// these sizes: JAX takes its fraction of each card's own memory, so the
+/// largest card decides the fraction that keeps it within its share on
+/// every one; with a card of unknown size, none.
+pub fn fraction_base(totals: &[Option<u64>]) -> Option<u64> {
+    totals
+        .iter()
+        .copied()
+        .collect::<Option<Vec<u64>>>()?
+        .into_iter()
+        .max()
 }
 
 /// `part / total` rounded down to three decimals (so the framework never
@@ -97,10 +115,23 @@ mod tests {
         assert_eq!(get(&env, VRAM_BYTES), None);
         let env = framework_env(None, None, Some(80 * GIB), &[]);
         assert_eq!(env, [(PREALLOCATE.to_string(), "false".to_string())]);
-        // NVML could not give the card's size: no fraction is made up.
+        // NVML could not give the card's size: no fraction is made up, and
+        // JAX must not take its default 75% either.
         let env = framework_env(Some(GIB), None, None, &[]);
         assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), None);
         assert_eq!(get(&env, VRAM_BYTES), Some("1073741824"));
+        assert_eq!(get(&env, PREALLOCATE), Some("false"));
+    }
+
+    #[test]
+    fn on_cards_of_two_sizes_the_share_holds_on_the_largest() {
+        // 12 GiB on a 24 GiB and an 80 GiB card: 0.150 of each, never 0.500
+        // (40 GiB of the large one).
+        let base = fraction_base(&[Some(24 * GIB), Some(80 * GIB)]);
+        assert_eq!(base, Some(80 * GIB));
+        let env = framework_env(Some(12 * GIB), None, base, &[]);
+        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), Some("0.150"));
+        assert_eq!(fraction_base(&[Some(80 * GIB), None]), None);
     }
 
     #[test]

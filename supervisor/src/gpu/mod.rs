@@ -14,7 +14,7 @@ mod nvml;
 mod placement;
 mod status;
 
-pub use frameworks::{VRAM_BYTES, framework_env};
+pub use frameworks::{VRAM_BYTES, fraction_base, framework_env};
 pub use nvml::{DeviceReading, Inventory, inventory, process_vram, total_bytes, uuid};
 pub use placement::{AutoWord, GpuRequest, Holder, Plan, plan, worker_env};
 pub use status::{DeviceStatus, GpuProcess, GpuStatus};

@@ -60,7 +60,8 @@ pub struct Holder {
     pub pids: Vec<u32>,
     /// The devices it was placed on.
     pub gpus: Vec<u32>,
-    /// VRAM counted on each of `gpus` for a load still in progress.
+    /// VRAM counted on each of `gpus` at least: a load's still in progress,
+    /// or a declared share (`vram`) for as long as its worker runs.
     pub reserved_bytes: u64,
     /// Ready, idle and not being replaced: eviction may stop it.
     pub evictable: bool,

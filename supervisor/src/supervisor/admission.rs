@@ -322,6 +322,15 @@ pub(super) fn is_idle(state: &State, name: &str, slot: &Slot) -> bool {
 /// `model` itself (being replaced) is never a candidate for eviction, and
 /// its own reservation (a retried restart's) is not counted against it.
 pub(super) fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
+    // A declared share is held for as long as its worker runs, used or not
+    // (a PyTorch model grows into it at its first large batch).
+    let share = |name: &str| {
+        state
+            .catalogue
+            .get(name)
+            .and_then(|e| e.spec.vram)
+            .unwrap_or(0)
+    };
     let mut holders: Vec<gpu::Holder> = state
         .retiring
         .values()
@@ -329,7 +338,7 @@ pub(super) fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
             model: r.model.clone(),
             pids: r.worker.pids(),
             gpus: r.gpus.clone(),
-            reserved_bytes: 0,
+            reserved_bytes: share(&r.model),
             evictable: false,
             last_used: 0,
         })
@@ -342,7 +351,7 @@ pub(super) fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
                 model: name.clone(),
                 pids: worker.pids(),
                 gpus: slot.gpus.clone(),
-                reserved_bytes: 0,
+                reserved_bytes: share(name),
                 evictable: name != model && is_idle(state, name, slot),
                 last_used,
             });

@@ -160,11 +160,19 @@ async fn relay(
     }
     let died = Box::pin(on_death(&lease));
     let sent = tokio::select! {
-        sent = upstream.send(request) => sent,
-        error = lease.died() => return ApiError::from(error).into_response(),
-        () = until(deadline) => return late().into_response(),
+        sent = upstream.send(request) => Ok(sent),
+        error = lease.died() => Err(ApiError::from(error)),
+        () = until(deadline) => Err(late()),
     };
     let mut lease = lease;
+    // No answer began: the server died, or the deadline came first.
+    let sent = match sent {
+        Ok(sent) => sent,
+        Err(error) => {
+            lease.failed();
+            return error.into_response();
+        }
+    };
     let response = match sent {
         Ok(response) => response,
         Err(e) => {

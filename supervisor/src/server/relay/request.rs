@@ -87,7 +87,12 @@ fn form_spans(body: &[u8], boundary: &str, name: &str) -> Vec<std::ops::Range<us
             .position(|w| w == what)
             .map(|at| from + at)
     };
-    let wanted = format!("name=\"{name}\"");
+    // `name="model"`, `name=model`, `NAME = "model"`: as servers read it.
+    let names = |param: &str| {
+        param.split_once('=').is_some_and(|(key, value)| {
+            key.trim().eq_ignore_ascii_case("name") && value.trim().trim_matches('"') == name
+        })
+    };
     let mut spans = Vec::new();
     let mut at = find(0, delimiter);
     while let Some(here) = at {
@@ -98,7 +103,7 @@ fn form_spans(body: &[u8], boundary: &str, name: &str) -> Vec<std::ops::Range<us
             let head = String::from_utf8_lossy(&body[part_start..head_end]);
             let named = head.lines().any(|l| {
                 l.to_ascii_lowercase().starts_with("content-disposition:")
-                    && l.split(';').any(|p| p.trim() == wanted)
+                    && l.split(';').skip(1).any(names)
             });
             if named {
                 let value_end = if body[..part_end].ends_with(b"\r\n") {
@@ -206,6 +211,10 @@ mod tests {
         let renamed = renamed_form(Bytes::from_static(form), "XyZ", "large-v3");
         let expected: &[u8] = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\xff\x00\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nlarge-v3\r\n--XyZ--\r\n";
         assert_eq!(&renamed[..], expected);
+        // Written without quotes, or another way, it is still `model`.
+        let unquoted: &[u8] =
+            b"--B\r\nContent-Disposition: form-data; NAME = model\r\n\r\nv\r\n--B--\r\n";
+        assert_eq!(form_spans(unquoted, "B", "model").len(), 1);
         // `name="model_x"` is not `model`.
         let other: &[u8] =
             b"--B\r\nContent-Disposition: form-data; name=\"model_x\"\r\n\r\nv\r\n--B--\r\n";
