@@ -142,26 +142,26 @@ pub(crate) async fn infer(
     let (done, left_out) = final_answer(stream, &name).await?;
     let mut response = match answer {
         Answer::Bytes => {
-            let mut bytes = Vec::with_capacity(done.json.len() + done.bulk_bytes().len());
-            bytes.extend_from_slice(done.json.as_bytes());
-            bytes.extend_from_slice(done.bulk_bytes());
+            let json_length = done.json.len();
+            let (length, body) = bytes_answer(done);
             let mut response =
-                ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response();
-            response
-                .headers_mut()
-                .insert(JSON_LENGTH, HeaderValue::from(done.json.len()));
+                ([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response();
+            let headers = response.headers_mut();
+            headers.insert(JSON_LENGTH, HeaderValue::from(json_length));
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
             response
         }
         _ if matches!(done.bulk, Bulk::None) => {
             ([(header::CONTENT_TYPE, "application/json")], done.json).into_response()
         }
         _ => {
-            let envelope = with_bulk(json!({ "body": parsed(&name, &done.json)? }), &done);
-            (
-                [(header::CONTENT_TYPE, "application/json")],
-                envelope.to_string(),
-            )
-                .into_response()
+            let answer = parsed(&name, &done.json)?;
+            let (length, body) = enveloped(answer, done);
+            let mut response = ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+            response
+                .headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+            response
         }
     };
     if left_out > 0 {
@@ -246,6 +246,52 @@ fn parsed(model: &str, json: &str) -> Result<Value, ApiError> {
             format!("model `{model}` answered JSON that does not parse: {e}"),
         )
     })
+}
+
+/// An answer's bulk bytes, owned where the worker left them (a shared
+/// region, a sealed memfd), so they are written to the client from there.
+struct BulkOf(Body);
+
+impl AsRef<[u8]> for BulkOf {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bulk_bytes()
+    }
+}
+
+/// The answer as bytes (its JSON, then its bulk) and its length: the bulk
+/// is written from where it lies, not copied, so a client that reads slowly
+/// makes the server hold no copy of it.
+fn bytes_answer(mut done: Body) -> (usize, axum::body::Body) {
+    let json = Bytes::from(std::mem::take(&mut done.json));
+    let length = json.len() + done.bulk_bytes().len();
+    let bulk = Bytes::from_owner(BulkOf(done));
+    let pieces = stream::iter([json, bulk].map(Ok::<_, Infallible>));
+    (length, axum::body::Body::from_stream(pieces))
+}
+
+/// Bulk bytes encoded per piece of the envelope: a multiple of 3, so the
+/// pieces' base64 is the whole's.
+const BASE64_PIECE: usize = 48 << 10;
+
+/// `{"body": ANSWER, "bulk_base64": "..."}` and its length, the base64
+/// encoded piece by piece as the client takes it: a slow reader makes the
+/// server hold one piece of it, not the whole text (a third larger than the
+/// bytes).
+fn enveloped(answer: Value, done: Body) -> (usize, axum::body::Body) {
+    let head = format!("{{\"body\":{answer},\"bulk_base64\":\"");
+    let bulk_length = done.bulk_bytes().len();
+    let length = head.len() + bulk_length.div_ceil(3) * 4 + 2;
+    let done = std::sync::Arc::new(done);
+    let pieces = bulk_length.div_ceil(BASE64_PIECE);
+    let encoded = stream::iter(0..pieces).map(move |i| {
+        let bytes = done.bulk_bytes();
+        let piece = &bytes[i * BASE64_PIECE..((i + 1) * BASE64_PIECE).min(bytes.len())];
+        Ok::<_, Infallible>(Bytes::from(super::base64::encode(piece)))
+    });
+    let whole = stream::once(async move { Ok(Bytes::from(head)) })
+        .chain(encoded)
+        .chain(stream::once(async { Ok(Bytes::from_static(b"\"}")) }));
+    (length, axum::body::Body::from_stream(whole))
 }
 
 /// `object` with the body's bulk bytes in base64 beside it, if it has any.
