@@ -375,12 +375,18 @@ async fn cancel_stops_the_work_and_the_worker_goes_on(w: Worker) {
 
 async fn a_crash_mid_request_fails_in_flight_requests_at_once(w: Worker) {
     let sup = supervisor();
-    sup.load(w.spec("x", "fault").option("crash_on", "poison"))
-        .await
-        .unwrap();
+    sup.load(
+        w.spec("x", "fault")
+            .option("crash_on", "poison")
+            .option("crash_delay_ms", 300),
+    )
+    .await
+    .unwrap();
     let started = Instant::now();
     // The poison first; the second request waits behind it in the worker
-    // and is in flight when the worker dies: both fail, at once.
+    // and is in flight when the worker dies, 300 ms later (a poison that
+    // killed the worker at once could be mourned before the second was
+    // even sent, which then waited for the restart): both fail, at once.
     let mut poison = sup
         .request_stream("x", Body::json(r#"{"input":"poison"}"#))
         .await

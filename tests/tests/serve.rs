@@ -515,6 +515,14 @@ fn a_post_without_a_body_needs_no_content_type() {
     );
     assert_eq!(status, 403, "a foreign origin: {body}");
     assert!(body.contains("forbidden_origin"), "{body}");
+    // A host name a DNS-rebinding page would send: refused too.
+    let (status, body) = raw_http(
+        port,
+        "POST /api/models/echo/load HTTP/1.1\r\nHost: attacker.example:7733\r\n\
+         Connection: close\r\n\r\n",
+    );
+    assert_eq!(status, 403, "a foreign host: {body}");
+    assert!(body.contains("forbidden_host"), "{body}");
     let (status, body) = raw_http(
         port,
         &format!("POST /api/models/echo/load HTTP/1.1\r\n{host}Content-Length: 2\r\n\r\n{{}}"),

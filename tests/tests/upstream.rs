@@ -302,10 +302,14 @@ fn a_server_closing_idle_connections_loses_no_request() {
 /// answering 503) do not make a server lost: it keeps its pid.
 #[test]
 fn a_few_failed_health_checks_within_the_window_are_not_a_lost_server() {
-    let server = Server::start(&config("health-503-after", ", \"--after\", \"2\"", ""));
+    // A window well past the two failed checks, however late a tick comes.
+    let server = Server::start(
+        &config("health-503-after", ", \"--after\", \"2\"", "")
+            .replace("unhealthy_after = \"3s\"", "unhealthy_after = \"6s\""),
+    );
     assert_eq!(server.post("/api/models/fake/load", json!({})).0, 200);
     let first = ps_of(&server, "fake")["pid"].as_u64().unwrap();
-    // Two checks, a second apart, answer 503 (inside the 3 s window), then
+    // Two checks, a second apart, answer 503 (inside the 6 s window), then
     // 200 again.
     std::thread::sleep(Duration::from_secs(7));
     let ps = ps_of(&server, "fake");

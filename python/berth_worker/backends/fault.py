@@ -18,6 +18,8 @@ Other options:
   (a slow but progressing load);
 - ``crash_on``: a request whose body, as compact JSON text, contains this
   text crashes the worker (a poison input); others are echoed;
+  ``crash_delay_ms`` first works on it that long (so requests sent after it
+  are surely in flight when it dies);
 - ``crash_on_load_if_exists``: crashes at load while this file exists (a
   model broken until someone fixes it);
 - ``spawn_grandchild``: at load, starts a process that ignores SIGTERM (a
@@ -59,6 +61,7 @@ OPTIONS = (
     "exit_code",
     "load_delay_ms",
     "crash_on",
+    "crash_delay_ms",
     "crash_on_load_if_exists",
     "spawn_grandchild",
     "stderr_bytes",
@@ -97,6 +100,7 @@ class Fault(Backend):
         self.mode = "ok"
         self.exit_code = 3
         self.crash_on: Optional[str] = None
+        self.crash_delay_ms = 0
         self.grandchild: "Optional[subprocess.Popen[bytes]]" = None
         self.stderr_bytes = 0
         self.response_bytes = 0
@@ -119,6 +123,7 @@ class Fault(Backend):
         delay_ms = opts.int("load_delay_ms", 0, minimum=0)
         self.exit_code = opts.int("exit_code", 3)
         self.crash_on = opts.str("crash_on")
+        self.crash_delay_ms = opts.int("crash_delay_ms", 0, minimum=0)
         self.stderr_bytes = opts.int("stderr_bytes", 0, minimum=0)
         self.response_bytes = opts.int("response_bytes", 0, minimum=0)
         spawn = opts.bool("spawn_grandchild", False)
@@ -155,6 +160,7 @@ class Fault(Backend):
         if self.crash_on is not None:
             text = json.dumps(request.body, separators=(",", ":"), ensure_ascii=False)
             if self.crash_on in text:
+                time.sleep(self.crash_delay_ms / 1000)
                 crash()
         if self.mode == "crash-on-request":
             crash()

@@ -13,7 +13,8 @@
 //! Other options:
 //! - `load_delay_ms`: sleeps during load (a slow but progressing load);
 //! - `crash_on`: a request whose JSON contains this text crashes the worker
-//!   (a poison input), others are echoed;
+//!   (a poison input), others are echoed; `crash_delay_ms` first works on it
+//!   that long (so requests sent after it are surely in flight when it dies);
 //! - `crash_on_load_if_exists`: crashes at load while this file exists (a
 //!   model broken until someone fixes it);
 //! - `spawn_grandchild`: at load, starts a process that ignores SIGTERM (a
@@ -64,6 +65,7 @@ struct Fault {
     mode: Mode,
     exit_code: i32,
     crash_on: Option<String>,
+    crash_delay_ms: u64,
     grandchild: Option<std::process::Child>,
     stderr_bytes: usize,
     response_bytes: usize,
@@ -106,6 +108,7 @@ pub const OPTIONS: &[&str] = &[
     "exit_code",
     "load_delay_ms",
     "crash_on",
+    "crash_delay_ms",
     "crash_on_load_if_exists",
     "spawn_grandchild",
     "escape_mib",
@@ -193,6 +196,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         mode,
         exit_code: opts.get_or("exit_code", 3)?,
         crash_on: opts.str("crash_on").map(str::to_owned),
+        crash_delay_ms: opts.get_or("crash_delay_ms", 0)?,
         grandchild,
         stderr_bytes: opts.get_or("stderr_bytes", 0)?,
         response_bytes: opts.get_or("response_bytes", 0)?,
@@ -223,6 +227,7 @@ impl Backend for Fault {
             .as_deref()
             .is_some_and(|poison| request.json.contains(poison))
         {
+            std::thread::sleep(std::time::Duration::from_millis(self.crash_delay_ms));
             crash();
         }
         match self.mode {
