@@ -9,22 +9,35 @@
 //!
 //! When the worker dies, every pending request fails at once with the exit
 //! status and the last lines of stderr; nothing waits for a time-out.
+//!
+//! Beside this file: `memory` (what the supervisor reads of the worker's
+//! memory), `response` (one request's answer as its caller reads it) and
+//! `in_flight` (the count a drain waits on).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+mod in_flight;
+mod memory;
+mod response;
+
+use in_flight::InFlight;
+pub(crate) use in_flight::InFlightToken;
+
+pub use response::{Piece, ResponseStream};
+
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use berth_protocol::{Body, Command, Event, LoadInfo, LoadSpec, RequestId, WorkerStats};
+use berth_protocol::{Body, Command, Event, LoadInfo, LoadSpec, WorkerStats};
 use nix::sys::signal::Signal;
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{mpsc, watch};
 
 use crate::base::KillCause;
 use crate::child::death::Death;
 use crate::child::handshake::Accepted;
 use crate::child::link::{Events, Link};
-use crate::child::memory::{ProcessMemory, process_memory};
+use crate::child::memory::ProcessMemory;
 use crate::child::process::ProcessWatch;
-use crate::child::routes::{Backlog, Dispatch, Reply, Routes, Waiting, piece_bytes};
+use crate::child::routes::{Backlog, Dispatch, Routes, Waiting};
 use crate::child::stream::SendError;
 use crate::child::upstream::Upstream;
 use crate::error::{Error, Result};
@@ -93,35 +106,6 @@ impl std::fmt::Debug for WorkerHandle {
 
 /// What an HTTP server's model shows as its backend.
 pub const HTTP_BACKEND: &str = "http";
-
-/// A request in flight on a worker, counted out when dropped.
-#[derive(Debug)]
-pub(crate) struct InFlightToken(Arc<InFlight>);
-
-impl Drop for InFlightToken {
-    fn drop(&mut self) {
-        self.0.leave();
-    }
-}
-
-/// Requests in flight, with a wake-up for whoever waits for zero.
-#[derive(Debug, Default)]
-struct InFlight {
-    count: AtomicU32,
-    zero: Notify,
-}
-
-impl InFlight {
-    fn enter(&self) {
-        self.count.fetch_add(1, Ordering::SeqCst);
-    }
-
-    fn leave(&self) {
-        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.zero.notify_waiters();
-        }
-    }
-}
 
 impl WorkerHandle {
     /// Wraps a worker that has said hello: starts its reader and the task
@@ -270,34 +254,6 @@ impl WorkerHandle {
         self.upstream.as_ref()
     }
 
-    /// The processes besides the worker whose memory counts as its: for an
-    /// HTTP server, what it started (its group and its cgroup), which is
-    /// where a server that forks workers keeps its memory.
-    fn tree(&self) -> Option<Vec<u32>> {
-        self.upstream.as_ref()?;
-        let mut pids = crate::child::memory::group_members(self.pid);
-        if let Some(cgroup) = self.process.cgroup() {
-            pids.extend(cgroup.members());
-        }
-        pids.push(self.pid);
-        pids.sort_unstable();
-        pids.dedup();
-        *self.tree_seen.lock().unwrap_or_else(|e| e.into_inner()) = pids.clone();
-        Some(pids)
-    }
-
-    /// The pids whose device memory is the model's: the worker's own, and
-    /// for an HTTP server everything it started as last seen (vLLM keeps
-    /// its weights in an engine process of its own). Reads nothing.
-    pub fn pids(&self) -> Vec<u32> {
-        let seen = self.tree_seen.lock().unwrap_or_else(|e| e.into_inner());
-        if seen.is_empty() {
-            vec![self.pid]
-        } else {
-            seen.clone()
-        }
-    }
-
     pub fn model(&self) -> &str {
         &self.model
     }
@@ -346,85 +302,6 @@ impl WorkerHandle {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
-    }
-
-    /// The latest memory reading.
-    pub fn memory(&self) -> MemoryState {
-        *self.memory.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Reads the worker's memory from procfs now and records it (for an
-    /// HTTP server, with everything it started).
-    pub fn sample_memory(&self) -> Option<ProcessMemory> {
-        let reading = match self.tree() {
-            Some(tree) => crate::child::memory::tree_memory(self.pid, &tree)?,
-            None => process_memory(self.pid)?,
-        };
-        let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
-        let peak = m.last.peak_rss_bytes.max(reading.peak_rss_bytes);
-        m.last = ProcessMemory {
-            peak_rss_bytes: peak,
-            ..reading
-        };
-        m.sampled_at = Some(Instant::now());
-        Some(m.last)
-    }
-
-    /// Reads just the worker's resident memory now (`statm`: cheap, unlike
-    /// a full sample) and records it; `None` once the process is gone.
-    pub fn sample_rss(&self) -> Option<u64> {
-        let rss = match self.tree() {
-            Some(tree) => crate::child::memory::tree_resident_bytes(self.pid, &tree)?,
-            None => crate::child::memory::resident_bytes(self.pid)?,
-        };
-        let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
-        m.last.rss_bytes = rss;
-        m.last.peak_rss_bytes = m.last.peak_rss_bytes.max(rss);
-        Some(rss)
-    }
-
-    /// The last reading if it is younger than `max_age`, else a new one:
-    /// status views polled in a loop then cost at most one procfs read per
-    /// worker per `max_age`, however many clients poll.
-    pub fn recent_memory(&self, max_age: Duration) -> Option<ProcessMemory> {
-        {
-            let m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
-            if m.sampled_at.is_some_and(|at| at.elapsed() < max_age) {
-                return Some(m.last);
-            }
-        }
-        self.sample_memory()
-    }
-
-    /// Records, after load, the current RSS as the base of the growth trend
-    /// and how long the load took (what a replacement will cost).
-    pub(crate) fn set_baseline(&self, load_time: Duration) {
-        let rss = self.memory().last.rss_bytes;
-        self.baseline_rss.store(rss, Ordering::Relaxed);
-        self.load_micros
-            .store(load_time.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    /// Spawn to ready for this worker.
-    pub fn load_time(&self) -> Duration {
-        Duration::from_micros(self.load_micros.load(Ordering::Relaxed))
-    }
-
-    /// Resident memory growth per request since load; a leak shows here.
-    pub fn rss_growth_per_request(&self) -> f64 {
-        let requests = self.requests();
-        if requests == 0 {
-            return 0.0;
-        }
-        let now = self.memory().last.rss_bytes;
-        now.saturating_sub(self.baseline_rss.load(Ordering::Relaxed)) as f64 / requests as f64
-    }
-
-    fn record_stats(&self, stats: WorkerStats) {
-        self.memory
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .worker_stats = stats;
     }
 
     fn died(&self, death: &Death, during: &'static str) -> Error {
@@ -668,107 +545,4 @@ pub(crate) enum LoadOutcome {
     Loaded(LoadInfo),
     Failed(Error),
     TimedOut,
-}
-
-/// One piece of a streamed answer.
-#[derive(Debug)]
-pub enum Piece {
-    Chunk(Body),
-    /// The final body; the stream ends after it.
-    Done(Body),
-}
-
-/// The answer to one request, piece by piece.
-#[derive(Debug)]
-pub struct ResponseStream {
-    id: RequestId,
-    rx: mpsc::UnboundedReceiver<Reply>,
-    finished: bool,
-    model: String,
-    pid: u32,
-    routes: Arc<Routes>,
-    commands: Link,
-    in_flight: Arc<InFlight>,
-    /// Chunk bytes routed here and not yet read (see `routes::Waiting`).
-    unread: Arc<Backlog>,
-    /// How the worker ran it, once it is done.
-    run: Option<berth_protocol::RunInfo>,
-}
-
-impl ResponseStream {
-    /// The next piece; `None` after the final one.
-    pub async fn next(&mut self) -> Option<Result<Piece>> {
-        if self.finished {
-            return None;
-        }
-        let reply = self.rx.recv().await;
-        match reply {
-            Some(Reply::Chunk(body)) => {
-                self.unread.read(piece_bytes(&body));
-                Some(Ok(Piece::Chunk(body)))
-            }
-            Some(Reply::Refused(source)) => {
-                self.cancel();
-                Some(Err(Error::Request {
-                    model: self.model.clone(),
-                    source,
-                }))
-            }
-            Some(Reply::Done(result, run)) => {
-                self.run = Some(run);
-                self.finish();
-                Some(result.map(Piece::Done).map_err(|source| Error::Request {
-                    model: self.model.clone(),
-                    source,
-                }))
-            }
-            Some(Reply::Died(death)) => {
-                self.finish();
-                Some(Err(death.error(&self.model, self.pid, "request")))
-            }
-            None => {
-                self.finish();
-                None
-            }
-        }
-    }
-
-    /// How the worker ran the request (its batch, its compute time), once
-    /// its answer has come.
-    pub fn run(&self) -> Option<berth_protocol::RunInfo> {
-        self.run
-    }
-
-    fn finish(&mut self) {
-        if !self.finished {
-            self.finished = true;
-            self.in_flight.leave();
-        }
-    }
-}
-
-impl ResponseStream {
-    /// Stops waiting and tells the worker to stop working on the request.
-    pub fn cancel(&mut self) {
-        if !self.finished {
-            self.routes.give_up(self.id);
-            let _ = self.commands.send(Command::Cancel { id: self.id });
-            self.finish();
-        }
-    }
-
-    /// Ends a request that never reached the worker.
-    fn forget(&mut self) {
-        if !self.finished {
-            self.routes.lock().pending.remove(&self.id);
-            self.finish();
-        }
-    }
-}
-
-impl Drop for ResponseStream {
-    /// Abandoned mid-way (a client went away): cancel it in the worker.
-    fn drop(&mut self) {
-        self.cancel();
-    }
 }
