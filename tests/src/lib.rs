@@ -3,8 +3,10 @@
 
 pub mod bench;
 pub mod chaos;
+pub mod fake_gpu;
 pub mod infinity;
 pub mod python;
+pub mod upstream;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

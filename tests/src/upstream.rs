@@ -1,0 +1,54 @@
+//! The small stdlib HTTP server the tests run as a model's server
+//! (`tests/python/fake_upstream.py`): a config that declares it, and what
+//! the tests read of the processes it makes.
+
+use serde_json::Value;
+
+use crate::Server;
+use crate::python::{repo_root, test_python};
+
+/// A config whose worker kind `fake` runs the fake server with `modes`
+/// (and `args`), and a model `fake` on it with `extra` keys. (Each test's
+/// server is told apart from the others' by the pids its own `ps` gives.)
+pub fn config(modes: &str, args: &str, extra: &str) -> String {
+    let python = test_python();
+    let script = repo_root().join("tests/python/fake_upstream.py");
+    format!(
+        r#"
+[workers.fake]
+command = ["{}", "{}", "--port", "{{port}}", "--mode", "{modes}"{args}]
+http = {{ health = "/health", stop_grace = "2s", unhealthy_after = "3s", headers = {{ "X-Upstream-Key" = "k1" }} }}
+
+[[model]]
+name = "fake"
+worker = "fake"
+{extra}
+"#,
+        python.display(),
+        script.display()
+    )
+}
+
+pub fn ps_of(server: &Server, model: &str) -> Value {
+    server
+        .ps()
+        .into_iter()
+        .find(|m| m["name"] == model)
+        .unwrap_or(Value::Null)
+}
+
+/// The processes carrying the mark of worker `pid` (itself included).
+pub fn marked_with_the_mark_of(pid: u32) -> Vec<u32> {
+    let mark_of = |p: &procfs::process::Process| {
+        p.environ()
+            .ok()
+            .and_then(|env| env.get(std::ffi::OsStr::new("BERTH_WORKER_MARK")).cloned())
+    };
+    let mark = mark_of(&procfs::process::Process::new(pid as i32).unwrap()).unwrap();
+    procfs::process::all_processes()
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|p| mark_of(p).as_ref() == Some(&mark))
+        .map(|p| p.pid as u32)
+        .collect()
+}
