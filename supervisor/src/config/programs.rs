@@ -1,0 +1,260 @@
+//! Which programs run as workers, and only by the operator's word: worker
+//! kinds (a Rust binary, a command on the stream wire, an HTTP server with
+//! its `http` table), their command lines, and the environment variables a
+//! model may not set.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::limits::check_duration;
+
+/// Environment variables that change which code a program runs or how it is
+/// loaded: the dynamic loader's (`LD_*`, glibc's tunables and module paths),
+/// shells' start-up files, interpreters' start-up hooks and search paths, and
+/// `PATH`. A model spec may not set these; only an operator's worker kind.
+pub fn is_dangerous_env(name: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "BASH_ENV",
+        "ENV",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS4",
+        "IFS",
+        "CDPATH",
+        "PATH",
+        "GLIBC_TUNABLES",
+        "GCONV_PATH",
+        "LOCPATH",
+        "NLSPATH",
+        "HOSTALIASES",
+        "RESOLV_HOST_CONF",
+        "MALLOC_TRACE",
+        "PYTHONSTARTUP",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONINSPECT",
+        "PYTHONUSERBASE",
+        "PYTHONBREAKPOINT",
+        "PERL5OPT",
+        "PERL5LIB",
+        "PERLLIB",
+        "PERL5DB",
+        "RUBYOPT",
+        "RUBYLIB",
+        "NODE_OPTIONS",
+        "NODE_PATH",
+        "JAVA_TOOL_OPTIONS",
+        "_JAVA_OPTIONS",
+        "JDK_JAVA_OPTIONS",
+        "CLASSPATH",
+        "LUA_INIT",
+        "LUA_PATH",
+        "LUA_CPATH",
+        "TCLLIBPATH",
+        "CUDA_INJECTION64_PATH",
+        "OPENSSL_CONF",
+        "OPENSSL_ENGINES",
+        "OCL_ICD_FILENAMES",
+        "HSA_TOOLS_LIB",
+    ];
+    let upper = name.to_ascii_uppercase();
+    upper.starts_with("LD_")
+        || upper.starts_with("DYLD_")
+        || upper.starts_with("BASH_FUNC_")
+        || EXACT.contains(&upper.as_str())
+}
+
+/// A command line a worker is started with: a program and its arguments,
+/// none empty or holding a NUL byte.
+pub fn check_command(argv: &[String]) -> std::result::Result<(), String> {
+    match argv.first() {
+        None => Err("`command` is empty; give the program and its arguments, \
+                     e.g. [\"python3\", \"-m\", \"berth_worker\"]"
+            .into()),
+        Some(program) if program.trim().is_empty() => {
+            Err("`command` starts with an empty program name".into())
+        }
+        _ => match argv.iter().find(|a| a.contains('\0')) {
+            Some(arg) => Err(format!("`command` argument {arg:?} holds a NUL byte")),
+            None => Ok(()),
+        },
+    }
+}
+
+/// A worker program the operator declares by name, so that a model (even
+/// one registered over HTTP) can run it by naming the kind, never the path.
+/// Either a `binary` (a Rust worker on `ipc-channel`) or a `command` (a
+/// worker on the stream wire: Python, any language).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerKind {
+    /// The program (a `berth-worker`-compatible binary, or a wrapper that
+    /// execs one: `setpriv`, a seccomp launcher, ...).
+    #[serde(default)]
+    pub binary: Option<PathBuf>,
+    /// A stream-wire worker's command line (`["python3", "-m", "berth_worker"]`).
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
+    /// Its working directory.
+    #[serde(default)]
+    pub cwd: Option<PathBuf>,
+    /// Environment for it; may set loader and interpreter variables, since
+    /// only an operator writes it.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// With `command`: the program is an HTTP inference server, reached as
+    /// this says (see [`HttpSpec`]).
+    #[serde(default)]
+    pub http: Option<HttpSpec>,
+}
+
+impl WorkerKind {
+    /// A kind running a `berth-worker`-compatible binary.
+    pub fn binary(path: impl Into<PathBuf>) -> Self {
+        WorkerKind {
+            binary: Some(path.into()),
+            command: None,
+            cwd: None,
+            env: BTreeMap::new(),
+            http: None,
+        }
+    }
+
+    /// A kind running a stream-wire worker by its command line.
+    pub fn command<S: Into<String>>(argv: impl IntoIterator<Item = S>) -> Self {
+        WorkerKind {
+            binary: None,
+            command: Some(argv.into_iter().map(Into::into).collect()),
+            cwd: None,
+            env: BTreeMap::new(),
+            http: None,
+        }
+    }
+
+    /// Exactly one of `binary` and `command`, each well formed.
+    pub fn check(&self, name: &str) -> std::result::Result<(), String> {
+        match (&self.binary, &self.command) {
+            (Some(_), Some(_)) => Err(format!(
+                "worker kind `{name}` has both `binary` and `command`; keep one"
+            )),
+            (None, None) => Err(format!(
+                "worker kind `{name}` has neither `binary` nor `command`; give one"
+            )),
+            (None, Some(argv)) => {
+                check_command(argv).map_err(|e| format!("worker kind `{name}`: {e}"))?;
+                match &self.http {
+                    Some(http) => http
+                        .check()
+                        .map_err(|e| format!("worker kind `{name}`: {e}")),
+                    None => Ok(()),
+                }
+            }
+            (Some(_), None) if self.http.is_some() => Err(format!(
+                "worker kind `{name}`: `http` goes with a `command` that starts the server"
+            )),
+            (Some(_), None) => Ok(()),
+        }
+    }
+}
+
+/// How to reach an HTTP inference server that a `command` starts: what
+/// tells it is ready, what to rewrite on the way, how to stop it.
+///
+/// In the command, `{port}` is replaced by a free loopback port berth
+/// chooses for each start (a swap's new server gets its own), `{socket}` by
+/// the path of a unix socket berth chooses instead (for a server that can
+/// listen on one), and `{model}` by the model's resolved path.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSpec {
+    /// Polled with GET until it answers 200: then the server is ready;
+    /// polled once a second while it runs: a server that stops answering
+    /// for `unhealthy_after` is stopped and restarted (default `/health`).
+    /// `none`: the server has no such route; it is ready, and healthy, while
+    /// it accepts connections.
+    #[serde(default = "default_health")]
+    pub health: String,
+    /// The model name the server knows, put in the `model` field of the
+    /// requests relayed to it (default: the request's as it is).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Headers added to every request relayed to the server (its own API
+    /// key, say); berth's own `Authorization` is never passed on.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// The signal that asks the server to stop (`SIGTERM`, `SIGINT`,
+    /// `SIGQUIT`, `SIGHUP`); the whole process group gets it.
+    #[serde(default = "default_stop_signal")]
+    pub stop_signal: String,
+    /// How long the server has after that signal before SIGKILL (default 10 s).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub stop_grace: Option<Duration>,
+    /// A server whose health has not answered 200 for this long is declared
+    /// lost (default 30 s).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub unhealthy_after: Option<Duration>,
+}
+
+fn default_health() -> String {
+    "/health".into()
+}
+
+fn default_stop_signal() -> String {
+    "SIGTERM".into()
+}
+
+/// Signals an HTTP server may be asked to stop with.
+pub(crate) const STOP_SIGNALS: &[&str] = &["SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP"];
+
+impl HttpSpec {
+    /// A server polled at `health`, otherwise with the defaults.
+    pub fn new(health: impl Into<String>) -> Self {
+        HttpSpec {
+            health: health.into(),
+            model: None,
+            headers: BTreeMap::new(),
+            stop_signal: default_stop_signal(),
+            stop_grace: None,
+            unhealthy_after: None,
+        }
+    }
+
+    /// Every field well formed.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.health != "none"
+            && (!self.health.starts_with('/') || self.health.chars().any(char::is_whitespace))
+        {
+            return Err(format!(
+                "`http.health` is a path on the server, such as \"/health\" (or \"none\": \
+                 ready once it accepts connections), not `{}`",
+                self.health
+            ));
+        }
+        if !STOP_SIGNALS.contains(&self.stop_signal.as_str()) {
+            return Err(format!(
+                "`http.stop_signal` `{}` is not one of {}",
+                self.stop_signal,
+                STOP_SIGNALS.join(", ")
+            ));
+        }
+        for (name, value) in &self.headers {
+            if axum::http::HeaderName::try_from(name.as_str()).is_err()
+                || axum::http::HeaderValue::try_from(value.as_str()).is_err()
+            {
+                return Err(format!(
+                    "`http.headers` `{name}` is not a valid HTTP header"
+                ));
+            }
+        }
+        for (field, value) in [
+            ("http.stop_grace", self.stop_grace),
+            ("http.unhealthy_after", self.unhealthy_after),
+        ] {
+            check_duration(field, value)?;
+        }
+        Ok(())
+    }
+}
