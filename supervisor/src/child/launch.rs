@@ -235,38 +235,17 @@ pub(crate) async fn launch(
         Listening::Ipc(_, name) => Connect::Ipc(name),
         Listening::Stream(_, theirs) => Connect::Stream(theirs.as_raw_fd()),
     };
-    let cap = spec
-        .memory_limit
-        .map(|limit| MemoryCap::prepare(model, limit));
-    // An uncapped worker gets a cgroup too, to fence in what it starts.
-    let fence = match &cap {
-        Some(_) => None,
-        None => Cgroup::create(model, None)
-            .inspect_err(|why| tracing::debug!(model, "no cgroup for the worker: {why}"))
-            .ok(),
-    };
-    let mark = crate::orphans::new_mark();
-    let spawning = crate::orphans::spawning();
-    let child = spawn(SpawnOptions {
-        model,
-        binary: &program.path,
-        args: &program.args,
+    let process = start_process(
+        spec,
+        &program.path,
+        &program.args,
         connect,
-        cwd: program.cwd.as_deref(),
-        mark: &mark,
-        extra_env: &env,
-        cgroup_procs: cap
-            .as_ref()
-            .and_then(MemoryCap::cgroup)
-            .or(fence.as_ref())
-            .map(Cgroup::procs_file),
-    })
+        program.cwd.as_deref(),
+        &env,
+        spawned,
+    )
     .await?;
-    let process = Arc::new(ProcessWatch::start(model, child, cap, fence, &mark));
-    drop(spawning);
-    process.spawn_rss_guard();
     let pid = process.pid();
-    spawned(pid);
     tracing::debug!(model, pid, program = %program, "worker started");
 
     let program_line = program.to_string();
@@ -406,38 +385,17 @@ async fn launch_server(
         model: model.into(),
         reason,
     })?;
-    let cap = spec
-        .memory_limit
-        .map(|limit| MemoryCap::prepare(model, limit));
-    let fence = match &cap {
-        Some(_) => None,
-        None => Cgroup::create(model, None)
-            .inspect_err(|why| tracing::debug!(model, "no cgroup for the server: {why}"))
-            .ok(),
-    };
-    let mark = crate::orphans::new_mark();
-    let spawning = crate::orphans::spawning();
-    let path = PathBuf::from(&prepared.path);
-    let child = spawn(SpawnOptions {
-        model,
-        binary: &path,
-        args: &prepared.args,
-        connect: Connect::None,
-        cwd: program.cwd.as_deref(),
-        mark: &mark,
-        extra_env: &env,
-        cgroup_procs: cap
-            .as_ref()
-            .and_then(MemoryCap::cgroup)
-            .or(fence.as_ref())
-            .map(Cgroup::procs_file),
-    })
+    let process = start_process(
+        spec,
+        &PathBuf::from(&prepared.path),
+        &prepared.args,
+        Connect::None,
+        program.cwd.as_deref(),
+        &env,
+        spawned,
+    )
     .await?;
-    let process = Arc::new(ProcessWatch::start(model, child, cap, fence, &mark));
-    drop(spawning);
-    process.spawn_rss_guard();
     let pid = process.pid();
-    spawned(pid);
     let upstream = Arc::new(upstream::Upstream::new(model, &prepared, http));
     tracing::debug!(model, pid, address = %upstream.address(), "server started");
     let spawn_ms = ms(started.elapsed());
@@ -536,6 +494,52 @@ async fn launch_server(
         max_batch: 1,
     };
     Ok((handle, report))
+}
+
+/// Starts a worker's (or a server's) process under its memory cap, or in a
+/// cgroup of its own to fence in what it starts, with a fresh mark, and
+/// hands it to a watch that reaps it; `spawned` is told its pid.
+async fn start_process(
+    spec: &ModelSpec,
+    binary: &std::path::Path,
+    args: &[String],
+    connect: Connect<'_>,
+    cwd: Option<&std::path::Path>,
+    env: &[(String, String)],
+    spawned: &(dyn Fn(u32) + Send + Sync),
+) -> Result<Arc<ProcessWatch>> {
+    let model = spec.name.as_str();
+    let cap = spec
+        .memory_limit
+        .map(|limit| MemoryCap::prepare(model, limit));
+    let fence = match &cap {
+        Some(_) => None,
+        None => Cgroup::create(model, None)
+            .inspect_err(|why| tracing::debug!(model, "no cgroup for the worker: {why}"))
+            .ok(),
+    };
+    let mark = crate::orphans::new_mark();
+    let spawning = crate::orphans::spawning();
+    let child = spawn(SpawnOptions {
+        model,
+        binary,
+        args,
+        connect,
+        cwd,
+        mark: &mark,
+        extra_env: env,
+        cgroup_procs: cap
+            .as_ref()
+            .and_then(MemoryCap::cgroup)
+            .or(fence.as_ref())
+            .map(Cgroup::procs_file),
+    })
+    .await?;
+    let process = Arc::new(ProcessWatch::start(model, child, cap, fence, &mark));
+    drop(spawning);
+    process.spawn_rss_guard();
+    spawned(process.pid());
+    Ok(process)
 }
 
 async fn kill_and_reap(process: &ProcessWatch) {
