@@ -4,7 +4,8 @@
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench generate`
 //! (`-- --batching`: the concurrent-chats section alone; `-- --compare`:
-//! the worker-vs-in-process section alone)
+//! the worker-vs-in-process section alone; `-- --llamacpp`: one chat
+//! against llama.cpp's server on the same file, alone)
 //! (fetches the model first if it is missing).
 //!
 //! The worker and the in-process backend are loaded side by side and take
@@ -20,7 +21,8 @@ use std::path::{Path, PathBuf};
 use berth::{Body, ModelSpec, Supervisor};
 use berth_protocol::LoadSpec;
 use berth_tests::bench::{Rounds, machine};
-use berth_tests::{default_model, test_config};
+use berth_tests::upstream::llamacpp_worker;
+use berth_tests::{Server, default_model, json_reply, test_config};
 use berth_worker::{LoadContext, Registry, RequestContext};
 use serde_json::{Value, json};
 
@@ -28,21 +30,23 @@ const ROUNDS: usize = 8;
 const MAX_TOKENS: usize = 64;
 
 fn request(max_tokens: usize) -> Body {
-    let text = "Berth runs every model in a worker process of its own and speaks \
-                to it over a pipe. When a model is unloaded, its worker exits, so \
-                the kernel takes back every byte the model held: weights, caches, \
-                leaks and all. The supervisor measures how much memory came back \
-                and reports it. Explain, in a few sentences, why running each \
-                model in its own process makes memory easier to reclaim.";
     Body::json(
         json!({
-            "messages": [{ "role": "user", "content": text }],
+            "messages": [{ "role": "user", "content": PROMPT }],
             "max_tokens": max_tokens,
             "temperature": 0,
         })
         .to_string(),
     )
 }
+
+/// About a hundred tokens with the chat template.
+const PROMPT: &str = "Berth runs every model in a worker process of its own and speaks \
+                to it over a pipe. When a model is unloaded, its worker exits, so \
+                the kernel takes back every byte the model held: weights, caches, \
+                leaks and all. The supervisor measures how much memory came back \
+                and reports it. Explain, in a few sentences, why running each \
+                model in its own process makes memory easier to reclaim.";
 
 /// One run's figures, from the backend's final body.
 #[derive(Debug, Clone, Copy)]
@@ -210,8 +214,126 @@ async fn concurrent(sup: &Supervisor, model: &Path, quant: &str, label: &str) {
     }
 }
 
+/// One chat at a time, `generate` with its default settings against
+/// llama.cpp's server (`llama-cpp-python[server]`, pinned) on the same GGUF
+/// file, both served by one `berth serve` and taking turns, 8 rounds after a
+/// warm-up. Each side answers the same prompt twice a round, once with one
+/// token and once with up to 128 (greedy): prompt tokens/s = prompt tokens /
+/// the one-token reply's time; decode tokens/s = the further tokens / the
+/// time the long reply took beyond the short one. Every request's system
+/// message begins with a number of its own, so llama.cpp cannot reuse the
+/// previous request's evaluated prompt (which `generate` never does).
+/// Both run with their own defaults: `generate` computes on every core this
+/// process may use; llama-cpp-python's server decodes on half the cores and
+/// reads prompts on all of them. `BERTH_BENCH_LLAMACPP_ARGS` adds arguments
+/// to its command line (e.g. `, "--n_threads", "2"`).
+fn versus_llamacpp() {
+    const ROUNDS: usize = 8;
+    const LONG: u64 = 128;
+    let gguf = default_model("smollm2");
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let server = Server::start(&format!(
+        r#"models_dir = "{}"
+{}
+[[model]]
+name = "generate"
+backend = "generate"
+model = "{}"
+
+[[model]]
+name = "llamacpp"
+worker = "llamacpp"
+model = "{}"
+"#,
+        gguf.parent().unwrap().display(),
+        llamacpp_worker(&std::env::var("BERTH_BENCH_LLAMACPP_ARGS").unwrap_or_default()),
+        gguf.display(),
+        gguf.display()
+    ));
+    for model in ["generate", "llamacpp"] {
+        let (status, reply) = server.post(&format!("/api/models/{model}/load"), json!({}));
+        assert_eq!(status, 200, "{model}: {reply}");
+    }
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(std::time::Duration::from_secs(300)))
+        .build()
+        .into();
+    let url = format!("{}/v1/chat/completions", server.url);
+    let mut nonce = 1000;
+    let mut ask = |model: &str, max_tokens: u64| -> (f64, u64, u64) {
+        nonce += 1;
+        let body = json!({
+            "model": model,
+            "messages": [
+                {"role": "system", "content": format!("Conversation {nonce}. You are a careful writer.")},
+                {"role": "user", "content": format!("{} Then write a long essay on lighthouses.", PROMPT)},
+            ],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        });
+        let started = std::time::Instant::now();
+        let (status, reply) = json_reply(agent.post(&url).send_json(&body));
+        let took = started.elapsed().as_secs_f64();
+        assert_eq!(status, 200, "{model}: {reply}");
+        let usage = &reply["usage"];
+        (
+            took,
+            usage["prompt_tokens"].as_u64().unwrap(),
+            usage["completion_tokens"].as_u64().unwrap(),
+        )
+    };
+    let mut tokens = Vec::new();
+    let mut side = |model: &str| -> (f64, f64) {
+        let (short, prompt_tokens, _) = ask(model, 1);
+        let (long, _, completion) = ask(model, LONG);
+        tokens.push((model == "generate", prompt_tokens, completion));
+        (
+            prompt_tokens as f64 / short,
+            (completion - 1) as f64 / (long - short),
+        )
+    };
+    side("generate");
+    side("llamacpp");
+    let (mut prompt, mut decode) = (Rounds::new(), Rounds::new());
+    for round in 0..ROUNDS {
+        let (g, l) = if round % 2 == 0 {
+            let g = side("generate");
+            (g, side("llamacpp"))
+        } else {
+            let l = side("llamacpp");
+            (side("generate"), l)
+        };
+        prompt.push(g.0, l.0);
+        decode.push(g.1, l.1);
+    }
+    let span = |ours: bool| {
+        let of: Vec<_> = tokens.iter().filter(|t| t.0 == ours).collect();
+        let p = of.iter().map(|t| t.1).max().unwrap();
+        let (lo, hi) = (
+            of.iter().map(|t| t.2).min().unwrap(),
+            of.iter().map(|t| t.2).max().unwrap(),
+        );
+        format!("{p} prompt tokens, {lo}–{hi} new")
+    };
+    println!(
+        "### One chat: `generate` against llama.cpp's server, same GGUF, defaults ({} cores; {})\n",
+        threads,
+        machine()
+    );
+    println!("| phase | `generate` | llama.cpp | ratio, median (p10–p90) | samples |");
+    println!("|---|---|---|---|---|");
+    prompt.print("prompt, tokens/s", "", "", "tokens/s", 1.0);
+    decode.print("decode, tokens/s", "", "", "tokens/s", 1.0);
+    println!("\n(`generate`: {}; llama.cpp: {})", span(true), span(false));
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    if std::env::args().any(|a| a == "--llamacpp") {
+        versus_llamacpp();
         return;
     }
     let batching_only = std::env::args().any(|a| a == "--batching");

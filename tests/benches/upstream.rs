@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use berth_tests::bench::{Rounds, kernel_kill_1gib, machine, median, pct_ms, percentile};
-use berth_tests::python::{llamacpp_python, repo_root, test_python};
+use berth_tests::python::{repo_root, test_python};
 use berth_tests::{Server, default_model, json_reply};
 use serde_json::{Value, json};
 
@@ -42,11 +42,7 @@ worker = "fake"
         text = format!(
             r#"models_dir = "{}"
 {text}
-[workers.llamacpp]
-command = ["{}", "-m", "llama_cpp.server", "--model", "{{model}}", "--host", "127.0.0.1",
-           "--port", "{{port}}", "--n_ctx", "1024", "--interrupt_requests", "false",
-           "--verbose", "false"]
-http = {{ health = "/openapi.json", stop_grace = "5s" }}
+{}
 
 [[model]]
 name = "smol"
@@ -54,7 +50,7 @@ worker = "llamacpp"
 model = "{}"
 "#,
             gguf.parent().unwrap().display(),
-            llamacpp_python().display(),
+            berth_tests::upstream::llamacpp_worker(""),
             gguf.display()
         );
     }

@@ -1,11 +1,12 @@
-//! The small stdlib HTTP server the tests run as a model's server
-//! (`tests/python/fake_upstream.py`): a config that declares it, and what
-//! the tests read of the processes it makes.
+//! The HTTP servers the tests and benches run as models' servers: the small
+//! stdlib one (`tests/python/fake_upstream.py`), a config that declares it
+//! and what the tests read of the processes it makes; and llama.cpp's, as
+//! a worker kind.
 
 use serde_json::Value;
 
 use crate::Server;
-use crate::python::{repo_root, test_python};
+use crate::python::{llamacpp_python, repo_root, test_python};
 
 /// A config whose worker kind `fake` runs the fake server with `modes`
 /// (and `args`), and a model `fake` on it with `extra` keys. (Each test's
@@ -51,4 +52,20 @@ pub fn marked_with_the_mark_of(pid: u32) -> Vec<u32> {
         .filter(|p| mark_of(p).as_ref() == Some(&mark))
         .map(|p| p.pid as u32)
         .collect()
+}
+
+/// A `[workers.llamacpp]` table: llama.cpp's server through
+/// `llama-cpp-python[server]` (the pinned venv), serving `{model}` on
+/// `{port}`, with `args` (e.g. `, "--n_threads", "2"`) added to its command.
+pub fn llamacpp_worker(args: &str) -> String {
+    format!(
+        r#"
+[workers.llamacpp]
+command = ["{}", "-m", "llama_cpp.server", "--model", "{{model}}", "--host", "127.0.0.1",
+           "--port", "{{port}}", "--n_ctx", "1024", "--interrupt_requests", "false",
+           "--verbose", "false"{args}]
+http = {{ health = "/openapi.json", stop_grace = "5s" }}
+"#,
+        llamacpp_python().display()
+    )
 }

@@ -11,17 +11,6 @@ use berth_tests::python::llamacpp_python;
 use berth_tests::*;
 use serde_json::{Value, json};
 
-/// The server's command line, as a TOML array, with `{port}` and `{model}`.
-fn command() -> String {
-    let python = llamacpp_python();
-    format!(
-        r#"["{}", "-m", "llama_cpp.server", "--model", "{{model}}", "--host", "127.0.0.1",
-           "--port", "{{port}}", "--n_ctx", "1024", "--interrupt_requests", "false",
-           "--verbose", "false"]"#,
-        python.display()
-    )
-}
-
 /// A config serving the SmolLM2 GGUF as `smollm2-cpp` on llama.cpp's
 /// server, inside `models_dir`.
 fn config(extra: &str) -> String {
@@ -30,10 +19,7 @@ fn config(extra: &str) -> String {
         r#"
 models_dir = "{}"
 
-[workers.llamacpp]
-command = {}
-http = {{ health = "/openapi.json", stop_grace = "5s" }}
-
+{}
 [[model]]
 name = "smollm2-cpp"
 worker = "llamacpp"
@@ -41,7 +27,7 @@ model = "{}"
 {extra}
 "#,
         gguf.parent().unwrap().display(),
-        command(),
+        berth_tests::upstream::llamacpp_worker(""),
         gguf.display()
     )
 }
