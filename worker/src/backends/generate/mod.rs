@@ -12,16 +12,16 @@
 //!   placed the worker on, else the CPU; CUDA needs a worker built with the
 //!   `cuda` feature);
 //! - `max_batch`: requests decoded together at most (1 turns batching
-//!   off). Default 8, but 1 for Q4_1 weights: candle's Q4_1 kernel has no
-//!   SIMD path, so a step over 8 rows costs about 8 single steps, and
-//!   batching Q4_1 measured no gain in throughput (1.03x) and a later
-//!   median answer (1.3-1.6x);
+//!   off). Default 8, but 1 for Q4_1 weights on a CPU without AVX2, FMA and
+//!   F16C: there only candle's scalar Q4_1 loop runs, a step over 8 rows
+//!   costs about 8 single steps, and batching measured no gain (1.03x)
+//!   and a later median answer (1.3-1.6x);
 //! - `quant` = `native` (default; `q4_1` is accepted for a Q4_1 file: the
 //!   weights as the file has them) or `q8_0`: convert the weights once to
 //!   Q8_0, cached next to the file as `<stem>.Q8_0.gguf` and reused while it
-//!   is newer than the source. candle has no SIMD kernel for Q4_1; Q8_0
-//!   has one, and for SmolLM2-135M on 2 cores it decodes about 2x and reads
-//!   prompts about 4x faster, for a file half as large again;
+//!   is newer than the source. With AVX2 the Q4_1 weights run on berth's
+//!   own kernel (`q4_1.rs`) and are the faster of the two; `q8_0` is for
+//!   CPUs without it, where candle's Q8_0 kernel is the only SIMD one;
 //! - defaults for requests: `max_tokens` (256), `temperature` (0 = greedy),
 //!   `top_p` (none), `seed` (none: a fresh seed per request, so sampled
 //!   answers vary unless a seed is given; greedy ignores it).
@@ -48,6 +48,8 @@
 //! - `weights.rs`: the model file's bytes and the cached Q8_0 conversion;
 //! - `model.rs`: the Llama forward pass, weights shared, each sequence's
 //!   KV cache its own, so that a decode step runs several sequences;
+//! - `q4_1.rs`: Q4_1 matrix products with AVX2 (candle's are scalar), to
+//!   the bit what candle's compute;
 //! - `decode.rs`: each request's prefill, then the batch's decode steps,
 //!   sampling and streamed deltas per request;
 //! - this file: the options, `load` and the `Backend` glue.
@@ -64,6 +66,7 @@
 mod decode;
 mod gguf;
 mod model;
+mod q4_1;
 mod request;
 mod template;
 mod weights;
@@ -189,7 +192,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     let content = parse_gguf(&data, &file, progress).map_err(fail)?;
     check_model(&content, data.len() as u64, &file).map_err(fail)?;
     let dtype = dominant_dtype(&content);
-    let max_batch = max_batch.unwrap_or(if dtype == "q4_1" {
+    let max_batch = max_batch.unwrap_or(if dtype == "q4_1" && !q4_1::runs_on(&device) {
         1
     } else {
         DEFAULT_MAX_BATCH

@@ -14,22 +14,24 @@
 
 use std::io::{Read, Seek};
 
-use candle_core::quantized::{QMatMul, gguf_file};
-use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+
+use super::q4_1::Linear;
 
 /// Longest sequence (prompt and reply) a model is run at.
 pub(super) const MAX_SEQ_LEN: usize = 4096;
 
 struct Layer {
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
     attn_norm: Tensor,
     ffn_norm: Tensor,
-    w1: QMatMul,
-    w2: QMatMul,
-    w3: QMatMul,
+    w1: Linear,
+    w2: Linear,
+    w3: Linear,
 }
 
 /// A Llama-architecture model's weights: shared by every sequence.
@@ -37,7 +39,7 @@ pub(super) struct Llama {
     embeddings: Tensor,
     layers: Vec<Layer>,
     norm: Tensor,
-    output: QMatMul,
+    output: Linear,
     eps: f32,
     n_head: usize,
     n_kv_head: usize,
@@ -123,8 +125,8 @@ impl Llama {
         };
         let mut layers = Vec::with_capacity(blocks);
         for i in 0..blocks {
-            let mut q = |what: &str| -> Result<QMatMul> {
-                QMatMul::from_qtensor(tensor(&format!("blk.{i}.{what}.weight"))?)
+            let mut q = |what: &str| -> Result<Linear> {
+                Linear::new(tensor(&format!("blk.{i}.{what}.weight"))?)
             };
             let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
             let (w1, w2, w3) = (q("ffn_gate")?, q("ffn_down")?, q("ffn_up")?);
@@ -144,7 +146,7 @@ impl Llama {
             embeddings,
             layers,
             norm,
-            output: QMatMul::from_qtensor(output)?,
+            output: Linear::new(output)?,
             eps,
             n_head,
             n_kv_head,
@@ -219,7 +221,7 @@ impl Llama {
     ) -> Result<Tensor> {
         let (batch, t, hidden) = x.dims3()?;
         let hd = self.head_dim;
-        let heads = |w: &QMatMul, n: usize| -> Result<Tensor> {
+        let heads = |w: &Linear, n: usize| -> Result<Tensor> {
             w.forward(x)?.reshape((batch, t, n, hd))?.transpose(1, 2)
         };
         let q = heads(&layer.wq, self.n_head)?;
