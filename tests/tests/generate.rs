@@ -1,6 +1,6 @@
 //! The `generate` backend with the real SmolLM2-135M-Instruct (Q4_1 GGUF),
 //! through workers. Answers are short (greedy, small `max_tokens`): the
-//! model decodes some 130 tokens/s on 2 AVX2 cores (a few without AVX2).
+//! model decodes some 130 tokens/s on 2 AVX2 cores, some 30 without AVX2.
 
 use std::path::{Path, PathBuf};
 
