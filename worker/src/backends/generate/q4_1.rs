@@ -185,8 +185,6 @@ unsafe fn quantize(xs: &[f32]) -> Q8_1 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot(w: &[u8], x: &[Q8_1]) -> f32 {
     use std::arch::x86_64::*;
-    let low = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
     let mut sum = 0f32;
     for (b, y) in w.chunks_exact(Q4_1_BYTES).zip(x) {
         // `d` and `m`, two f16 side by side, widened at once.
@@ -194,18 +192,14 @@ unsafe fn dot(w: &[u8], x: &[Q8_1]) -> f32 {
             b[0], b[1], b[2], b[3],
         ])));
         let (d, m) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
-        // SAFETY: `b` has 16 bytes after its 4 bytes of scales; `y.qs` 32.
-        let (nibbles, qy) = unsafe {
-            (
-                _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i),
+        // SAFETY: `b` is a whole block; `y.qs` is 32 bytes.
+        let s8 = unsafe {
+            block_sums(
+                b.as_ptr(),
                 _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i),
             )
         };
-        // Elements 0..16 from the low nibbles, 16..32 from the high.
-        let qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nibbles, 4), nibbles), low);
-        // Unsigned 0..15 times signed bytes, pairs summed into i16 (at most
-        // 2·15·128, no saturation), then pairs of those into i32, then all.
-        let s8 = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qy), ones);
+        // The eight partial sums, then all.
         let s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
         let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
         let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1));
