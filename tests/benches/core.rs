@@ -12,6 +12,9 @@
 //!   message vs two plain `memcpy`s of 64 MiB (in and out);
 //! - spawn → ready for `echo` vs spawning and reaping `true`.
 //!
+//! `BERTH_BENCH_ANSWER_SPIN_US=0` runs it with callers that park at once
+//! (`answer_spin` 0; default 100 µs).
+//!
 //! Without a baseline, for scale: the echo backend called in-process. The
 //! unload of 1 GiB against the kernel's own is the `unload` bench.
 
@@ -267,8 +270,16 @@ fn main() {
         return;
     }
     runtime().block_on(async {
-        let sup = Supervisor::new(test_config());
-        println!("Core ({})\n", machine());
+        // `BERTH_BENCH_ANSWER_SPIN_US=0` sets `answer_spin` (microseconds),
+        // for the runs with callers that park at once.
+        let mut config = test_config();
+        if let Ok(spin) = std::env::var("BERTH_BENCH_ANSWER_SPIN_US") {
+            config.answer_spin =
+                std::time::Duration::from_micros(spin.parse().expect("microseconds"));
+        }
+        let spin = config.answer_spin;
+        let sup = Supervisor::new(config);
+        println!("Core ({}; answer_spin {spin:?})\n", machine());
         println!("| what | berth | baseline | ratio, median (p10–p90) | samples |");
         println!("|---|---|---|---|---|");
         round_trips(&sup).await;

@@ -285,7 +285,7 @@ pub(crate) async fn launch(
         Arc::clone(&process),
         accepted,
         started,
-        config.max_response,
+        (config.max_response, config.answer_spin),
     )?;
 
     if !backends.contains(&spec.backend) {

@@ -453,7 +453,16 @@ pub struct SupervisorConfig {
     /// Models registered at once (default 1024): past it, a registration
     /// is refused with `catalogue_full`.
     pub max_models: usize,
+    /// How long a caller waiting alone on a worker whose last answer came
+    /// within this keeps polling for the answer before it parks (default
+    /// 100 µs; zero never spins; at most 1 ms). See
+    /// docs/performance.md, "Core": it trades that much CPU per quick
+    /// request for the wake-up a parked caller's idle vCPU costs.
+    pub answer_spin: Duration,
 }
+
+/// The longest [`SupervisorConfig::answer_spin`] allowed.
+pub const MAX_ANSWER_SPIN: Duration = Duration::from_millis(1);
 
 impl Default for SupervisorConfig {
     fn default() -> Self {
@@ -472,6 +481,7 @@ impl Default for SupervisorConfig {
             workers: BTreeMap::new(),
             max_response: 256 << 20,
             max_models: DEFAULT_MAX_MODELS,
+            answer_spin: Duration::from_micros(100),
             restart_backoff: Duration::from_millis(500),
             gpu_memory_budget: None,
         }

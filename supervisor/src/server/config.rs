@@ -79,6 +79,10 @@ pub struct ServeConfig {
     /// First restart delay after a crash (default 500 ms, doubling to 60 s).
     #[serde(default, with = "crate::units::duration_opt")]
     pub restart_backoff: Option<Duration>,
+    /// See [`crate::SupervisorConfig::answer_spin`] (default 100 µs, `0s`
+    /// never spins, at most 1 ms).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub answer_spin: Option<Duration>,
     /// Worker programs models may name (`worker = "NAME"`), declared by the
     /// operator: `[workers.NAME] binary = "/path", env = { K = "V" }`, or
     /// `command = ["python3", "-m", "berth_worker"]` for a stream-wire worker.
@@ -186,6 +190,14 @@ impl ServeConfig {
         ] {
             check_duration(field, value)?;
         }
+        if let Some(spin) = self.answer_spin
+            && spin > crate::config::MAX_ANSWER_SPIN
+        {
+            return Err(format!(
+                "answer_spin {} is out of range: 0s to 1ms",
+                humantime::format_duration(spin)
+            ));
+        }
         for (field, value) in [
             ("memory_budget", self.memory_budget),
             ("gpu_memory_budget", self.gpu_memory_budget),
@@ -286,6 +298,7 @@ impl ServeConfig {
             workers: self.workers.clone(),
             max_response: self.max_response.unwrap_or(DEFAULT_MAX_RESPONSE),
             max_models: self.max_models.unwrap_or(defaults.max_models),
+            answer_spin: self.answer_spin.unwrap_or(defaults.answer_spin),
             ..defaults
         }
     }
@@ -376,6 +389,7 @@ mod tests {
             ("max_connections = 0", "max_connections"),
             ("token = \"  \"", "token"),
             ("max_body = 1", "max_body"),
+            ("answer_spin = \"2ms\"", "answer_spin"),
             ("[[model]]\nname = \"..\"\nbackend = \"echo\"", "model name"),
             (
                 "[[model]]\nname = \"m\"\nbackend = \"echo\"\nkeep_alive = 1e19",
@@ -428,6 +442,7 @@ mod tests {
             ("memory_budget", false),
             ("gpu_memory_budget", false),
             ("max_response", false),
+            ("answer_spin", true),
         ];
         let units = [
             "", "s", "ms", "m", "h", "d", "y", "KiB", "MiB", "GiB", "TiB", "GB", "parsecs",

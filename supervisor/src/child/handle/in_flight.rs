@@ -29,6 +29,10 @@ impl InFlight {
         self.count.fetch_add(1, Ordering::SeqCst);
     }
 
+    pub(super) fn count(&self) -> u32 {
+        self.count.load(Ordering::SeqCst)
+    }
+
     pub(super) fn leave(&self) {
         if self.count.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.zero.notify_waiters();

@@ -17,6 +17,7 @@
 mod in_flight;
 mod memory;
 mod response;
+mod spin;
 
 use in_flight::InFlight;
 pub(crate) use in_flight::InFlightToken;
@@ -79,6 +80,8 @@ pub struct WorkerHandle {
     started_at: Instant,
     requests: AtomicU64,
     in_flight: Arc<InFlight>,
+    /// How long this worker's last answer took (whether callers spin).
+    answer_time: Arc<spin::AnswerTime>,
     memory: Mutex<MemoryState>,
     /// An HTTP server's tree as last read by a memory sample (never read
     /// from procfs on the way to it, so it may be taken under the state
@@ -116,7 +119,7 @@ impl WorkerHandle {
         process: Arc<ProcessWatch>,
         (events, link, hello): Accepted,
         started_at: Instant,
-        max_response: u64,
+        (max_response, answer_spin): (u64, Duration),
     ) -> Result<Arc<Self>> {
         let routes = Arc::new(Routes::new(max_response));
         let (control_tx, control_rx) = mpsc::unbounded_channel();
@@ -167,6 +170,7 @@ impl WorkerHandle {
             started_at,
             requests: AtomicU64::new(0),
             in_flight: Arc::default(),
+            answer_time: Arc::new(spin::AnswerTime::new(answer_spin)),
             memory: Mutex::default(),
             tree_seen: Mutex::default(),
             load_info: Mutex::default(),
@@ -203,6 +207,7 @@ impl WorkerHandle {
             started_at,
             requests: AtomicU64::new(0),
             in_flight: Arc::default(),
+            answer_time: Arc::new(spin::AnswerTime::new(Duration::ZERO)),
             memory: Mutex::default(),
             tree_seen: Mutex::default(),
             load_info: Mutex::default(),
@@ -420,6 +425,8 @@ impl WorkerHandle {
             in_flight: Arc::clone(&self.in_flight),
             unread,
             run: None,
+            sent_at: Instant::now(),
+            answer_time: Arc::clone(&self.answer_time),
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
         match self.send(Command::Request { id, body }) {

@@ -3,11 +3,13 @@
 //! piece, and dropping it before then cancels it in the worker.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use berth_protocol::{Body, Command, RequestId};
 use tokio::sync::mpsc;
 
 use super::in_flight::InFlight;
+use super::spin::{AnswerTime, spin_recv};
 use crate::child::link::Link;
 use crate::child::routes::{Backlog, Reply, Routes, piece_bytes};
 use crate::error::{Error, Result};
@@ -35,6 +37,9 @@ pub struct ResponseStream {
     pub(super) unread: Arc<Backlog>,
     /// How the worker ran it, once it is done.
     pub(super) run: Option<berth_protocol::RunInfo>,
+    /// When it was sent, and how long the worker's last answer took.
+    pub(super) sent_at: Instant,
+    pub(super) answer_time: Arc<AnswerTime>,
 }
 
 impl ResponseStream {
@@ -43,7 +48,12 @@ impl ResponseStream {
         if self.finished {
             return None;
         }
-        let reply = self.rx.recv().await;
+        // Alone on a worker that answers within microseconds: spin briefly
+        // rather than park (see `spin`).
+        let reply = match self.answer_time.spin() {
+            Some(spin) if self.in_flight.count() == 1 => spin_recv(&mut self.rx, spin).await,
+            _ => self.rx.recv().await,
+        };
         match reply {
             Some(Reply::Chunk(body)) => {
                 self.unread.read(piece_bytes(&body));
@@ -57,6 +67,7 @@ impl ResponseStream {
                 }))
             }
             Some(Reply::Done(result, run)) => {
+                self.answer_time.record(self.sent_at.elapsed());
                 self.run = Some(run);
                 self.finish();
                 Some(result.map(Piece::Done).map_err(|source| Error::Request {

@@ -1,0 +1,67 @@
+//! A short, bounded spin before parking, where a worker's answer is due
+//! within microseconds.
+//!
+//! Measured on a 2-vCPU VM (docs/performance.md, "Core"): an echo round
+//! trip through a worker cost 7–9× a bare `ipc-channel` round trip, and a
+//! scheduler trace put most of the difference in wake-ups: each time the
+//! caller's thread parks, its vCPU halts, and the worker's answer must then
+//! wake it through the hypervisor (~15 µs here, where the echo itself costs
+//! a few). So while a request is alone on its worker and that worker's last
+//! answer came within the spin (`answer_spin`, 100 µs by default), the caller keeps polling for the answer,
+//! yielding to the runtime between polls, for at most that long; then it
+//! parks as before. Nothing spins for a worker whose answers take longer
+//! (any real model), while several requests are in flight (under load the
+//! CPU is better spent elsewhere), or while nobody is waiting (idle workers
+//! cost what they did).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+/// How long the worker's last answer took, from the request's send to its
+/// final piece, and the spin (`answer_spin`, zero for none).
+#[derive(Debug)]
+pub(super) struct AnswerTime {
+    /// Microseconds; `u64::MAX` before the first answer.
+    last: AtomicU64,
+    spin: Duration,
+}
+
+impl AnswerTime {
+    pub(super) fn new(spin: Duration) -> AnswerTime {
+        AnswerTime {
+            last: AtomicU64::new(u64::MAX),
+            spin,
+        }
+    }
+
+    pub(super) fn record(&self, took: Duration) {
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.last.store(micros, Ordering::Relaxed);
+    }
+
+    /// How long to spin for the next answer: the spin, if the last answer
+    /// came within it.
+    pub(super) fn spin(&self) -> Option<Duration> {
+        let quick = self.last.load(Ordering::Relaxed) <= self.spin.as_micros() as u64;
+        (quick && !self.spin.is_zero()).then_some(self.spin)
+    }
+}
+
+/// `rx.recv()`, polled again at once (after the runtime's other tasks) for
+/// up to `spin` before it parks the task.
+pub(super) async fn spin_recv<T>(rx: &mut mpsc::UnboundedReceiver<T>, spin: Duration) -> Option<T> {
+    let started = Instant::now();
+    std::future::poll_fn(|cx| match rx.poll_recv(cx) {
+        Poll::Ready(v) => Poll::Ready(v),
+        Poll::Pending => {
+            if started.elapsed() < spin {
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
+        }
+    })
+    .await
+}
