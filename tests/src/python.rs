@@ -148,6 +148,26 @@ pub fn examples_python() -> PathBuf {
         .clone()
 }
 
+/// `python3` of the ONNX Runtime bench's environment: the examples'
+/// (PyTorch, to export the model) and `tests/python/requirements-onnx.txt`
+/// (`onnx`, `onnxruntime`), pinned.
+pub fn onnx_python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            venv(
+                "python-onnx-venv",
+                &[
+                    "python/requirements-test.txt",
+                    "python/examples/requirements.txt",
+                    "tests/python/requirements-onnx.txt",
+                ],
+                true,
+            )
+        })
+        .clone()
+}
+
 /// `python3` of the deployment checks' environment: `deploy/requirements.txt`
 /// (the Kubernetes schema validator and a Containerfile parser, pinned).
 pub fn deploy_python() -> PathBuf {
