@@ -294,3 +294,18 @@ fn berth_run_returns_the_vectors() {
     assert!((vector[0].as_f64().unwrap() - 0.043934).abs() < 1e-5);
     assert_eq!(v["load"]["details"]["dim"], 384);
 }
+
+/// `embed`'s encoder (candle's operations, with its own product for a few
+/// rows) against candle's `BertModel` on the shipped model: each text
+/// alone (the own product) and all at once (past it, candle's).
+#[test]
+fn the_encoder_agrees_with_candles_bert() {
+    let texts: Vec<String> = [FOX, FOOD, BREAD, "A somewhat longer sentence, so that the batch of all four texts has more rows than the few-rows product takes."]
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+    let worst =
+        berth_worker::backends::embed::agreement_with_candle(&default_model("minilm"), &texts)
+            .unwrap();
+    assert!(worst >= 0.99999, "smallest cosine {worst}");
+}

@@ -1,5 +1,7 @@
 //! `embed`: sentence embeddings from a sentence-transformers BERT directory
-//! (all-MiniLM-L6-v2 and its kind) with candle, on the CPU or a GPU.
+//! (all-MiniLM-L6-v2 and its kind) with candle, on the CPU or a GPU; the
+//! encoder is berth's own (`bert.rs`: candle's operations, with its own
+//! product for a few rows, where a single text spends its time).
 //!
 //! The directory holds `config.json`, `model.safetensors`, `tokenizer.json`
 //! and optionally `1_Pooling/config.json` (only mean pooling is supported,
@@ -29,15 +31,20 @@ use std::path::{Path, PathBuf};
 use berth_protocol::{Body, ErrorKind, LoadSpec, WireError};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::bert::{BertModel, Config};
+use candle_transformers::models::bert::Config;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 use crate::backends::files::{FileError, ModelFile, open_in};
 use crate::backends::{LoadMode, choose_device, configure_threads, device_name, parse_request};
 use crate::{Backend, Batching, LoadContext, RequestContext};
 
+mod bert;
+
+use bert::Bert;
+pub use bert::agreement_with_candle;
+
 struct Embed {
-    model: BertModel,
+    model: Bert,
     tokenizer: Tokenizer,
     dim: usize,
     dir: PathBuf,
@@ -177,7 +184,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
                 .map_err(bad_weights)?
         }
     };
-    let model = BertModel::load(vb, &config).map_err(bad_weights)?;
+    let model = Bert::load(vb, &config).map_err(bad_weights)?;
     ctx.progress().advance();
     Ok(Box::new(Embed {
         model,
@@ -236,7 +243,7 @@ impl Embed {
             let ids = Tensor::from_vec(ids, (n, len), &self.device)?;
             let types = Tensor::from_vec(types, (n, len), &self.device)?;
             let mask = Tensor::from_vec(mask, (n, len), &self.device)?;
-            let hidden = self.model.forward(&ids, &types, Some(&mask))?;
+            let hidden = self.model.forward(&ids, &types, &mask)?;
             let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
             let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
             let counts = mask.sum(1)?;
