@@ -455,7 +455,7 @@ pub struct SupervisorConfig {
     pub max_models: usize,
     /// How long a caller waiting alone on a worker whose last answer came
     /// within this keeps polling for the answer before it parks (default
-    /// 100 µs; zero never spins; at most 1 ms). See
+    /// 100 µs; zero never spins; a longer one is held to 1 ms). See
     /// docs/performance.md, "Core": it trades that much CPU per quick
     /// request for the wake-up a parked caller's idle vCPU costs.
     pub answer_spin: Duration,

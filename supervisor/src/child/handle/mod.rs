@@ -427,6 +427,7 @@ impl WorkerHandle {
             run: None,
             sent_at: Instant::now(),
             answer_time: Arc::clone(&self.answer_time),
+            pieces: false,
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
         match self.send(Command::Request { id, body }) {

@@ -40,6 +40,8 @@ pub struct ResponseStream {
     /// When it was sent, and how long the worker's last answer took.
     pub(super) sent_at: Instant,
     pub(super) answer_time: Arc<AnswerTime>,
+    /// Whether a piece has been waited for already.
+    pub(super) pieces: bool,
 }
 
 impl ResponseStream {
@@ -49,11 +51,15 @@ impl ResponseStream {
             return None;
         }
         // Alone on a worker that answers within microseconds: spin briefly
-        // rather than park (see `spin`).
+        // for the first piece rather than park (see `spin`). A stream of
+        // pieces is not such an answer: later pieces are waited for parked.
         let reply = match self.answer_time.spin() {
-            Some(spin) if self.in_flight.count() == 1 => spin_recv(&mut self.rx, spin).await,
+            Some(spin) if !self.pieces && self.in_flight.count() == 1 => {
+                spin_recv(&mut self.rx, spin).await
+            }
             _ => self.rx.recv().await,
         };
+        self.pieces = true;
         match reply {
             Some(Reply::Chunk(body)) => {
                 self.unread.read(piece_bytes(&body));
@@ -67,7 +73,9 @@ impl ResponseStream {
                 }))
             }
             Some(Reply::Done(result, run)) => {
-                self.answer_time.record(self.sent_at.elapsed());
+                if result.is_ok() {
+                    self.answer_time.record(self.sent_at.elapsed());
+                }
                 self.run = Some(run);
                 self.finish();
                 Some(result.map(Piece::Done).map_err(|source| Error::Request {

@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-/// How long the worker's last answer took, from the request's send to its
-/// final piece, and the spin (`answer_spin`, zero for none).
+/// How long the worker's last served answer took, from the request's send
+/// to its final piece (errors are not answers a model computed, and do not
+/// count), and the spin (`answer_spin`, zero for none).
 #[derive(Debug)]
 pub(super) struct AnswerTime {
     /// Microseconds; `u64::MAX` before the first answer.
@@ -30,10 +31,12 @@ pub(super) struct AnswerTime {
 }
 
 impl AnswerTime {
+    /// `spin` is held to `MAX_ANSWER_SPIN` here too, for a host that set
+    /// `SupervisorConfig` itself rather than through a checked config file.
     pub(super) fn new(spin: Duration) -> AnswerTime {
         AnswerTime {
             last: AtomicU64::new(u64::MAX),
-            spin,
+            spin: spin.min(crate::config::MAX_ANSWER_SPIN),
         }
     }
 
@@ -45,7 +48,8 @@ impl AnswerTime {
     /// How long to spin for the next answer: the spin, if the last answer
     /// came within it.
     pub(super) fn spin(&self) -> Option<Duration> {
-        let quick = self.last.load(Ordering::Relaxed) <= self.spin.as_micros() as u64;
+        let window = u64::try_from(self.spin.as_micros()).unwrap_or(u64::MAX);
+        let quick = self.last.load(Ordering::Relaxed) <= window;
         (quick && !self.spin.is_zero()).then_some(self.spin)
     }
 }

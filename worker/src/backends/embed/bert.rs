@@ -158,6 +158,9 @@ impl Bert {
 impl Dense {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (n, k) = self.weight.dims2()?;
+        if x.dims().last() != Some(&k) {
+            candle_core::bail!("{:?} activations for a {n}x{k} dense layer", x.dims());
+        }
         let rows = x.elem_count() / k.max(1);
         if rows <= FEW_ROWS && few_rows_kernel(x.device()) && k % 8 == 0 {
             return self.few_rows(x, rows, n, k);
