@@ -163,18 +163,27 @@ async fn a_failed_step_fails_its_batch_and_the_worker_goes_on(w: Worker) {
         running.next().await,
         Some(Ok(berth::Piece::Chunk(_)))
     ));
+    // Its chunks are read as they come while the poison is sent: the steps
+    // are unthrottled, and a stream left unread past its backlog would be
+    // cut (cancelled) before the poison's step on a loaded machine.
+    let reader = tokio::spawn(async move {
+        loop {
+            match running.next().await {
+                Some(Ok(berth::Piece::Chunk(_))) => continue,
+                Some(Err(e)) => break Ok(e),
+                other => break Err(format!("{other:?}")),
+            }
+        }
+    });
     let err = sup
         .request("steps", Body::json(r#"{"panic_in_step":true}"#))
         .await
         .unwrap_err();
     assert!(err.to_string().contains("a panic in a step"), "{err}");
-    let err = loop {
-        match running.next().await {
-            Some(Ok(berth::Piece::Chunk(_))) => continue,
-            Some(Err(e)) => break e,
-            other => panic!("the running request fails with the step, not {other:?}"),
-        }
-    };
+    let err = reader
+        .await
+        .unwrap()
+        .unwrap_or_else(|other| panic!("the running request fails with the step, not {other}"));
     assert!(err.to_string().contains("a panic in a step"), "{err}");
     let done = sup
         .request("steps", Body::json(r#"{"steps":2,"ok":1}"#))
