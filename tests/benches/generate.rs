@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use berth::{Body, ModelSpec, Supervisor};
 use berth_protocol::LoadSpec;
 use berth_tests::bench::{Rounds, machine};
-use berth_tests::upstream::llamacpp_worker;
+use berth_tests::upstream::{llamacpp_model, llamacpp_worker};
 use berth_tests::{Server, default_model, json_reply, test_config};
 use berth_worker::{LoadContext, Registry, RequestContext};
 use serde_json::{Value, json};
@@ -240,15 +240,11 @@ name = "generate"
 backend = "generate"
 model = "{}"
 
-[[model]]
-name = "llamacpp"
-worker = "llamacpp"
-model = "{}"
-"#,
+{}"#,
         gguf.parent().unwrap().display(),
         llamacpp_worker(&std::env::var("BERTH_BENCH_LLAMACPP_ARGS").unwrap_or_default()),
         gguf.display(),
-        gguf.display()
+        llamacpp_model("llamacpp")
     ));
     for model in ["generate", "llamacpp"] {
         let (status, reply) = server.post(&format!("/api/models/{model}/load"), json!({}));

@@ -43,15 +43,10 @@ worker = "fake"
             r#"models_dir = "{}"
 {text}
 {}
-
-[[model]]
-name = "smol"
-worker = "llamacpp"
-model = "{}"
-"#,
+{}"#,
             gguf.parent().unwrap().display(),
             berth_tests::upstream::llamacpp_worker(""),
-            gguf.display()
+            berth_tests::upstream::llamacpp_model("smol"),
         );
     }
     text

@@ -585,3 +585,14 @@ pub fn ready_pid(sup: &berth::Supervisor, model: &str) -> Option<u32> {
         .find(|s| s.name == model && s.state == berth::ModelState::Ready)
         .and_then(|s| s.pid)
 }
+
+/// Sets its flag when dropped: clients that loop until it is set stop
+/// however the scope that holds it ends, a failed assertion included.
+#[derive(Debug)]
+pub struct StopOnDrop<'a>(pub &'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}

@@ -5,8 +5,8 @@
 
 use serde_json::Value;
 
-use crate::Server;
 use crate::python::{llamacpp_python, repo_root, test_python};
+use crate::{Server, default_model};
 
 /// A config whose worker kind `fake` runs the fake server with `modes`
 /// (and `args`), and a model `fake` on it with `extra` keys. (Each test's
@@ -67,5 +67,16 @@ command = ["{}", "-m", "llama_cpp.server", "--model", "{{model}}", "--host", "12
 http = {{ health = "/openapi.json", stop_grace = "5s" }}
 "#,
         llamacpp_python().display()
+    )
+}
+
+/// A `[[model]]` table: the SmolLM2 GGUF `berth fetch smollm2` installs,
+/// named `name`, on llama.cpp's server (the worker kind of
+/// [`llamacpp_worker`]). The config must name the file's folder as its
+/// `models_dir`.
+pub fn llamacpp_model(name: &str) -> String {
+    format!(
+        "[[model]]\nname = \"{name}\"\nworker = \"llamacpp\"\nmodel = \"{}\"\n",
+        default_model("smollm2").display()
     )
 }

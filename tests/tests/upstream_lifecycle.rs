@@ -241,15 +241,8 @@ fn swaps_under_load_fail_no_request() {
     let (_, catalogue) = server.get("/api/models");
     let spec = catalogue["models"][0]["spec"].clone();
     let stop = std::sync::atomic::AtomicBool::new(false);
-    /// Stops the clients however the scope ends (an assertion included).
-    struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
-    impl Drop for Stop<'_> {
-        fn drop(&mut self) {
-            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
     let (failures, total) = std::thread::scope(|scope| {
-        let _stop = Stop(&stop);
+        let _stop = StopOnDrop(&stop);
         let clients: Vec<_> = (0..4)
             .map(|_| {
                 scope.spawn(|| {

@@ -20,15 +20,11 @@ fn config(extra: &str) -> String {
 models_dir = "{}"
 
 {}
-[[model]]
-name = "smollm2-cpp"
-worker = "llamacpp"
-model = "{}"
-{extra}
+{}{extra}
 "#,
         gguf.parent().unwrap().display(),
         berth_tests::upstream::llamacpp_worker(""),
-        gguf.display()
+        berth_tests::upstream::llamacpp_model("smollm2-cpp"),
     )
 }
 
@@ -108,14 +104,8 @@ fn swaps_under_load_and_the_unload_proof() {
     let (_, catalogue) = server.get("/api/models");
     let spec = catalogue["models"][0]["spec"].clone();
     let stop = std::sync::atomic::AtomicBool::new(false);
-    struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
-    impl Drop for Stop<'_> {
-        fn drop(&mut self) {
-            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
     let (failures, total, swapped) = std::thread::scope(|scope| {
-        let _stop = Stop(&stop);
+        let _stop = StopOnDrop(&stop);
         let clients: Vec<_> = (0..4)
             .map(|_| {
                 scope.spawn(|| {

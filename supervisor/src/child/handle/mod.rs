@@ -110,6 +110,19 @@ impl std::fmt::Debug for WorkerHandle {
 /// What an HTTP server's model shows as its backend.
 pub const HTTP_BACKEND: &str = "http";
 
+/// What a worker's handle and an HTTP server's are built from differently.
+struct Wiring {
+    backend: String,
+    worker_version: String,
+    commands: Link,
+    routes: Arc<Routes>,
+    control: mpsc::UnboundedReceiver<Event>,
+    pongs: watch::Receiver<Option<(u64, WorkerStats)>>,
+    reader_done: watch::Receiver<bool>,
+    answer_spin: Duration,
+    upstream: Option<Arc<Upstream>>,
+}
+
 impl WorkerHandle {
     /// Wraps a worker that has said hello: starts its reader and the task
     /// that fails its requests when it dies.
@@ -155,32 +168,22 @@ impl WorkerHandle {
                 });
             }
         }
-        let handle = Arc::new(WorkerHandle {
-            model: model.to_string(),
-            backend: backend.to_string(),
-            pid: process.pid(),
-            worker_version: hello.worker_version,
-            commands: link,
-            routes,
+        Ok(Self::assemble(
+            model,
             process,
-            control: tokio::sync::Mutex::new(control_rx),
-            pongs,
-            reader_done,
-            next_seq: AtomicU64::new(1),
             started_at,
-            requests: AtomicU64::new(0),
-            in_flight: Arc::default(),
-            answer_time: Arc::new(spin::AnswerTime::new(answer_spin)),
-            memory: Mutex::default(),
-            tree_seen: Mutex::default(),
-            load_info: Mutex::default(),
-            baseline_rss: AtomicU64::new(0),
-            load_micros: AtomicU64::new(0),
-            died_tx: watch::channel(None).0,
-            upstream: None,
-        });
-        handle.watch_death();
-        Ok(handle)
+            Wiring {
+                backend: backend.to_string(),
+                worker_version: hello.worker_version,
+                commands: link,
+                routes,
+                control: control_rx,
+                pongs,
+                reader_done,
+                answer_spin,
+                upstream: None,
+            },
+        ))
     }
 
     /// Wraps an HTTP server that answered its health check.
@@ -192,29 +195,55 @@ impl WorkerHandle {
     ) -> Arc<Self> {
         let (_, pongs) = watch::channel(None);
         let (_, control) = mpsc::unbounded_channel();
+        Self::assemble(
+            model,
+            process,
+            started_at,
+            Wiring {
+                backend: HTTP_BACKEND.to_string(),
+                worker_version: format!("HTTP server at {}", upstream.address()),
+                commands: Link::None,
+                routes: Arc::new(Routes::new(0)),
+                control,
+                pongs,
+                reader_done: watch::channel(true).1,
+                answer_spin: Duration::ZERO,
+                upstream: Some(upstream),
+            },
+        )
+    }
+
+    /// The handle over `wiring` (what differs between a worker and an HTTP
+    /// server), its counters and readings fresh, its death watched.
+    fn assemble(
+        model: &str,
+        process: Arc<ProcessWatch>,
+        started_at: Instant,
+        w: Wiring,
+    ) -> Arc<Self> {
         let handle = Arc::new(WorkerHandle {
             model: model.to_string(),
-            backend: HTTP_BACKEND.to_string(),
+            backend: w.backend,
             pid: process.pid(),
-            worker_version: format!("HTTP server at {}", upstream.address()),
-            commands: Link::None,
-            routes: Arc::new(Routes::new(0)),
+            worker_version: w.worker_version,
+            commands: w.commands,
+            routes: w.routes,
             process,
-            control: tokio::sync::Mutex::new(control),
-            pongs,
-            reader_done: watch::channel(true).1,
+            control: tokio::sync::Mutex::new(w.control),
+            pongs: w.pongs,
+            reader_done: w.reader_done,
             next_seq: AtomicU64::new(1),
             started_at,
             requests: AtomicU64::new(0),
             in_flight: Arc::default(),
-            answer_time: Arc::new(spin::AnswerTime::new(Duration::ZERO)),
+            answer_time: Arc::new(spin::AnswerTime::new(w.answer_spin)),
             memory: Mutex::default(),
             tree_seen: Mutex::default(),
             load_info: Mutex::default(),
             baseline_rss: AtomicU64::new(0),
             load_micros: AtomicU64::new(0),
             died_tx: watch::channel(None).0,
-            upstream: Some(upstream),
+            upstream: w.upstream,
         });
         handle.watch_death();
         handle

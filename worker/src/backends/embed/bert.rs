@@ -177,41 +177,49 @@ impl Dense {
     /// `rows` rows of `x` times the weights in place.
     fn few_rows(&self, x: &Tensor, rows: usize, n: usize, k: usize) -> Result<Tensor> {
         let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
-        let bias: Vec<f32> = self.bias.to_vec1()?;
-        let (storage, layout) = self.weight.storage_and_layout();
-        let candle_core::Storage::Cpu(cpu) = &*storage else {
-            candle_core::bail!("the weights are not in CPU memory");
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("the weights are not contiguous");
-        };
-        let w = &cpu.as_slice::<f32>()?[start..end];
         let mut out = vec![0f32; rows * n];
         let out_at = out.as_mut_ptr() as usize;
-        candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(4), |quads| {
-            for quad in quads {
-                let j = quad * 4;
-                let take = (n - j).min(4);
-                // SAFETY: `few_rows_kernel` saw AVX2 and FMA; the slices
-                // are `take` weight rows and `rows` activation rows of `k`;
-                // every (row, j..j + take) is written by this item alone,
-                // inside `out` (`rows * n`).
-                unsafe {
-                    dot_rows(
-                        &w[j * k..(j + take) * k],
-                        &xs,
-                        k,
-                        &bias[j..j + take],
-                        (out_at as *mut f32).add(j),
-                        n,
-                    )
-                };
-            }
-        });
+        in_place(&self.weight, |w| {
+            in_place(&self.bias, |bias| {
+                candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(4), |quads| {
+                    for quad in quads {
+                        let j = quad * 4;
+                        let take = (n - j).min(4);
+                        // SAFETY: `few_rows_kernel` saw AVX2 and FMA; the
+                        // slices are `take` weight rows and `rows` activation
+                        // rows of `k`; every (row, j..j + take) is written by
+                        // this item alone, inside `out` (`rows * n`).
+                        unsafe {
+                            dot_rows(
+                                &w[j * k..(j + take) * k],
+                                &xs,
+                                k,
+                                &bias[j..j + take],
+                                (out_at as *mut f32).add(j),
+                                n,
+                            )
+                        };
+                    }
+                })
+            })
+        })??;
         let mut shape = x.dims().to_vec();
         *shape.last_mut().expect("a matrix") = n;
         Tensor::from_vec(out, shape, &Device::Cpu)
     }
+}
+
+/// `f` over a contiguous f32 CPU tensor's values where they lie (weights
+/// and biases are read for every product: no copy of either).
+fn in_place<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("the weights are not in CPU memory");
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("the weights are not contiguous");
+    };
+    Ok(f(&cpu.as_slice::<f32>()?[start..end]))
 }
 
 /// Whether products on `device` may take the own kernel.
