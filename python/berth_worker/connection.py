@@ -1,5 +1,5 @@
-"""The worker's end of the stream: one socket, frames read by one thread,
-frames written by any thread under one lock."""
+"""The worker's end of the stream: one socket, frames read by one thread
+at a time (see reading.py), frames written by any thread under one lock."""
 
 from __future__ import annotations
 
@@ -36,8 +36,16 @@ class Connection:
         return cls(sock)
 
     def read(self) -> Frame:
-        """The next frame (one reader thread at a time)."""
+        """The next frame (one reading thread at a time)."""
         return self.reader.read()
+
+    def buffered(self) -> bool:
+        """True if received bytes wait to be read as (part of) a frame."""
+        return self.reader.buffered()
+
+    def fileno(self) -> int:
+        """The socket's descriptor."""
+        return self.sock.fileno()
 
     @staticmethod
     def build(header: Dict[str, Any], bulk: Optional[BulkLike] = None) -> OutgoingFrame:

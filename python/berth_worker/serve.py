@@ -144,7 +144,7 @@ def serve(backends: Dict[str, Type[Backend]], argv: Optional[Sequence[str]] = No
                 pass
     _handshake(conn, names)
     worker = Worker(backends, conn, os.environ.get("BERTH_MODEL", "?"))
-    worker.start_reader()
+    worker.start_watch()
     try:
         worker.run()
     except SystemExit as e:

@@ -1,10 +1,11 @@
-"""The serve loop after the welcome: two threads.
+"""The serve loop after the welcome.
 
-The reader thread reads every frame, answers pings at once and records
-cancels, so pongs flow while a request runs; it never runs model code. The
-main thread runs the backend, one job (load, request, shutdown) at a time,
-in the order they arrived; for a backend that batches, the requests that
-arrived while the last batch ran go together.
+The main thread runs the backend, one job (load, request, shutdown) at a
+time, in the order they arrived; for a backend that batches, the requests
+that arrived while the last batch ran go together. While it is idle it
+reads the socket itself; while a job keeps it away, the watch thread reads
+for it, answering pings and recording cancels, so pongs flow while a
+request runs (reading.py). The watch never runs model code.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .errors import (
     describe_exception,
 )
 from .process import die, flush_and_exit, say
+from .reading import Reading
 from .state import WorkerState
 from .stats import self_memory
 from .wire import Frame, FrameError, OutgoingFrame
@@ -71,6 +73,7 @@ class Worker:
         self.conn = conn
         self.state = WorkerState()
         self.jobs: "queue.Queue[Frame]" = queue.Queue()
+        self.reading = Reading(conn, self._dispatch, self.jobs)
         self.backend: Optional[Backend] = None
         self.policy: Optional[Batching] = None
         # Jobs taken while gathering a batch that did not join it: run next.
@@ -83,29 +86,23 @@ class Worker:
         # For messages before a load names the model (BERTH_MODEL).
         self.model_name = model_name
 
-    # -- reader thread ---------------------------------------------------------
+    # -- either thread --------------------------------------------------------
 
-    def start_reader(self) -> threading.Thread:
-        """Starts the thread that reads frames (a daemon: it never holds up an exit)."""
-        thread = threading.Thread(target=self._read_loop, name="berth-reader", daemon=True)
-        thread.start()
-        return thread
+    def start_watch(self) -> threading.Thread:
+        """Starts the thread that reads for the main thread while it is busy."""
+        return self.reading.start_watch()
 
-    def _read_loop(self) -> None:
+    def _dispatch(self, frame: Frame) -> Optional[Frame]:
+        """Answers a ping or records a cancel (and returns None); returns a
+        job for the main thread. Exits on a message the wire does not allow
+        here."""
         try:
-            while True:
-                frame = self.conn.read()
-                messages.check_supervisor_message(frame)
-                self._dispatch(frame)
-        except EOFError as e:
-            die("the supervisor closed the connection ({}); exiting".format(e))
+            messages.check_supervisor_message(frame)
+            return self._sort(frame)
         except FrameError as e:
             die("the supervisor broke the wire: {}; exiting".format(e))
-        except BaseException as e:  # a bug here must not leave a deaf worker
-            _log_traceback("the reader thread failed")
-            die("the reader thread failed ({}); exiting".format(describe_exception(e)))
 
-    def _dispatch(self, frame: Frame) -> None:
+    def _sort(self, frame: Frame) -> Optional[Frame]:
         kind = frame.type
         h = frame.header
         if kind == "ping":
@@ -113,23 +110,28 @@ class Worker:
             stats: Dict[str, int] = {"rss_bytes": memory[0], "peak_rss_bytes": memory[1]}
             stats.update(self.state.counts())
             self.conn.send(messages.pong(h["seq"], stats))
-        elif kind == "cancel":
+            return None
+        if kind == "cancel":
             self.state.cancel(h["id"])
-        elif kind == "request":
+            return None
+        if kind == "request":
             if not self.state.started(h["id"]):
                 raise FrameError("request id {} is already in flight".format(h["id"]))
-            self.jobs.put(frame)
-        elif kind in ("load", "shutdown"):
-            self.jobs.put(frame)
-        else:
-            raise FrameError("the supervisor sent `{}` after the welcome".format(kind))
+            return frame
+        if kind in ("load", "shutdown"):
+            return frame
+        raise FrameError("the supervisor sent `{}` after the welcome".format(kind))
 
     # -- main thread -----------------------------------------------------------
 
     def run(self) -> None:
         """Runs jobs until a shutdown (which exits the process)."""
         while True:
-            frame = self.held.popleft() if self.held else self.jobs.get()
+            if self.held:
+                frame = self.held.popleft()
+                self.reading.busy()
+            else:
+                frame = self.reading.next_job()
             kind = frame.type
             if kind == "load":
                 self._load(frame)
@@ -169,18 +171,14 @@ class Worker:
             if self.held:
                 frame = self.held.popleft()
             else:
-                try:
-                    frame = self.jobs.get_nowait()
-                except queue.Empty:
+                taken = self.reading.take()
+                if taken is None:
                     if until is None or len(batch) >= fill_to:
                         break
-                    left = until - time.monotonic()
-                    if left <= 0:
+                    taken = self.reading.wait(until - time.monotonic())
+                    if taken is None:
                         break
-                    try:
-                        frame = self.jobs.get(timeout=left)
-                    except queue.Empty:
-                        break
+                frame = taken
             if frame.type != "request":
                 self.held.appendleft(frame)
                 break
@@ -404,10 +402,10 @@ class Worker:
                 elif self.held:
                     frame = self.held.popleft()
                 else:
-                    try:
-                        frame = self.jobs.get_nowait()
-                    except queue.Empty:
+                    taken = self.reading.take()
+                    if taken is None:
                         break
+                    frame = taken
                 if frame.type != "request":
                     self.held.appendleft(frame)
                     blocked = True
@@ -501,6 +499,8 @@ class Worker:
 
     def _send_chunk(self, request_id: int, body: Any, bulk: Optional[Any]) -> None:
         self.conn.send_built(self.conn.build(messages.chunk(request_id, body), bulk))
+        # A streaming request sees its cancel at its next chunk.
+        self.reading.look()
 
     def _shutdown(self) -> None:
         if self.backend is not None:

@@ -89,6 +89,21 @@ def _read_all(fd: int, size: int) -> bytes:
     return bytes(out)
 
 
+def _written(file: Any) -> str:
+    """What the worker wrote to ``file`` so far, read with ``pread``: the
+    worker shares the file's offset, and a seek here would make its next
+    write land over what it wrote before."""
+    fd = file.fileno()
+    size = os.fstat(fd).st_size
+    data = b""
+    while len(data) < size:
+        got = os.pread(fd, size - len(data), len(data))
+        if not got:
+            break
+        data += got
+    return data.decode("utf-8", "replace")
+
+
 class FakeSupervisor:
     """Starts ``python -m berth_worker`` (or ``args``) and talks to it."""
 
@@ -246,12 +261,10 @@ class FakeSupervisor:
         return self.proc.wait(timeout)
 
     def stderr_text(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode("utf-8", "replace")
+        return _written(self.stderr)
 
     def stdout_text(self) -> str:
-        self.stdout.seek(0)
-        return self.stdout.read().decode("utf-8", "replace")
+        return _written(self.stdout)
 
     def close(self) -> None:
         """Kills the worker's whole process group and releases everything

@@ -333,6 +333,22 @@ class HogTests(WorkerCase):
         self.assertGreater(done.header["compute_us"], 1_500_000)
         self.assertEqual(sup.ping(3)["requests_done"], 1)
 
+    def test_the_socket_goes_back_and_forth_between_long_and_quick_requests(self) -> None:
+        # A long request: the watch reads for the main thread (the pong
+        # comes while it works); then the main thread is idle and reads
+        # again. Each turn of the duty, several times over.
+        sup = self.started("hog", {"work_ms": "100"})
+        for round_ in range(4):
+            request_id = 10 * round_ + 1
+            sup.request(request_id, {})
+            stats = sup.ping(request_id)
+            self.assertEqual(stats["in_flight"], 1)
+            self.assertEqual(sup.expect("done").header["id"], request_id)
+            self.assertEqual(sup.ping(request_id + 1)["in_flight"], 0)
+            # Idle again: three quick frames in a row, each answered in turn.
+            sup.send({"type": "cancel", "id": 999})
+            self.assertEqual(sup.ping(request_id + 2)["requests_done"], round_ + 1)
+
     def test_cancel_while_working_gives_one_done(self) -> None:
         sup = self.started("hog", {"work_ms": "30000"})
         sup.request(1, {})

@@ -22,8 +22,7 @@ use std::time::Instant;
 
 use berth::{Body, Bulk, ModelSpec, Supervisor};
 use berth_protocol::LoadSpec;
-use berth_tests::bench::{Rounds, machine, median, runtime};
-use berth_tests::test_config;
+use berth_tests::bench::{Rounds, echo_config, machine, median, runtime};
 use berth_worker::{LoadContext, Registry, RequestContext};
 use ipc_channel::ipc::{self, IpcOneShotServer, IpcReceiver, IpcSender, IpcSharedMemory};
 
@@ -270,13 +269,7 @@ fn main() {
         return;
     }
     runtime().block_on(async {
-        // `BERTH_BENCH_ANSWER_SPIN_US=0` sets `answer_spin` (microseconds),
-        // for the runs with callers that park at once.
-        let mut config = test_config();
-        if let Ok(spin) = std::env::var("BERTH_BENCH_ANSWER_SPIN_US") {
-            config.answer_spin =
-                std::time::Duration::from_micros(spin.parse().expect("microseconds"));
-        }
+        let config = echo_config();
         let spin = config.answer_spin;
         let sup = Supervisor::new(config);
         println!("Core ({}; answer_spin {spin:?})\n", machine());

@@ -11,7 +11,8 @@
 //! - spawn to ready for a Python worker vs `python3 -c pass`.
 //!
 //! Each line gives medians, and the median ratio of per-round medians with
-//! its 10th-90th percentile spread.
+//! its 10th-90th percentile spread. `BERTH_BENCH_ANSWER_SPIN_US=0` runs it
+//! with callers that park at once (`answer_spin`), as the core bench.
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -20,9 +21,8 @@ use std::os::unix::process::CommandExt;
 use std::time::Instant;
 
 use berth::{Body, Bulk, ModelSpec, Supervisor};
-use berth_tests::bench::{Rounds, machine, median, timed};
+use berth_tests::bench::{Rounds, echo_config, machine, median, timed};
 use berth_tests::python::{python_worker_command, repo_root, test_python};
-use berth_tests::test_config;
 
 /// The bare baseline: `bare_echo.py` on one end of a socket pair.
 struct Bare {
@@ -161,11 +161,16 @@ async fn spawn_to_ready(sup: &Supervisor) {
 fn main() {
     let runtime = berth_tests::bench::runtime();
     let _ = test_python();
-    println!("Python workers ({})\n", machine());
+    let config = echo_config();
+    println!(
+        "Python workers ({}; answer_spin {:?})\n",
+        machine(),
+        config.answer_spin
+    );
     println!("| what | berth | baseline | ratio, median (p10–p90) | samples |");
     println!("|---|---|---|---|---|");
     runtime.block_on(async {
-        let sup = Supervisor::new(test_config());
+        let sup = Supervisor::new(config);
         round_trips(&sup).await;
         spawn_to_ready(&sup).await;
         sup.shutdown().await;

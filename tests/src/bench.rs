@@ -121,6 +121,17 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
+/// The echo benches' supervisor settings: the tests' own, with
+/// `BERTH_BENCH_ANSWER_SPIN_US` (microseconds; `0` parks at once) setting
+/// `answer_spin`, for the runs that compare callers with and without it.
+pub fn echo_config() -> berth::SupervisorConfig {
+    let mut config = crate::test_config();
+    if let Ok(spin) = std::env::var("BERTH_BENCH_ANSWER_SPIN_US") {
+        config.answer_spin = Duration::from_micros(spin.parse().expect("microseconds"));
+    }
+    config
+}
+
 /// The `p` quantile (0 to 1) of `samples`, in milliseconds.
 pub fn pct_ms(samples: &mut [Duration], p: f64) -> f64 {
     samples.sort();
