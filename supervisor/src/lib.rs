@@ -36,9 +36,9 @@ pub use berth_protocol::{Body, Bulk};
 pub use child::handle::{Piece, ResponseStream, WorkerHandle};
 pub use config::{HttpSpec, ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
-pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport};
+pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport, WorkerStart};
 pub use supervisor::{
-    BatchingStatus, CatalogueEntry, Lease, ModelCounters, ModelState, ModelStatus, RequestOptions,
-    RequestStream, Supervisor, SwapReport,
+    BatchingStatus, CatalogueEntry, Lease, ModelCounters, ModelState, ModelStatus, PreloaderStatus,
+    RequestOptions, RequestStream, Supervisor, SwapReport,
 };
 pub use units::{mib, parse_bytes, parse_duration};

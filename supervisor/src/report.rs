@@ -47,6 +47,43 @@ pub struct LoadReport {
     /// Requests the backend takes in one batch (1: one at a time).
     #[serde(default)]
     pub max_batch: u32,
+    /// Of the RSS, pages the worker alone maps (what its exit gives back),
+    /// and pages it shares (with the preloaded interpreter it was forked
+    /// from, with libraries).
+    #[serde(default)]
+    pub private_bytes: u64,
+    #[serde(default)]
+    pub shared_bytes: u64,
+    /// How its process began: started cold, or forked from its kind's
+    /// preloaded interpreter.
+    #[serde(default)]
+    pub start: WorkerStart,
+}
+
+/// How a worker process began.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum WorkerStart {
+    /// Its program started afresh.
+    #[default]
+    Cold,
+    /// Forked from its worker kind's preloaded interpreter (that process's pid).
+    Forked { preloader_pid: u32 },
+    /// Started afresh although its kind preloads, for this reason (a
+    /// refused preload names the module at fault).
+    ColdFallback { reason: String },
+}
+
+impl fmt::Display for WorkerStart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WorkerStart::Cold => f.write_str("cold"),
+            WorkerStart::Forked { preloader_pid } => {
+                write!(f, "forked from preloader pid {preloader_pid}")
+            }
+            WorkerStart::ColdFallback { reason } => write!(f, "cold ({reason})"),
+        }
+    }
 }
 
 /// What an unload returns: the proof that memory came back.
@@ -62,16 +99,26 @@ pub struct UnloadReport {
     pub requests: u64,
     /// Resident memory when the stop began (anonymous + file-backed + shared).
     pub rss_at_stop_bytes: u64,
-    /// Of which anonymous (heap, stacks, allocator caches): what exit frees.
+    /// Of which anonymous (heap, stacks, allocator caches): what exit frees,
+    /// but for pages shared with a process that outlives the worker.
     pub anon_at_stop_bytes: u64,
+    /// Of the RSS, pages no other process mapped (the worker's own), and
+    /// pages shared (with its preloader, if it was forked from one).
+    #[serde(default)]
+    pub private_at_stop_bytes: u64,
+    #[serde(default)]
+    pub shared_at_stop_bytes: u64,
     pub peak_rss_bytes: u64,
     /// The system's `AnonPages` before the stop and after the reap.
     pub system_anon_before_bytes: u64,
     pub system_anon_after_bytes: u64,
     /// Anonymous memory confirmed returned: the worker's anonymous resident
     /// memory at stop, capped by the system-wide drop in `AnonPages` and
-    /// counted only once the process is gone. Conservative: other processes
-    /// allocating during the stop make it lower, never higher.
+    /// counted only once the process is gone. For a worker forked from a
+    /// preloaded interpreter, the pages it still shared with it are not
+    /// freed by its exit and so not counted: this is what it owned.
+    /// Conservative: other processes allocating during the stop make it
+    /// lower, never higher.
     pub reclaimed_bytes: u64,
     /// Processes the worker started alive after the stop (0): of its
     /// process group, its cgroup, or carrying its mark.
@@ -98,15 +145,24 @@ impl fmt::Display for LoadReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "loaded `{}` ({}) in worker pid {} in {:.1} ms (spawn {:.1} ms, backend {:.1} ms)",
-            self.model, self.backend, self.pid, self.load_ms, self.spawn_ms, self.backend_load_ms
+            "loaded `{}` ({}) in worker pid {} in {:.1} ms (spawn {:.1} ms, backend {:.1} ms; {})",
+            self.model,
+            self.backend,
+            self.pid,
+            self.load_ms,
+            self.spawn_ms,
+            self.backend_load_ms,
+            self.start
         )?;
         write!(
             f,
-            "  memory: rss {} (anonymous {}, file-backed {}), pss {}, peak {}; system available {}",
+            "  memory: rss {} (anonymous {}, file-backed {}; own {}, shared {}), pss {}, peak {}; \
+             system available {}",
             mib(self.rss_bytes),
             mib(self.anon_bytes),
             mib(self.file_bytes),
+            mib(self.private_bytes),
+            mib(self.shared_bytes),
             mib(self.pss_bytes),
             mib(self.peak_rss_bytes),
             mib(self.system_available_bytes)
@@ -134,9 +190,11 @@ impl fmt::Display for UnloadReport {
         )?;
         writeln!(
             f,
-            "  memory at stop: rss {} (anonymous {}), peak {}",
+            "  memory at stop: rss {} (anonymous {}; own {}, shared {}), peak {}",
             mib(self.rss_at_stop_bytes),
             mib(self.anon_at_stop_bytes),
+            mib(self.private_at_stop_bytes),
+            mib(self.shared_at_stop_bytes),
             mib(self.peak_rss_bytes)
         )?;
         write!(

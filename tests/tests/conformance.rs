@@ -1,8 +1,9 @@
-//! One conformance suite, two workers: every scenario that proves a
+//! One conformance suite, three workers: every scenario that proves a
 //! worker's guarantees runs against the Rust worker (`berth-worker` on
-//! `ipc-channel`) and the Python worker (`python3 -m berth_worker` on the
-//! stream wire, in the test venv), from one definition. `both!` makes a
-//! `rust` and a `python` test of each.
+//! `ipc-channel`), the Python worker (`python3 -m berth_worker` on the
+//! stream wire, in the test venv) started cold, and the same Python worker
+//! forked from its kind's preloaded interpreter, from one definition.
+//! `both!` makes a `rust`, a `python` and a `python_forked` test of each.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -16,7 +17,12 @@ use berth_tests::*;
 enum Worker {
     Rust,
     Python,
+    /// The Python worker, forked from the `py-forked` kind's preloader.
+    PythonForked,
 }
+
+/// The worker kind whose workers are forked from a preloaded interpreter.
+const FORKED_KIND: &str = "py-forked";
 
 impl Worker {
     fn spec(self, name: &str, backend: &str) -> ModelSpec {
@@ -24,7 +30,44 @@ impl Worker {
         match self {
             Worker::Rust => spec,
             Worker::Python => spec.command(python_worker_command()),
+            Worker::PythonForked => {
+                let mut spec = spec;
+                spec.worker = Some(FORKED_KIND.into());
+                spec
+            }
         }
+    }
+
+    fn is_python(self) -> bool {
+        self != Worker::Rust
+    }
+
+    /// The tests' settings, with the preloading kind declared (and this
+    /// process a child subreaper, as `berth serve` is) for a forked worker.
+    fn config(self) -> berth::SupervisorConfig {
+        let mut config = test_config();
+        if self == Worker::PythonForked {
+            berth::orphans::become_subreaper().expect("a child subreaper");
+            let mut kind = berth::WorkerKind::command(python_worker_command());
+            kind.preload = vec!["berth_worker.backends".into()];
+            config.workers.insert(FORKED_KIND.into(), kind);
+        }
+        config
+    }
+
+    fn supervisor(self) -> berth::Supervisor {
+        berth::Supervisor::new(self.config())
+    }
+}
+
+/// Every forked scenario's worker came from the preloader, not a cold start.
+fn assert_forked(w: Worker, report: &berth::LoadReport) {
+    if w == Worker::PythonForked {
+        assert!(
+            matches!(report.start, berth::WorkerStart::Forked { .. }),
+            "{:?}",
+            report.start
+        );
     }
 }
 
@@ -38,6 +81,10 @@ macro_rules! both {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn python() {
                 super::$scenario(super::Worker::Python).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn python_forked() {
+                super::$scenario(super::Worker::PythonForked).await
             }
         }
     )*};
@@ -79,7 +126,7 @@ async fn drain(mut stream: berth::RequestStream) -> (usize, serde_json::Value) {
 /// its own steps are done, while a longer one goes on; one cancelled
 /// mid-way leaves alone.
 async fn continuous_batching_answers_each_request_as_it_ends(w: Worker) {
-    let sup = supervisor();
+    let sup = w.supervisor();
     let report = sup
         .load(
             w.spec("steps", "echo")
@@ -146,7 +193,7 @@ async fn continuous_batching_answers_each_request_as_it_ends(w: Worker) {
 /// A step that fails (a panic in Rust, an exception in Python) fails every
 /// request in that step with a clear error; the worker goes on serving.
 async fn a_failed_step_fails_its_batch_and_the_worker_goes_on(w: Worker) {
-    let sup = supervisor();
+    let sup = w.supervisor();
     sup.load(
         w.spec("steps", "echo")
             .option("stepping", true)
@@ -202,11 +249,14 @@ async fn a_failed_step_fails_its_batch_and_the_worker_goes_on(w: Worker) {
 async fn a_worker_streaming_faster_than_its_reader_is_refused_not_queued(w: Worker) {
     let sup = berth::Supervisor::new(berth::SupervisorConfig {
         max_response: 1 << 20,
-        ..test_config()
+        ..w.config()
     });
-    sup.load(w.spec("flood", "echo").option("chunks", 200))
-        .await
-        .unwrap();
+    assert_forked(
+        w,
+        &sup.load(w.spec("flood", "echo").option("chunks", 200))
+            .await
+            .unwrap(),
+    );
     let body = format!("{{\"pad\":\"{}\"}}", "x".repeat(100_000));
     let mut stream = sup.request_stream("flood", Body::json(body)).await.unwrap();
     // Nobody reads while the worker streams 20 MB of chunks.
@@ -229,11 +279,14 @@ async fn a_worker_streaming_faster_than_its_reader_is_refused_not_queued(w: Work
 }
 
 async fn a_swap_is_make_before_break(w: Worker) {
-    let sup = std::sync::Arc::new(supervisor());
+    let sup = std::sync::Arc::new(w.supervisor());
     // Batching on: concurrent requests run together in both workers.
-    sup.load(w.spec("sw", "echo").option("batch", 8))
-        .await
-        .unwrap();
+    assert_forked(
+        w,
+        &sup.load(w.spec("sw", "echo").option("batch", 8))
+            .await
+            .unwrap(),
+    );
     let old = sup.worker("sw").unwrap().pid();
     // Requests keep coming from four clients during the swap; none fails.
     let clients: Vec<_> = (0..4)
@@ -276,8 +329,8 @@ async fn a_swap_is_make_before_break(w: Worker) {
 }
 
 async fn json_and_bulk_round_trip(w: Worker) {
-    let sup = supervisor();
-    sup.load(w.spec("e", "echo")).await.unwrap();
+    let sup = w.supervisor();
+    assert_forked(w, &sup.load(w.spec("e", "echo")).await.unwrap());
     let reply = sup
         .request("e", Body::json(r#"{"input":"héllo","n":[1,2,3]}"#))
         .await
@@ -313,7 +366,7 @@ async fn json_and_bulk_round_trip(w: Worker) {
                 "{:?}",
                 reply.bulk
             );
-            if w == Worker::Python {
+            if w.is_python() {
                 assert!(matches!(reply.bulk, Bulk::Mapped(_)), "{:?}", reply.bulk);
             }
             eprintln!("{w:?}: 64 MiB echoed in {:?}", started.elapsed());
@@ -323,10 +376,13 @@ async fn json_and_bulk_round_trip(w: Worker) {
 }
 
 async fn streaming_chunks_arrive_in_order(w: Worker) {
-    let sup = supervisor();
-    sup.load(w.spec("s", "echo").option("chunks", 3))
-        .await
-        .unwrap();
+    let sup = w.supervisor();
+    assert_forked(
+        w,
+        &sup.load(w.spec("s", "echo").option("chunks", 3))
+            .await
+            .unwrap(),
+    );
     let mut stream = sup
         .request_stream("s", Body::json(r#"{"k":"v"}"#))
         .await
@@ -350,10 +406,13 @@ async fn streaming_chunks_arrive_in_order(w: Worker) {
 }
 
 async fn cancel_stops_the_work_and_the_worker_goes_on(w: Worker) {
-    let sup = supervisor();
-    sup.load(w.spec("c", "hog").option("work_ms", 20_000))
-        .await
-        .unwrap();
+    let sup = w.supervisor();
+    assert_forked(
+        w,
+        &sup.load(w.spec("c", "hog").option("work_ms", 20_000))
+            .await
+            .unwrap(),
+    );
     let worker = sup.worker("c").unwrap();
     let stream = sup.request_stream("c", Body::json("{}")).await.unwrap();
     assert!(
@@ -383,7 +442,7 @@ async fn cancel_stops_the_work_and_the_worker_goes_on(w: Worker) {
 }
 
 async fn a_crash_mid_request_fails_in_flight_requests_at_once(w: Worker) {
-    let sup = supervisor();
+    let sup = w.supervisor();
     sup.load(
         w.spec("x", "fault")
             .option("crash_on", "poison")
@@ -426,14 +485,18 @@ async fn a_crash_mid_request_fails_in_flight_requests_at_once(w: Worker) {
 }
 
 async fn another_protocol_version_is_refused(w: Worker) {
-    let sup = supervisor();
+    let sup = w.supervisor();
     let mut spec = match w {
         Worker::Rust => ModelSpec::new("old", "echo").worker_binary(test_worker_bin()),
-        Worker::Python => ModelSpec::new("old", "echo").command(rogue_worker()),
+        // Not a berth_worker program: no preloader can fork it; a forked
+        // worker's handshake is the same code as a cold one's.
+        Worker::Python | Worker::PythonForked => {
+            ModelSpec::new("old", "echo").command(rogue_worker())
+        }
     };
     let mode = match w {
         Worker::Rust => "BERTH_TEST_WORKER_MODE",
-        Worker::Python => "ROGUE_MODE",
+        Worker::Python | Worker::PythonForked => "ROGUE_MODE",
     };
     spec.env.push((mode.into(), "wrong-version".into()));
     let err = sup.load(spec).await.unwrap_err();
@@ -445,7 +508,7 @@ async fn another_protocol_version_is_refused(w: Worker) {
     // as a done's `batch` did not change it).
     let (expected, ours) = match w {
         Worker::Rust => ("999", berth::protocol::PROTOCOL_VERSION.to_string()),
-        Worker::Python => ("2, 3", "1".to_string()),
+        Worker::Python | Worker::PythonForked => ("2, 3", "1".to_string()),
     };
     assert_eq!(
         (worker.as_str(), supervisor.as_str()),
@@ -460,7 +523,7 @@ async fn another_protocol_version_is_refused(w: Worker) {
 }
 
 async fn a_hang_at_load_times_out_and_the_worker_is_gone(w: Worker) {
-    let sup = supervisor();
+    let sup = w.supervisor();
     let spec = w
         .spec("h", "fault")
         .option("mode", "hang-on-load")
@@ -476,10 +539,10 @@ async fn a_hang_at_load_times_out_and_the_worker_is_gone(w: Worker) {
 }
 
 async fn a_hang_in_a_request_is_found_stalled(w: Worker) {
-    let sup = supervisor();
+    let sup = w.supervisor();
     let mut spec = w.spec("hr", "fault").option("mode", "hang-on-request");
     spec.stall_timeout = Some(Duration::from_secs(2));
-    sup.load(spec).await.unwrap();
+    assert_forked(w, &sup.load(spec).await.unwrap());
     let started = Instant::now();
     let err = sup.request("hr", Body::json("{}")).await.unwrap_err();
     assert_eq!(err.kind(), "stalled", "{err}");
@@ -493,10 +556,13 @@ async fn a_hang_in_a_request_is_found_stalled(w: Worker) {
 }
 
 async fn a_worker_ignoring_shutdown_is_escalated(w: Worker) {
-    let sup = supervisor();
-    sup.load(w.spec("i", "fault").option("mode", "ignore-shutdown"))
-        .await
-        .unwrap();
+    let sup = w.supervisor();
+    assert_forked(
+        w,
+        &sup.load(w.spec("i", "fault").option("mode", "ignore-shutdown"))
+            .await
+            .unwrap(),
+    );
     let report = sup.unload("i").await.unwrap();
     assert_eq!(report.stop, StopKind::Sigkill, "{report:?}");
     assert_eq!(report.leftover_processes, 0);
@@ -504,8 +570,8 @@ async fn a_worker_ignoring_shutdown_is_escalated(w: Worker) {
 
 async fn a_load_past_its_memory_limit_is_memory_limit_exceeded(w: Worker) {
     let _guard = memory_lock().await;
-    let sup = supervisor();
-    sup.load(w.spec("bystander", "echo")).await.unwrap();
+    let sup = w.supervisor();
+    assert_forked(w, &sup.load(w.spec("bystander", "echo")).await.unwrap());
     let mut spec = w.spec("greedy", "hog").option("alloc_mib", 400);
     spec.memory_limit = Some(160 << 20);
     let err = sup.load(spec).await.unwrap_err();
@@ -526,13 +592,13 @@ async fn a_load_past_its_memory_limit_is_memory_limit_exceeded(w: Worker) {
 
 async fn a_leak_is_recycled_by_max_rss_without_a_failed_request(w: Worker) {
     let _guard = memory_lock().await;
-    let sup = supervisor();
+    let sup = w.supervisor();
     let mut spec = w
         .spec("leaky", "hog")
         .option("alloc_mib", 8)
         .option("leak_kib_per_request", 1024);
     spec.max_rss = Some(96 << 20);
-    sup.load(spec).await.unwrap();
+    assert_forked(w, &sup.load(spec).await.unwrap());
     let mut failed = Vec::new();
     for i in 0..400u32 {
         if let Err(e) = sup
@@ -551,18 +617,19 @@ async fn a_leak_is_recycled_by_max_rss_without_a_failed_request(w: Worker) {
 
 async fn unload_reclaims_the_memory_and_leaves_no_process(w: Worker) {
     let _guard = memory_lock().await;
-    let sup = supervisor();
+    let sup = w.supervisor();
     let mut spec = w.spec("held", "hog").option("alloc_mib", 256);
-    if w == Worker::Python {
+    if w.is_python() {
         // The worker's own children (a multiprocessing pool) go with it.
         spec = spec.option("pool_processes", 2);
     }
     let load = sup.load(spec).await.unwrap();
+    assert_forked(w, &load);
     assert!(load.rss_bytes >= 256 << 20, "{load:?}");
     let before = workers_of_model("held");
     assert_eq!(
         before.len(),
-        if w == Worker::Python { 3 } else { 1 },
+        if w.is_python() { 3 } else { 1 },
         "{before:?}"
     );
     let report = sup.unload("held").await.unwrap();
@@ -589,8 +656,22 @@ async fn sigkill_of_berth_serve_leaves_no_worker(w: Worker) {
             format!("[workers.py]\ncommand = {:?}\n\n", python_worker_command()),
             "worker = \"py\"\noptions = { pool_processes = 2 }\n",
         ),
+        Worker::PythonForked => (
+            format!(
+                "[workers.py]\ncommand = {:?}\npreload = [\"berth_worker.backends\"]\n\n",
+                python_worker_command()
+            ),
+            "worker = \"py\"\noptions = { pool_processes = 2 }\n",
+        ),
     };
-    let model = format!("killed-{}", if w == Worker::Python { "py" } else { "rs" });
+    let model = format!(
+        "killed-{}",
+        match w {
+            Worker::Rust => "rs",
+            Worker::Python => "py",
+            Worker::PythonForked => "pyf",
+        }
+    );
     let config =
         format!("{worker_kind}[[model]]\nname = \"{model}\"\nbackend = \"hog\"\n{options}");
     let mut server = Server::start(&config);
@@ -598,12 +679,20 @@ async fn sigkill_of_berth_serve_leaves_no_worker(w: Worker) {
     assert_eq!(status, 200, "{body}");
     let workers = workers_of_model(&model);
     assert!(!workers.is_empty());
+    // The preloaded interpreter (`preload-<kind>`) must go too.
+    let preloader = "preload-py";
+    if w == Worker::PythonForked {
+        assert_eq!(body["start"]["kind"], "forked", "{body}");
+        assert_eq!(workers_of_model(preloader).len(), 1);
+    }
     server.child.kill().unwrap();
     server.child.wait().unwrap();
     assert!(
         wait_for(Duration::from_secs(5), || workers_of_model(&model)
-            .is_empty()),
-        "left behind: {:?}",
-        workers_of_model(&model)
+            .is_empty()
+            && workers_of_model(preloader).is_empty()),
+        "left behind: {:?} {:?}",
+        workers_of_model(&model),
+        workers_of_model(preloader)
     );
 }

@@ -13,13 +13,14 @@ use crate::child::handle::{LoadOutcome, WorkerHandle};
 use crate::child::handshake::{self, HandshakeOutcome};
 use crate::child::limits::{Cgroup, MemoryCap};
 use crate::child::memory::system_memory;
+use crate::child::preload::{ForkRequest, Preloader};
 use crate::child::process::ProcessWatch;
 use crate::child::spawn::{Connect, SpawnOptions, find_worker_binary, spawn};
 use crate::child::{health, stop, stream, upstream};
 use crate::config::{HttpSpec, ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
-use crate::report::LoadReport;
+use crate::report::{LoadReport, WorkerStart};
 
 /// The end a new worker connects to, by wire.
 enum Listening {
@@ -176,11 +177,23 @@ pub(crate) fn offered_backends(
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
 /// by the supervisor's placement) when the model asks for GPUs. `spawned`
 /// hears the worker's pid as soon as it runs.
+/// How a worker process is to begin.
+pub(crate) enum Start {
+    /// Its program starts afresh.
+    Cold,
+    /// Forked from its kind's preloaded interpreter; started cold if the
+    /// fork fails.
+    Fork(Arc<Preloader>),
+    /// Afresh although its kind preloads, for this reason.
+    ColdBecause(String),
+}
+
 pub(crate) async fn launch(
     spec: &ModelSpec,
     config: &SupervisorConfig,
     gpus: Option<Vec<u32>>,
     spawned: &(dyn Fn(u32) + Send + Sync),
+    start: Start,
 ) -> Result<(Arc<WorkerHandle>, LoadReport)> {
     let started = Instant::now();
     let timeout = spec.load_timeout.unwrap_or(config.load_timeout);
@@ -243,10 +256,11 @@ pub(crate) async fn launch(
         program.cwd.as_deref(),
         &env,
         spawned,
+        start,
     )
     .await?;
     let pid = process.pid();
-    tracing::debug!(model, pid, program = %program, "worker started");
+    tracing::debug!(model, pid, program = %program, start = %process.start_kind(), "worker started");
 
     let program_line = program.to_string();
     let outcome = match listening {
@@ -354,6 +368,9 @@ pub(crate) async fn launch(
         system_available_bytes: system_memory().available_bytes,
         details: serde_json::from_str(&info.details).unwrap_or(serde_json::Value::Null),
         max_batch: info.max_batch.max(1),
+        private_bytes: memory.private_bytes,
+        shared_bytes: memory.shared_bytes,
+        start: process.start_kind().clone(),
     };
     Ok((handle, report))
 }
@@ -393,6 +410,7 @@ async fn launch_server(
         program.cwd.as_deref(),
         &env,
         spawned,
+        Start::Cold,
     )
     .await?;
     let pid = process.pid();
@@ -492,13 +510,19 @@ async fn launch_server(
         system_available_bytes: system_memory().available_bytes,
         details: serde_json::json!({ "address": upstream.address().to_string() }),
         max_batch: 1,
+        private_bytes: memory.private_bytes,
+        shared_bytes: memory.shared_bytes,
+        start: process.start_kind().clone(),
     };
     Ok((handle, report))
 }
 
-/// Starts a worker's (or a server's) process under its memory cap, or in a
+/// Starts a worker's process, capped if the spec says so and else in a
 /// cgroup of its own to fence in what it starts, with a fresh mark, and
-/// hands it to a watch that reaps it; `spawned` is told its pid.
+/// hands it to a watch that reaps it; `spawned` is told its pid. With
+/// [`Start::Fork`] it is forked from its kind's preloaded interpreter, and
+/// started cold if that fails: a load never fails for the preloader's sake.
+#[allow(clippy::too_many_arguments)]
 async fn start_process(
     spec: &ModelSpec,
     binary: &std::path::Path,
@@ -507,6 +531,7 @@ async fn start_process(
     cwd: Option<&std::path::Path>,
     env: &[(String, String)],
     spawned: &(dyn Fn(u32) + Send + Sync),
+    start: Start,
 ) -> Result<Arc<ProcessWatch>> {
     let model = spec.name.as_str();
     let cap = spec
@@ -520,6 +545,52 @@ async fn start_process(
     };
     let mark = crate::orphans::new_mark();
     let spawning = crate::orphans::spawning();
+    let procs = cap
+        .as_ref()
+        .and_then(MemoryCap::cgroup)
+        .or(fence.as_ref())
+        .map(Cgroup::procs_file);
+    let cold_because = match (start, connect) {
+        (Start::Fork(preloader), Connect::Stream(wire)) => {
+            let request = ForkRequest {
+                model,
+                mark: &mark,
+                extra_env: env,
+                cwd,
+                cgroup_procs: procs
+                    .and_then(|p| p.to_str().ok())
+                    .map(std::path::Path::new),
+                wire,
+            };
+            let timeout = spec.load_timeout.unwrap_or(Duration::from_secs(30));
+            match preloader.fork(request, timeout).await {
+                Ok(forked) => {
+                    let start = WorkerStart::Forked {
+                        preloader_pid: preloader.pid(),
+                    };
+                    let process = Arc::new(
+                        ProcessWatch::adopt(model, forked.pid, forked.output, cap, fence, &mark)
+                            .with_start(start),
+                    );
+                    drop(spawning);
+                    process.spawn_rss_guard();
+                    spawned(process.pid());
+                    return Ok(process);
+                }
+                Err(why) => {
+                    let why = format!(
+                        "forking from the preloaded interpreter of kind `{}` (pid {}) failed: {why}",
+                        preloader.kind(),
+                        preloader.pid()
+                    );
+                    tracing::warn!(model, "{why}; starting the worker cold");
+                    Some(why)
+                }
+            }
+        }
+        (Start::ColdBecause(why), _) => Some(why),
+        (Start::Fork(_) | Start::Cold, _) => None,
+    };
     let child = spawn(SpawnOptions {
         model,
         binary,
@@ -528,14 +599,14 @@ async fn start_process(
         cwd,
         mark: &mark,
         extra_env: env,
-        cgroup_procs: cap
-            .as_ref()
-            .and_then(MemoryCap::cgroup)
-            .or(fence.as_ref())
-            .map(Cgroup::procs_file),
+        cgroup_procs: procs,
     })
     .await?;
-    let process = Arc::new(ProcessWatch::start(model, child, cap, fence, &mark));
+    let start = match cold_because {
+        Some(reason) => WorkerStart::ColdFallback { reason },
+        None => WorkerStart::Cold,
+    };
+    let process = Arc::new(ProcessWatch::start(model, child, cap, fence, &mark).with_start(start));
     drop(spawning);
     process.spawn_rss_guard();
     spawned(process.pid());

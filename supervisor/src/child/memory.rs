@@ -14,6 +14,15 @@ pub struct ProcessMemory {
     pub file_bytes: u64,
     /// Proportional set size (0 if smaps_rollup is unreadable).
     pub pss_bytes: u64,
+    /// Resident pages no other process maps (the unique set size): what
+    /// the process's exit gives back. Beside `shared_bytes`, it tells a
+    /// worker forked from a preloaded interpreter apart from what it shares
+    /// with it. 0 if smaps_rollup is unreadable.
+    #[serde(default)]
+    pub private_bytes: u64,
+    /// Resident pages another process maps too (a preloader, a library).
+    #[serde(default)]
+    pub shared_bytes: u64,
     /// Peak resident memory so far (`VmHWM`).
     pub peak_rss_bytes: u64,
 }
@@ -31,21 +40,21 @@ pub fn process_memory(pid: u32) -> Option<ProcessMemory> {
     let process = procfs::process::Process::new(pid as i32).ok()?;
     let status = process.status().ok()?;
     let kib = |v: Option<u64>| v.unwrap_or(0) * 1024;
-    let pss_bytes = process
-        .smaps_rollup()
-        .ok()
-        .and_then(|r| {
-            r.memory_map_rollup
-                .0
-                .first()
-                .and_then(|m| m.extension.map.get("Pss").copied())
-        })
-        .unwrap_or(0);
+    let rollup = process.smaps_rollup().ok();
+    let field = |name: &str| {
+        rollup
+            .as_ref()
+            .and_then(|r| r.memory_map_rollup.0.first())
+            .and_then(|m| m.extension.map.get(name).copied())
+            .unwrap_or(0)
+    };
     Some(ProcessMemory {
         rss_bytes: kib(status.vmrss),
         anon_bytes: kib(status.rssanon),
         file_bytes: kib(status.rssfile),
-        pss_bytes,
+        pss_bytes: field("Pss"),
+        private_bytes: field("Private_Clean") + field("Private_Dirty"),
+        shared_bytes: field("Shared_Clean") + field("Shared_Dirty"),
         peak_rss_bytes: kib(status.vmhwm),
     })
 }
@@ -93,6 +102,8 @@ pub fn tree_memory(pid: u32, extra: &[u32]) -> Option<ProcessMemory> {
             total.anon_bytes += m.anon_bytes;
             total.file_bytes += m.file_bytes;
             total.pss_bytes += m.pss_bytes;
+            total.private_bytes += m.private_bytes;
+            total.shared_bytes += m.shared_bytes;
             total.peak_rss_bytes += m.peak_rss_bytes;
         }
     }
@@ -121,6 +132,8 @@ mod tests {
         let me = process_memory(std::process::id()).expect("own process is readable");
         assert!(me.rss_bytes > 0 && me.peak_rss_bytes >= me.rss_bytes);
         assert!(me.anon_bytes > 0 && me.anon_bytes <= me.rss_bytes);
+        assert!(me.private_bytes > 0 && me.private_bytes <= me.rss_bytes);
+        assert!(me.private_bytes + me.shared_bytes <= me.rss_bytes + (1 << 20));
         let sys = system_memory();
         assert!(sys.available_bytes > 0 && sys.anon_bytes > 0);
     }

@@ -6,8 +6,9 @@
 //! `sweep` (killing what a worker left, in its group or outside it),
 //! `process` (reaping, kill causes), `output` (bounded stdout/stderr),
 //! `memory` (procfs), `limits` (memory caps), `probe` (asking a program
-//! for its backends), `upstream` (an HTTP server run as a worker) and
-//! `ports` (where such a server listens, and that it is the one there).
+//! for its backends), `upstream` (an HTTP server run as a worker),
+//! `ports` (where such a server listens, and that it is the one there) and
+//! `preload` (a worker kind's preloaded interpreter, which forks workers).
 
 pub(crate) mod death;
 pub mod handle;
@@ -19,6 +20,7 @@ pub(crate) mod link;
 pub mod memory;
 pub(crate) mod output;
 pub(crate) mod ports;
+pub(crate) mod preload;
 pub(crate) mod probe;
 pub mod process;
 mod routes;

@@ -9,16 +9,20 @@
 //! messages.
 
 use std::collections::VecDeque;
+use std::fs::File;
+use std::os::fd::OwnedFd;
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 use tokio::sync::watch;
 
 use crate::base::{CapMechanism, ExitStatus, KillCause};
 use crate::child::limits::{Cgroup, MemoryCap};
+use crate::report::WorkerStart;
 
 pub use crate::child::output::STDERR_TAIL_LINES;
 use crate::child::output::forward_lines;
@@ -44,6 +48,8 @@ pub(crate) struct ProcessWatch {
     /// a health check failing meanwhile (a server closes its socket on
     /// SIGTERM) is no reason to kill it.
     stopping: std::sync::atomic::AtomicBool,
+    /// How it began: started cold, or forked from a preloaded interpreter.
+    start: WorkerStart,
 }
 
 impl ProcessWatch {
@@ -58,12 +64,58 @@ impl ProcessWatch {
         mark: &str,
     ) -> Self {
         let pid = child.id();
+        let out = child.stdout.take().map(|o| File::from(OwnedFd::from(o)));
+        let err = child.stderr.take().map(|e| File::from(OwnedFd::from(e)));
+        Self::watch(
+            model,
+            pid,
+            (out, err),
+            Reapable::Child(child),
+            cap,
+            fence,
+            mark,
+        )
+    }
+
+    /// Takes over a worker this process did not spawn but is now the parent
+    /// of (forked from a preloaded interpreter and re-parented to this
+    /// subreaper): from here on, this watch reaps it. `output` is the read
+    /// ends of its stdout and stderr.
+    pub fn adopt(
+        model: &str,
+        pid: u32,
+        output: (File, File),
+        cap: Option<MemoryCap>,
+        fence: Option<Cgroup>,
+        mark: &str,
+    ) -> Self {
+        let (out, err) = output;
+        Self::watch(
+            model,
+            pid,
+            (Some(out), Some(err)),
+            Reapable::Adopted(pid),
+            cap,
+            fence,
+            mark,
+        )
+    }
+
+    fn watch(
+        model: &str,
+        pid: u32,
+        (out, err): (Option<File>, Option<File>),
+        reapable: Reapable,
+        cap: Option<MemoryCap>,
+        fence: Option<Cgroup>,
+        mark: &str,
+    ) -> Self {
         let stderr = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
         let (closed_tx, stderr_closed) = watch::channel(false);
-        if let Some(out) = child.stdout.take() {
+        if let Some(out) = out {
             forward_lines(model, pid, "stdout", out, None, None);
         }
-        match child.stderr.take() {
+        match err {
             Some(err) => forward_lines(
                 model,
                 pid,
@@ -83,7 +135,7 @@ impl ProcessWatch {
             .map(|c| c.dir().to_path_buf());
         crate::orphans::register(pid, model, mark, cgroup);
         let (exit_tx, exit) = watch::channel(None);
-        reap(child, move |status| {
+        reap(reapable, move |status| {
             crate::orphans::unregister(pid);
             let _ = exit_tx.send(Some(status));
         });
@@ -100,7 +152,19 @@ impl ProcessWatch {
             kill_cause: Mutex::new(None),
             polled_peak: std::sync::atomic::AtomicU64::new(0),
             stopping: std::sync::atomic::AtomicBool::new(false),
+            start: WorkerStart::Cold,
         }
+    }
+
+    /// Says how it began (cold by default).
+    pub(crate) fn with_start(mut self, start: WorkerStart) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// How it began.
+    pub fn start_kind(&self) -> &WorkerStart {
+        &self.start
     }
 
     /// Marks the start of a planned stop.
@@ -257,11 +321,66 @@ impl ProcessWatch {
     }
 }
 
-/// Reaps `child` once it exits and hands its status to `exited`: on the
+/// A child process to reap: one spawned here, or one adopted (forked by a
+/// preloaded interpreter and re-parented to this subreaper), known by pid.
+enum Reapable {
+    Child(Child),
+    Adopted(u32),
+}
+
+impl Reapable {
+    fn pid(&self) -> u32 {
+        match self {
+            Reapable::Child(child) => child.id(),
+            Reapable::Adopted(pid) => *pid,
+        }
+    }
+
+    /// Its status if it has exited (and is now reaped), `None` if it runs.
+    fn try_wait(&mut self) -> Option<ExitStatus> {
+        match self {
+            Reapable::Child(child) => match child.try_wait() {
+                Ok(Some(status)) => Some(ExitStatus::from_std(status)),
+                Ok(None) => None,
+                Err(_) => Some(ExitStatus::Code(-1)),
+            },
+            Reapable::Adopted(pid) => adopted_status(*pid, Some(WaitPidFlag::WNOHANG)),
+        }
+    }
+
+    /// Blocks until it exits; its status.
+    fn wait(self) -> ExitStatus {
+        match self {
+            Reapable::Child(mut child) => match child.wait() {
+                Ok(status) => ExitStatus::from_std(status),
+                Err(_) => ExitStatus::Code(-1),
+            },
+            Reapable::Adopted(pid) => loop {
+                if let Some(status) = adopted_status(pid, None) {
+                    return status;
+                }
+            },
+        }
+    }
+}
+
+/// `waitpid` on an adopted child: its status once it has exited, `None`
+/// while it runs (with `WNOHANG`) or a wait was interrupted.
+fn adopted_status(pid: u32, flags: Option<WaitPidFlag>) -> Option<ExitStatus> {
+    match waitpid(Pid::from_raw(pid as i32), flags) {
+        Ok(WaitStatus::Exited(_, code)) => Some(ExitStatus::Code(code)),
+        Ok(WaitStatus::Signaled(_, signal, _)) => Some(ExitStatus::Signal(signal.as_str().into())),
+        Ok(_) | Err(nix::errno::Errno::EINTR) => None,
+        // ECHILD: not our child (any more): nothing to wait for.
+        Err(_) => Some(ExitStatus::Code(-1)),
+    }
+}
+
+/// Reaps a child once it exits and hands its status to `exited`: on the
 /// runtime through a pidfd, or on a thread of its own where there is no
 /// pidfd or no runtime.
-fn reap(child: Child, exited: impl FnOnce(ExitStatus) + Send + 'static) {
-    let pid = child.id();
+fn reap(child: Reapable, exited: impl FnOnce(ExitStatus) + Send + 'static) {
+    let pid = child.pid();
     let mut unreaped = Unreaped(Some((child, Box::new(exited))));
     let reactor = tokio::runtime::Handle::try_current().ok();
     let pidfd = reactor.as_ref().and_then(|_| pidfd_open(pid));
@@ -299,7 +418,7 @@ fn reap(child: Child, exited: impl FnOnce(ExitStatus) + Send + 'static) {
 /// (no pidfd, or the runtime shut down with the reaping task pending), it
 /// hands the blocking wait to a thread, so no worker is left a zombie and
 /// its pid is never forgotten while it could still be reused.
-struct Unreaped(Option<(Child, Exited)>);
+struct Unreaped(Option<(Reapable, Exited)>);
 
 /// Who is told of a worker's exit status, once.
 type Exited = Box<dyn FnOnce(ExitStatus) + Send>;
@@ -310,10 +429,8 @@ impl Unreaped {
         let Some((child, _)) = self.0.as_mut() else {
             return true;
         };
-        let status = match child.try_wait() {
-            Ok(Some(status)) => ExitStatus::from_std(status),
-            Ok(None) => return false,
-            Err(_) => ExitStatus::Code(-1),
+        let Some(status) = child.try_wait() else {
+            return false;
         };
         if let Some((_, exited)) = self.0.take() {
             exited(status);
@@ -324,18 +441,13 @@ impl Unreaped {
 
 impl Drop for Unreaped {
     fn drop(&mut self) {
-        let Some((mut child, exited)) = self.0.take() else {
+        let Some((child, exited)) = self.0.take() else {
             return;
         };
-        let pid = child.id();
+        let pid = child.pid();
         let spawned = std::thread::Builder::new()
             .name(format!("berth-wait-{pid}"))
-            .spawn(move || {
-                exited(match child.wait() {
-                    Ok(status) => ExitStatus::from_std(status),
-                    Err(_) => ExitStatus::Code(-1),
-                })
-            });
+            .spawn(move || exited(child.wait()));
         if spawned.is_err() {
             tracing::error!(
                 pid,
@@ -346,8 +458,8 @@ impl Drop for Unreaped {
 }
 
 /// A descriptor that turns readable when process `pid` exits; `None` where
-/// the kernel refuses it. The process is our unreaped child, so its pid
-/// cannot be reused before we reap it.
+/// the kernel refuses it. The process is our unreaped child (spawned, or
+/// adopted), so its pid cannot be reused before we reap it.
 fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor

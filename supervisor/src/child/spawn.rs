@@ -163,6 +163,31 @@ pub(crate) unsafe fn cloexec_from(first: RawFd) -> io::Result<()> {
     Ok(())
 }
 
+/// The whole environment a worker starts with, and nothing else: the
+/// [`PASSTHROUGH_ENV`] variables the supervisor has, `extra_env`, its mark,
+/// the supervisor's pid, its model's name and how to reach the supervisor.
+/// A worker forked from a preloaded interpreter is given the same.
+pub(crate) fn worker_env(
+    model: &str,
+    mark: &str,
+    extra_env: &[(String, String)],
+    connect: Connect<'_>,
+) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = passthrough_env()
+        .map(|(k, v)| (k.to_string(), v))
+        .chain(extra_env.iter().cloned())
+        .collect();
+    env.push((crate::orphans::ENV_WORKER_MARK.into(), mark.into()));
+    env.push((ENV_PARENT_PID.into(), std::process::id().to_string()));
+    env.push((ENV_MODEL_NAME.into(), model.into()));
+    match connect {
+        Connect::Ipc(server_name) => env.push((ENV_BOOTSTRAP.into(), server_name.into())),
+        Connect::Stream(_) => env.push((ENV_FD.into(), WORKER_FD.to_string())),
+        Connect::None => {}
+    }
+    env
+}
+
 /// Starts a worker; it connects (or finds its socket) on its own.
 pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
     let supervisor_pid = std::process::id();
@@ -170,25 +195,19 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
     command
         .args(opts.args)
         .env_clear()
-        .envs(passthrough_env())
-        .envs(opts.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env(crate::orphans::ENV_WORKER_MARK, opts.mark)
-        .env(ENV_PARENT_PID, supervisor_pid.to_string())
-        .env(ENV_MODEL_NAME, opts.model)
+        .envs(worker_env(
+            opts.model,
+            opts.mark,
+            opts.extra_env,
+            opts.connect,
+        ))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
     let stream_fd = match opts.connect {
-        Connect::Ipc(server_name) => {
-            command.env(ENV_BOOTSTRAP, server_name);
-            None
-        }
-        Connect::Stream(fd) => {
-            command.env(ENV_FD, WORKER_FD.to_string());
-            Some(fd)
-        }
-        Connect::None => None,
+        Connect::Stream(fd) => Some(fd),
+        Connect::Ipc(_) | Connect::None => None,
     };
     if let Some(dir) = opts.cwd {
         command.current_dir(dir);

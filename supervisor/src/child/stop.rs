@@ -73,6 +73,10 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     let after = system_memory();
 
     let anon_drop = before.anon_bytes.saturating_sub(after.anon_bytes);
+    // Only what the system got back counts: pages a forked worker shared
+    // with its preloader, which outlives it, are not freed by its exit and
+    // so never in the drop, while pages it shared with its own children
+    // (which die with it) are.
     let reclaimed_bytes = if already_dead {
         0
     } else {
@@ -88,6 +92,8 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         requests: worker.requests(),
         rss_at_stop_bytes: at_stop.rss_bytes,
         anon_at_stop_bytes: at_stop.anon_bytes,
+        private_at_stop_bytes: at_stop.private_bytes,
+        shared_at_stop_bytes: at_stop.shared_bytes,
         peak_rss_bytes,
         system_anon_before_bytes: before.anon_bytes,
         system_anon_after_bytes: after.anon_bytes,

@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use berth::{ModelStatus, mib};
+use berth::{ModelStatus, PreloaderStatus, WorkerStart, mib};
 
 use super::http::{Client, Remote};
 use super::output::{SIZE_WIDTH as W, done, list_or_dash};
@@ -20,14 +20,24 @@ pub fn run(remote: Remote) -> ExitCode {
             }
             let models: Vec<ModelStatus> =
                 serde_json::from_value(value["models"].clone()).unwrap_or_default();
-            // GPU columns only where a model is on one.
+            let preloaders: Vec<PreloaderStatus> =
+                serde_json::from_value(value["preloaders"].clone()).unwrap_or_default();
+            // GPU columns only where a model is on one; what a worker owns
+            // and how it began only where one of a preloading kind is.
             let gpu = models
                 .iter()
                 .any(|m| m.vram_bytes.is_some() || !m.gpus.is_empty());
+            let warm = !preloaders.is_empty()
+                || models
+                    .iter()
+                    .any(|m| !matches!(m.start, None | Some(WorkerStart::Cold)));
             let mut header = format!(
                 "{:<16} {:<10} {:>8} {:<9} {:>W$} {:>W$}",
                 "NAME", "BACKEND", "PID", "STATE", "RSS", "PEAK"
             );
+            if warm {
+                header += &format!(" {:>W$} {:<6}", "OWN", "START");
+            }
             if gpu {
                 header += &format!(" {:>W$} {:<5}", "VRAM", "GPU");
             }
@@ -52,6 +62,15 @@ pub fn run(remote: Remote) -> ExitCode {
                     mib(m.rss_bytes),
                     mib(m.peak_rss_bytes),
                 );
+                if warm {
+                    let start = match &m.start {
+                        None => "-",
+                        Some(WorkerStart::Cold) => "cold",
+                        Some(WorkerStart::Forked { .. }) => "forked",
+                        Some(WorkerStart::ColdFallback { .. }) => "cold!",
+                    };
+                    line += &format!(" {:>W$} {start:<6}", mib(m.private_bytes));
+                }
                 if gpu {
                     let gpus: Vec<String> = m.gpus.iter().map(u32::to_string).collect();
                     line += &format!(
@@ -76,8 +95,41 @@ pub fn run(remote: Remote) -> ExitCode {
                     m.in_flight,
                 );
             }
+            print_preloaders(&preloaders);
             ExitCode::SUCCESS
         }),
         json,
     )
+}
+
+/// The preloaded interpreters, under the models: what each costs while it
+/// waits, and why a kind starts cold (`cold!` above).
+fn print_preloaders(preloaders: &[PreloaderStatus]) {
+    if preloaders.is_empty() {
+        return;
+    }
+    println!(
+        "\n{:<16} {:>8} {:<8} {:>W$} {:>W$} {:>9} {:>6}  UNTIL",
+        "PRELOADER", "PID", "STATE", "RSS", "OWN", "IMPORT", "FORKS"
+    );
+    for p in preloaders {
+        let until = match (p.state.as_str(), p.keep_alive_left_s) {
+            ("ready", None) => "while its models are loaded".to_string(),
+            ("ready", Some(s)) => format!(
+                "{} from now",
+                humantime::format_duration(Duration::from_secs(s as u64))
+            ),
+            _ => p.reason.clone().unwrap_or_default(),
+        };
+        println!(
+            "{:<16} {:>8} {:<8} {:>W$} {:>W$} {:>9} {:>6}  {until}",
+            p.kind,
+            p.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+            p.state,
+            mib(p.rss_bytes),
+            mib(p.private_bytes),
+            format!("{:.0} ms", p.import_ms),
+            p.forks,
+        );
+    }
 }

@@ -8,7 +8,9 @@ mod programs;
 
 pub use limits::*;
 pub use paths::confined;
-pub use programs::{HttpSpec, WorkerKind, check_command, is_dangerous_env};
+pub use programs::{
+    DEFAULT_PRELOAD_KEEP_ALIVE, HttpSpec, WorkerKind, check_command, is_dangerous_env,
+};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

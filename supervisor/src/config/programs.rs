@@ -109,6 +109,36 @@ pub struct WorkerKind {
     /// this says (see [`HttpSpec`]).
     #[serde(default)]
     pub http: Option<HttpSpec>,
+    /// With a stream-wire `command` that serves through `berth_worker`:
+    /// Python modules a preloaded interpreter of this kind imports once
+    /// (`["torch", "berth_examples.torch_embed"]`); every worker of the kind
+    /// is then forked from it, warm, rather than started cold
+    /// (docs/python-workers.md, "Warm starts").
+    #[serde(default)]
+    pub preload: Vec<String>,
+    /// Start the preloaded interpreter with the supervisor rather than at
+    /// the kind's first load.
+    #[serde(default)]
+    pub preload_at_start: bool,
+    /// How long the preloaded interpreter is kept once no model of its
+    /// kind is loaded (default 10 minutes).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub preload_keep_alive: Option<Duration>,
+}
+
+/// How long a kind's preloaded interpreter outlives its last model by default.
+pub const DEFAULT_PRELOAD_KEEP_ALIVE: Duration = Duration::from_secs(600);
+
+/// A Python module name: dotted identifiers.
+fn is_module_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.split('.').all(|part| {
+            let mut chars = part.chars();
+            chars
+                .next()
+                .is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
+                && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
+        })
 }
 
 impl WorkerKind {
@@ -120,6 +150,10 @@ impl WorkerKind {
             cwd: None,
             env: BTreeMap::new(),
             http: None,
+
+            preload: Vec::new(),
+            preload_at_start: false,
+            preload_keep_alive: None,
         }
     }
 
@@ -131,11 +165,17 @@ impl WorkerKind {
             cwd: None,
             env: BTreeMap::new(),
             http: None,
+
+            preload: Vec::new(),
+            preload_at_start: false,
+            preload_keep_alive: None,
         }
     }
 
-    /// Exactly one of `binary` and `command`, each well formed.
+    /// Exactly one of `binary` and `command`, each well formed; a preload
+    /// only for a stream-wire command, of module names.
     pub fn check(&self, name: &str) -> std::result::Result<(), String> {
+        self.check_preload(name)?;
         match (&self.binary, &self.command) {
             (Some(_), Some(_)) => Err(format!(
                 "worker kind `{name}` has both `binary` and `command`; keep one"
@@ -157,6 +197,34 @@ impl WorkerKind {
             )),
             (Some(_), None) => Ok(()),
         }
+    }
+}
+
+impl WorkerKind {
+    fn check_preload(&self, name: &str) -> std::result::Result<(), String> {
+        if self.preload.is_empty() {
+            if self.preload_at_start || self.preload_keep_alive.is_some() {
+                return Err(format!(
+                    "worker kind `{name}`: `preload_at_start` and `preload_keep_alive` go with a \
+                     `preload` list of modules"
+                ));
+            }
+            return Ok(());
+        }
+        if self.command.is_none() || self.http.is_some() {
+            return Err(format!(
+                "worker kind `{name}`: `preload` is for a worker on the stream wire that \
+                 serves through the berth_worker Python package (a `command` without `http`)"
+            ));
+        }
+        if let Some(bad) = self.preload.iter().find(|m| !is_module_name(m)) {
+            return Err(format!(
+                "worker kind `{name}`: `preload` entry {bad:?} is not a Python module name \
+                 (dotted identifiers, such as \"torch\" or \"berth_examples.torch_embed\")"
+            ));
+        }
+        check_duration("preload_keep_alive", self.preload_keep_alive)
+            .map_err(|e| format!("worker kind `{name}`: {e}"))
     }
 }
 

@@ -322,6 +322,9 @@ fn one_model(
         cwd: None,
         env,
         http: Some(http),
+        preload: Vec::new(),
+        preload_at_start: false,
+        preload_keep_alive: None,
     };
     let name = berth_name(id);
     if name != id {

@@ -16,10 +16,13 @@ use crate::ModelSpec;
 /// reads it outside its state lock), so polling `ps` slows no request.
 pub async fn ps(State(app): State<AppState>) -> Result<Json<Value>, ApiError> {
     let supervisor = app.supervisor.clone();
-    let stats = tokio::task::spawn_blocking(move || supervisor.stats())
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    Ok(Json(json!({ "models": stats })))
+    let (stats, preloaders) =
+        tokio::task::spawn_blocking(move || (supervisor.stats(), supervisor.preloaders()))
+            .await
+            .map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            })?;
+    Ok(Json(json!({ "models": stats, "preloaders": preloaders })))
 }
 
 /// Each GPU's memory and berth's workers on it; `unavailable` says why

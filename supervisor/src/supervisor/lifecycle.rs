@@ -53,9 +53,14 @@ impl Supervisor {
         gpus: Option<Vec<u32>>,
         install: impl FnOnce(&mut State, &Arc<WorkerHandle>, &LoadReport) -> Option<T>,
     ) -> Result<Option<(Arc<WorkerHandle>, LoadReport, T)>> {
-        let (worker, report) = launch::launch(spec, &self.inner.config, gpus, &|pid| {
-            self.note_incoming_pid(model, pid)
-        })
+        let start = self.worker_start(spec).await;
+        let (worker, report) = launch::launch(
+            spec,
+            &self.inner.config,
+            gpus,
+            &|pid| self.note_incoming_pid(model, pid),
+            start,
+        )
         .await?;
         let installed = install(&mut self.lock(), &worker, &report);
         self.inner.notify_changed();

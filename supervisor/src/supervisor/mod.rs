@@ -34,6 +34,7 @@ mod counters;
 mod crashes;
 mod keep_alive;
 mod lifecycle;
+mod preloaders;
 mod requests;
 mod resilience;
 mod slot;
@@ -43,6 +44,7 @@ mod types;
 pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters};
 
 pub use crashes::LastExit;
+pub use preloaders::PreloaderStatus;
 pub use requests::{Lease, RequestStream};
 pub use types::{
     BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport,
@@ -85,6 +87,8 @@ struct Inner {
     /// Turns true when shutdown begins: whoever waits for a load stops
     /// waiting and is told so, rather than be cut off when the process ends.
     stopping: tokio::sync::watch::Sender<bool>,
+    /// Worker kinds' preloaded interpreters.
+    preloaders: preloaders::Preloaders,
 }
 
 impl Inner {
@@ -107,6 +111,7 @@ impl Drop for Inner {
                 worker.kill();
             }
         }
+        Supervisor::kill_preloaders(self);
     }
 }
 
@@ -138,8 +143,14 @@ impl Supervisor {
             load_gate: tokio::sync::Mutex::new(()),
             shutting_down: AtomicBool::new(false),
             stopping: tokio::sync::watch::Sender::new(false),
+            preloaders: Default::default(),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let _entered = runtime.enter();
+            Supervisor {
+                inner: Arc::clone(&inner),
+            }
+            .start_preloaders_now();
             runtime.spawn(keep_alive::keep_alive_reaper(
                 Arc::downgrade(&inner),
                 Arc::clone(&inner.expiry_changed),
@@ -219,6 +230,7 @@ impl Supervisor {
             }
         }
         self.inner.notify_changed();
+        self.stop_preloaders().await;
         reports
     }
 }

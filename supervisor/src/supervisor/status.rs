@@ -40,7 +40,10 @@ impl Supervisor {
                         pid: worker.as_ref().map(|w| w.pid()),
                         rss_bytes: 0,
                         pss_bytes: 0,
+                        private_bytes: 0,
+                        shared_bytes: 0,
                         peak_rss_bytes: 0,
+                        start: worker.as_ref().map(|w| w.process().start_kind().clone()),
                         uptime_s: 0.0,
                         requests: 0,
                         in_flight: 0,
@@ -76,6 +79,8 @@ impl Supervisor {
                     let memory = w.recent_memory(Duration::from_secs(1)).unwrap_or_default();
                     status.rss_bytes = memory.rss_bytes;
                     status.pss_bytes = memory.pss_bytes;
+                    status.private_bytes = memory.private_bytes;
+                    status.shared_bytes = memory.shared_bytes;
                     status.peak_rss_bytes = memory.peak_rss_bytes;
                     status.uptime_s = w.uptime().as_secs_f64();
                     status.requests = w.requests();

@@ -52,7 +52,16 @@ pub struct ModelStatus {
     pub pid: Option<u32>,
     pub rss_bytes: u64,
     pub pss_bytes: u64,
+    /// Of the RSS, pages only the worker maps (what its exit gives back),
+    /// and pages it shares (with the preloader it was forked from, if it was).
+    #[serde(default)]
+    pub private_bytes: u64,
+    #[serde(default)]
+    pub shared_bytes: u64,
     pub peak_rss_bytes: u64,
+    /// How its worker began: cold, or forked from its kind's preloader.
+    #[serde(default)]
+    pub start: Option<crate::report::WorkerStart>,
     pub uptime_s: f64,
     pub requests: u64,
     pub in_flight: u32,

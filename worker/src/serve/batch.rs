@@ -4,13 +4,14 @@
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use berth_protocol::{Body, ErrorKind, Event, RequestId, RunInfo, WireError};
 use ipc_channel::ipc::IpcSender;
 
+use super::duty::Jobs;
 use super::{Job, Shared, finish, guarded, is_cancelled, panicked};
 use crate::backend::{Backend, Batching, RequestContext};
 
@@ -44,7 +45,7 @@ pub(super) fn gather(
     backend: &dyn Backend,
     policy: Batching,
     batch: &mut Vec<(RequestId, Body)>,
-    jobs: &mpsc::Receiver<Job>,
+    jobs: &impl Jobs,
     held: &mut VecDeque<Job>,
     pace: Pace,
 ) {
@@ -58,16 +59,16 @@ pub(super) fn gather(
     while batch.len() < max_batch {
         let job = match held.pop_front() {
             Some(job) => job,
-            None => match jobs.try_recv() {
-                Ok(job) => job,
-                Err(_) => {
+            None => match jobs.try_next() {
+                Some(job) => job,
+                None => {
                     let Some(until) = linger_until.filter(|_| batch.len() < fill_to) else {
                         break;
                     };
                     let left = until.saturating_duration_since(Instant::now());
-                    match jobs.recv_timeout(left) {
-                        Ok(job) => job,
-                        Err(_) => break,
+                    match jobs.next_within(left) {
+                        Some(job) => job,
+                        None => break,
                     }
                 }
             },
@@ -181,7 +182,7 @@ pub(super) fn run_batch(
 pub(super) fn run_stepping(
     backend: &mut dyn Backend,
     first: (RequestId, Body),
-    jobs: &mpsc::Receiver<Job>,
+    jobs: &impl Jobs,
     held: &mut VecDeque<Job>,
     events: &IpcSender<Event>,
     shared: &Shared,
@@ -199,7 +200,7 @@ pub(super) fn run_stepping(
         while !blocked && active.len() < policy.max_batch.max(1) {
             let (id, body) = match next.take() {
                 Some(request) => request,
-                None => match held.pop_front().or_else(|| jobs.try_recv().ok()) {
+                None => match held.pop_front().or_else(|| jobs.try_next()) {
                     Some(Job::Request { id, body }) => (id, body),
                     Some(other) => {
                         held.push_front(other);
@@ -307,6 +308,7 @@ fn fail_all<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::mpsc;
 
     /// Batches of up to 3 requests, at most 10 cost; a body's cost is its
     /// length.

@@ -1,18 +1,19 @@
 //! The serve loop: hello, then commands until `Shutdown`.
 //!
-//! Two threads. The main thread reads commands and answers pings at once, so
-//! heartbeats flow while a request runs; the executor thread owns the backend
-//! and runs loads and requests one at a time, or, for a backend that
-//! batches, the requests that arrived while the last batch ran, together;
-//! for a backend that steps (a decoder), requests join and leave the running
-//! batch between steps. Stats carry a progress counter
-//! advanced by the backend itself, which is what tells a supervisor that a
-//! worker answering pings is still getting anywhere.
+//! Two threads. The executor thread owns the backend and runs loads and
+//! requests one at a time, or, for a backend that batches, the requests
+//! that arrived while the last batch ran, together; for a backend that
+//! steps (a decoder), requests join and leave the running batch between
+//! steps. While idle it reads the commands itself; while a job keeps it
+//! away, the main thread (the watch) reads them, so heartbeats flow while a
+//! request runs ([`duty`]). Stats carry a progress counter advanced by the
+//! backend itself, which is what tells a supervisor that a worker answering
+//! pings is still getting anywhere.
 
 use std::collections::{HashSet, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Instant;
 
@@ -20,15 +21,16 @@ use berth_protocol::{
     Body, Command, ErrorKind, Event, Hello, LoadInfo, LoadSpec, PROTOCOL_VERSION, RequestId,
     RunInfo, WireError, WorkerStats,
 };
-use ipc_channel::IpcError;
 use ipc_channel::ipc::{self, IpcSender};
 
 use crate::backend::{Backend, LoadContext, Progress, Registry};
 use crate::hygiene;
 
 mod batch;
+mod duty;
 
 use batch::{Pace, gather, run_batch, run_stepping};
+use duty::{Duty, Inbox};
 
 /// Runs a worker process: call it from `main` with the backends this binary
 /// offers. Never returns; the process exits 0 after `Shutdown`.
@@ -125,21 +127,19 @@ fn run(registry: Registry, server_name: &str) -> Result<(), String> {
         .map_err(|e| format!("cannot send the hello: {e}"))?;
 
     let shared = Arc::new(Shared::default());
-    let (jobs, job_rx) = mpsc::channel::<Job>();
-    let executor = {
+    let (duty, inbox) = Duty::new(command_rx, events.clone(), Arc::clone(&shared));
+    {
         let events = events.clone();
         let shared = Arc::clone(&shared);
         thread::Builder::new()
             .name("berth-executor".into())
             .spawn(move || {
                 match catch_unwind(AssertUnwindSafe(|| {
-                    execute(&registry, job_rx, &events, &shared)
+                    execute(&registry, inbox, &events, &shared)
                 })) {
                     // The backend has shut down: the worker's work is done,
-                    // whatever the command thread is waiting for.
-                    Ok(Ended::Shutdown) => std::process::exit(0),
-                    // The command thread is gone and exits the process.
-                    Ok(Ended::Orphaned) => {}
+                    // whatever the watch is waiting for.
+                    Ok(()) => std::process::exit(0),
                     // Backend code outside a request's guard (`describe`,
                     // `stepping`, `shutdown`) panicked: a worker that answers
                     // heartbeats and never serves again would be worse than
@@ -150,70 +150,15 @@ fn run(registry: Registry, server_name: &str) -> Result<(), String> {
                     }
                 }
             })
-            .map_err(|e| format!("cannot start the executor thread: {e}"))?
-    };
-
-    // After a shutdown this thread goes on answering heartbeats and taking
-    // cancels while the running requests end; the executor exits the
-    // process once the backend has shut down.
-    let mut stopping = false;
-    loop {
-        let command = match command_rx.recv() {
-            Ok(command) => command,
-            Err(IpcError::Disconnected) if stopping => {
-                let _ = executor.join();
-                return Ok(());
-            }
-            // The supervisor dropped its end: it is gone or gave up on us.
-            Err(IpcError::Disconnected) => return Err("the supervisor closed the channel".into()),
-            // A signal landed during the wait (a grandchild's SIGCHLD, say): not an error.
-            Err(IpcError::Io(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(format!("cannot read a command: {e}")),
-        };
-        match command {
-            Command::Ping { seq } => {
-                // A failed send means the supervisor is gone; the next recv says so.
-                let _ = events.send(Event::Pong {
-                    seq,
-                    stats: shared.stats(),
-                });
-            }
-            Command::Load(spec) => {
-                let _ = jobs.send(Job::Load(spec));
-            }
-            Command::Request { id, body } => {
-                shared.in_flight.fetch_add(1, Ordering::Relaxed);
-                let _ = jobs.send(Job::Request { id, body });
-            }
-            Command::Cancel { id } => {
-                shared
-                    .cancelled
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(id);
-            }
-            Command::Shutdown => {
-                let _ = jobs.send(Job::Shutdown);
-                stopping = true;
-            }
-        }
+            .map_err(|e| format!("cannot start the executor thread: {e}"))?;
     }
+    // Reads for the executor whenever a job keeps it from the channel;
+    // after a shutdown, until the executor exits the process.
+    duty.watch()
 }
 
-/// Why the executor stopped.
-enum Ended {
-    /// It ran `Shutdown`.
-    Shutdown,
-    /// The command thread dropped the job queue (it is exiting).
-    Orphaned,
-}
-
-fn execute(
-    registry: &Registry,
-    jobs: mpsc::Receiver<Job>,
-    events: &IpcSender<Event>,
-    shared: &Shared,
-) -> Ended {
+/// Runs jobs until a shutdown, which it runs last.
+fn execute(registry: &Registry, jobs: Inbox, events: &IpcSender<Event>, shared: &Shared) {
     let mut backend: Option<Box<dyn Backend>> = None;
     // Jobs taken off the channel while gathering a batch that did not join
     // it; they run next, in the order they came.
@@ -221,11 +166,11 @@ fn execute(
     let mut pace = Pace::default();
     loop {
         let job = match held.pop_front() {
-            Some(job) => job,
-            None => match jobs.recv() {
-                Ok(job) => job,
-                Err(_) => return Ended::Orphaned,
-            },
+            Some(job) => {
+                jobs.busy();
+                job
+            }
+            None => jobs.next(),
         };
         match job {
             Job::Load(spec) => {
@@ -283,7 +228,7 @@ fn execute(
                 if let Some(b) = backend.as_mut() {
                     b.shutdown();
                 }
-                return Ended::Shutdown;
+                return;
             }
         }
     }

@@ -94,29 +94,37 @@ pub(crate) fn receive(fd: RawFd, buf: &mut [u8]) -> io::Result<Received> {
     })
 }
 
-/// One non-blocking `sendmsg` of `bytes`, with `fd` riding on its first byte.
-pub(crate) fn send(sock: RawFd, bytes: &[u8], fd: Option<RawFd>) -> io::Result<usize> {
+/// One non-blocking `sendmsg` of `bytes`, with `fds` (at most
+/// [`MAX_SENT_FDS`]) riding on its first byte.
+pub(crate) fn send(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize> {
+    if fds.len() > MAX_SENT_FDS {
+        return Err(io::Error::other("too many descriptors for one message"));
+    }
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
+    let payload = (size_of::<RawFd>() * fds.len()) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(size_of::<RawFd>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(payload) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
     // SAFETY: as in `receive`; the control buffer holds exactly one cmsghdr
-    // with one descriptor, written through the CMSG_* macros.
+    // with `fds.len()` descriptors, written through the CMSG_* macros.
     unsafe {
         let mut msg: libc::msghdr = std::mem::zeroed();
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
-        if let Some(fd) = fd {
+        if !fds.is_empty() {
             msg.msg_control = control.as_mut_ptr().cast();
             msg.msg_controllen = space;
             let cmsg = libc::CMSG_FIRSTHDR(&msg);
             (*cmsg).cmsg_level = libc::SOL_SOCKET;
             (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-            (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<RawFd>() as u32) as _;
-            libc::CMSG_DATA(cmsg).cast::<RawFd>().write_unaligned(fd);
+            (*cmsg).cmsg_len = libc::CMSG_LEN(payload) as _;
+            let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+            for (i, fd) in fds.iter().enumerate() {
+                data.add(i).write_unaligned(*fd);
+            }
         }
         let n = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT);
         if n < 0 {
@@ -125,6 +133,10 @@ pub(crate) fn send(sock: RawFd, bytes: &[u8], fd: Option<RawFd>) -> io::Result<u
         Ok(n as usize)
     }
 }
+
+/// The most descriptors [`send`] carries at once (a preloader's fork takes
+/// three: the wire, stdout, stderr).
+pub(crate) const MAX_SENT_FDS: usize = 3;
 
 const SEALS_NEEDED: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
 

@@ -111,7 +111,7 @@ async fn write_frame(socket: &AsyncFd<OwnedFd>, frame: OutFrame) -> std::io::Res
         let mut guard = socket.writable().await?;
         let rest = &frame.bytes[sent..];
         let fd = memfd.as_ref().map(AsRawFd::as_raw_fd);
-        match guard.try_io(|s| io::send(s.as_raw_fd(), rest, fd)) {
+        match guard.try_io(|s| io::send(s.as_raw_fd(), rest, fd.as_slice())) {
             Ok(Ok(n)) => {
                 sent += n;
                 // It rode on the first byte; the kernel holds its own copy.

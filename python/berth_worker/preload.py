@@ -1,0 +1,456 @@
+"""The preloaded interpreter: imports a worker kind's heavy modules once,
+then forks a worker for each model of that kind (docs/wire.md, "Preloaded
+workers").
+
+The supervisor starts the kind's own program with ``BERTH_PRELOAD`` (a JSON
+list of module names) and a control socket at ``BERTH_FD``. The program
+reaches :func:`~berth_worker.serve.serve` as usual, which hands over to
+:func:`become_preloader`: it imports the modules one by one, checking after
+each that the process is still safe to fork (one thread, no GPU device
+open), says ``preloaded`` (or ``refused``, naming the module at fault), and
+then answers ``fork`` frames. Each fork is double: an intermediate child
+forks the worker and exits at once, so the worker is re-parented to the
+supervisor (a child subreaper), which reaps it and reads its exit status
+like any worker's. In the worker, :func:`become_preloader` returns: its
+environment, working folder, cgroup, stdout, stderr and wire socket are
+the ones the fork frame gave, every other descriptor the preloader held
+points at ``/dev/null``, and ``serve`` goes on as for a cold start.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import importlib
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
+
+from .process import arm_parent_death, die, flush_and_exit, keep_out_of_forks, parent_gone, say
+
+#: The environment variable that makes ``serve`` a preloader.
+ENV_PRELOAD = "BERTH_PRELOAD"
+
+_PREFIX = struct.Struct("<II")
+_MAX_FRAME = 1 << 20
+#: A fork frame carries three descriptors: the wire, stdout, stderr.
+_FORK_FDS = 3
+_FD_SIZE = array.array("i").itemsize
+
+#: Device files whose being open means a GPU context (or a driver handle a
+#: fork cannot share): NVIDIA, AMD's KFD, DRM render nodes, accel.
+_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/", "/dev/accel")
+
+#: How long a forked worker waits to be re-parented to the supervisor.
+_REPARENT_WAIT = 2.0
+
+
+def _threads() -> int:
+    """This process's threads, as the kernel counts them (C threads too)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _open_fds() -> Dict[int, str]:
+    """Every open descriptor and what it points at."""
+    out: Dict[int, str] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            fd = int(name)
+            out[fd] = os.readlink("/proc/self/fd/{}".format(fd))
+        except (ValueError, OSError):
+            continue
+    return out
+
+
+def _quiesce_openblas() -> None:
+    """Stops OpenBLAS's thread pool (numpy starts one when imported), as
+    OpenBLAS's own fork handler does; it starts again at the first product
+    after the fork, in the worker. Only the pool's own shutdown entry point
+    is called, in libraries already loaded."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line}
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            shutdown = getattr(ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0)), "blas_thread_shutdown_", None)
+        except OSError:
+            continue
+        if shutdown is not None:
+            shutdown()
+
+
+def unsafe_to_fork() -> Optional[str]:
+    """Why this process cannot be forked safely now, or ``None``: a second
+    thread (its locks and state would be copied mid-flight, the thread
+    itself not), or an open GPU device (a CUDA context does not survive a
+    fork)."""
+    _quiesce_openblas()
+    threads = _threads()
+    if threads > 1:
+        names = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        named = " (Python threads: {})".format(", ".join(names)) if names else ""
+        return "{} threads are running{}; a process is forked safely only with one".format(
+            threads, named
+        )
+    devices = sorted({path for path in _open_fds().values() if path.startswith(_DEVICE_PREFIXES)})
+    if devices:
+        return "a GPU device is open ({}): a device context cannot be forked".format(", ".join(devices))
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    try:
+        if cuda is not None and cuda.is_initialized():
+            return "CUDA is initialised: a CUDA context cannot be forked"
+    except Exception:  # an odd torch build: the device check above stands
+        pass
+    return None
+
+
+# -- the control socket's frames ---------------------------------------------
+
+
+def _send(sock: socket.socket, header: Dict[str, Any]) -> None:
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    sock.sendall(_PREFIX.pack(4 + len(head), len(head)) + head)
+
+
+class _Control:
+    """Reads frames (with up to three descriptors each) from the supervisor."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.fds: List[int] = []
+
+    def read(self) -> Tuple[Dict[str, Any], List[int]]:
+        """The next frame's header and the descriptors that came with it."""
+        while True:
+            if len(self.buf) >= 8:
+                length, head_length = _PREFIX.unpack_from(self.buf, 0)
+                if length > _MAX_FRAME or head_length > length - 4:
+                    raise ValueError("a control frame of {} bytes is malformed".format(length))
+                if len(self.buf) >= 4 + length:
+                    head = bytes(self.buf[8 : 8 + head_length])
+                    del self.buf[: 4 + length]
+                    fds, self.fds = self.fds, []
+                    header = json.loads(head.decode("utf-8"))
+                    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+                        raise ValueError("a control frame's header is not a typed object")
+                    return header, fds
+            data, ancdata, flags, _ = self.sock.recvmsg(
+                1 << 16, socket.CMSG_SPACE(_FORK_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+            )
+            for level, kind, raw in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(raw[: len(raw) - len(raw) % _FD_SIZE])
+                    self.fds.extend(got)
+            if flags & int(socket.MSG_CTRUNC):
+                raise ValueError("more descriptors came with a control frame than it takes")
+            if not data:
+                raise EOFError("the supervisor closed the control socket")
+            self.buf += data
+
+
+# -- the preloader -----------------------------------------------------------
+
+
+def _modules() -> List[str]:
+    raw = os.environ.get(ENV_PRELOAD, "")
+    try:
+        modules = json.loads(raw)
+    except ValueError:
+        die("{}={!r} is not a JSON list of module names".format(ENV_PRELOAD, raw), 2)
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+        die("{}={!r} is not a JSON list of module names".format(ENV_PRELOAD, raw), 2)
+    return modules
+
+
+def _preload(modules: List[str]) -> Tuple[Optional[str], Optional[str]]:
+    """Imports ``modules`` in order; the first that fails or leaves the
+    process unsafe to fork, and why."""
+    why = unsafe_to_fork()
+    if why is not None:
+        return "(before any preload)", why
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:  # SystemExit from a module too: it is refused, not obeyed
+            return name, "importing it failed: {}: {}".format(type(e).__name__, e)
+        why = unsafe_to_fork()
+        if why is not None:
+            return name, "after importing it, " + why
+    return None, None
+
+
+_MARK = "BERTH_WORKER_MARK"
+
+
+def _mark_address() -> Optional[int]:
+    """Where this process's initial environment block holds its mark's
+    value: ``/proc/<pid>/environ`` shows that block, not ``os.environ``, and
+    berth finds what a worker started by the mark it reads there. Taken
+    before anything changes the environment."""
+    if _MARK not in os.environ:
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype = ctypes.c_void_p
+        libc.getenv.argtypes = [ctypes.c_char_p]
+        address = libc.getenv(_MARK.encode())
+    except (OSError, AttributeError):
+        return None
+    return int(address) if address else None
+
+
+#: A variable of spaces the supervisor gives the preloader, so that its
+#: initial environment block has room for each forked worker's own.
+_SPACE = "BERTH_ENV_SPACE"
+
+
+def _environ_block() -> Optional[Tuple[int, int]]:
+    """Where the kernel keeps this process's initial environment
+    (``/proc/self/stat`` fields 50 and 51): what ``/proc/<pid>/environ``
+    and ``ps e`` show, whatever ``os.environ`` says."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[47]), int(fields[48])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _rewrite_environ(env: Dict[str, str]) -> bool:
+    """Writes ``env`` over the initial environment block, padded with one
+    variable of spaces, so that ``/proc/<pid>/environ`` tells the forked
+    worker's environment (its model, its mark: berth finds what a worker
+    started by the mark it reads there). False if it does not fit. Called
+    after ``os.environ`` was cleared: nothing in libc's environment points
+    into the block then."""
+    block = _environ_block()
+    if block is None:
+        return False
+    start, end = block
+    size = end - start
+    data = b"".join("{}={}".format(k, v).encode("utf-8") + b"\0" for k, v in env.items())
+    rest = size - len(data)
+    pad = (_SPACE + "=").encode("ascii")
+    if rest == 0:
+        pass
+    elif rest >= len(pad) + 1:
+        data += pad + b" " * (rest - len(pad) - 1) + b"\0"
+    else:
+        return False
+    ctypes.memmove(start, data, size)
+    return True
+
+
+def _rewrite_mark(address: Optional[int], old: str, new: str) -> None:
+    """Writes the forked worker's mark over the preloader's, in place in the
+    initial environment block (marks are of one length): where the whole
+    environment did not fit, at least the processes it forks without exec
+    are known for its own."""
+    if address is None or len(old) != len(new) or not new.isascii():
+        say("cannot carry this worker's mark in its process environment; its descendants are "
+            "found by its cgroup only")
+        return
+    ctypes.memmove(address, new.encode("ascii"), len(new))
+
+
+def become_preloader() -> None:
+    """Runs the preloader until the supervisor goes away; returns only in a
+    forked worker, set up to go on as one."""
+    mark = (_mark_address(), os.environ.get(_MARK, ""))
+    modules = _modules()
+    raw_fd = os.environ.get("BERTH_FD")
+    if raw_fd is None or not raw_fd.isdigit():
+        die("{} is set but BERTH_FD is not: a preloader is started by berth".format(ENV_PRELOAD), 2)
+    fd = int(raw_fd)
+    arm_parent_death()
+    gone = parent_gone()
+    if gone is not None:
+        die(gone, 2)
+    # In every child, the control socket's number points at /dev/null.
+    keep_out_of_forks(fd)
+    sock = socket.socket(fileno=fd)
+    control = _Control(sock)
+    started = time.monotonic()
+    culprit, why = _preload(modules)
+    micros = int((time.monotonic() - started) * 1_000_000)
+    if culprit is not None:
+        say("preload refused: module `{}`: {}".format(culprit, why))
+        _send(sock, {"type": "refused", "module": culprit, "reason": why})
+        flush_and_exit(3)
+    _send(
+        sock,
+        {
+            "type": "preloaded",
+            "pid": os.getpid(),
+            "modules": modules,
+            "import_us": micros,
+            "open_files": sorted(set(_open_fds().values()) - {"/dev/null"}),
+        },
+    )
+    say("preloaded {} in {:.0f} ms; forking workers".format(", ".join(modules), micros / 1000))
+    while True:
+        try:
+            header, fds = control.read()
+        except EOFError:
+            flush_and_exit(0)
+        except (OSError, ValueError) as e:
+            die("the control socket broke: {}; exiting".format(e))
+        if header["type"] != "fork":
+            for extra in fds:
+                os.close(extra)
+            die("the supervisor sent `{}` to a preloader; exiting".format(header["type"]))
+        child = _fork(sock, header, fds, mark)
+        if child is not None:
+            # The forked worker: its setup is done; serve() goes on.
+            return
+
+
+def _fork(
+    sock: socket.socket,
+    header: Dict[str, Any],
+    fds: List[int],
+    mark: Tuple[Optional[int], str],
+) -> Optional[bool]:
+    """Answers one fork frame; returns True in the forked worker only."""
+    request_id = header.get("id")
+    if len(fds) != _FORK_FDS:
+        for extra in fds:
+            os.close(extra)
+        _send(sock, {"type": "fork_failed", "id": request_id,
+                     "reason": "{} descriptors came with the fork; it takes 3".format(len(fds))})
+        return None
+    why = unsafe_to_fork()
+    if why is not None:
+        # Something the preload started has since made forking unsafe.
+        _send(sock, {"type": "refused", "module": "(after the preload)", "reason": why})
+        flush_and_exit(3)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid_r, pid_w = os.pipe()
+    intermediate = os.fork()
+    if intermediate == 0:
+        os.close(pid_r)
+        try:
+            worker = os.fork()
+        except OSError:
+            os._exit(1)
+        if worker == 0:
+            os.close(pid_w)
+            _become_worker(sock, header, fds, mark)
+            return True
+        os.write(pid_w, struct.pack("<i", worker))
+        os._exit(0)
+    os.close(pid_w)
+    for extra in fds:
+        os.close(extra)
+    raw = b""
+    try:
+        while len(raw) < 4:
+            got = os.read(pid_r, 4 - len(raw))
+            if not got:
+                break
+            raw += got
+    finally:
+        os.close(pid_r)
+    # Reaped before the answer: the worker is then the supervisor's child.
+    os.waitpid(intermediate, 0)
+    if len(raw) != 4:
+        _send(sock, {"type": "fork_failed", "id": request_id, "reason": "the second fork failed"})
+        return None
+    (worker_pid,) = struct.unpack("<i", raw)
+    _send(sock, {"type": "forked", "id": request_id, "pid": worker_pid})
+    return None
+
+
+def _become_worker(
+    sock: socket.socket,
+    header: Dict[str, Any],
+    fds: List[int],
+    mark: Tuple[Optional[int], str],
+) -> None:
+    """In the forked worker: its own session, cgroup, descriptors,
+    environment and folder, then waits to be the supervisor's child."""
+    wire, out, err = fds
+    try:
+        # Its own output first, so that whatever fails below is its own.
+        sock.detach()  # its number is the wire's next
+        os.dup2(wire, 3)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.setsid()
+        procs = header.get("cgroup_procs")
+        if isinstance(procs, str):
+            with open(procs, "w") as f:
+                f.write("0")
+        _null_all_but(3)
+        given = header.get("env")
+        env = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
+        env["BERTH_FD"] = "3"
+        env.pop(ENV_PRELOAD, None)
+        os.environ.clear()
+        if not _rewrite_environ(env):
+            _rewrite_mark(mark[0], mark[1], env.get(_MARK, ""))
+            say("this worker's environment does not fit the preloader's environment block; "
+                "/proc/<pid>/environ shows the preloader's but for the mark")
+        os.environ.update(env)
+        cwd = header.get("cwd")
+        if isinstance(cwd, str):
+            os.chdir(cwd)
+    except BaseException as e:
+        _fail("setting up the forked worker failed: {}: {}".format(type(e).__name__, e))
+    _wait_for_the_supervisor()
+
+
+def _null_all_but(keep_up_to: int) -> None:
+    """Points every descriptor above ``keep_up_to`` at /dev/null: nothing
+    the preloader held reaches the worker, and the numbers stay taken, so a
+    Python object that closes its old number later closes nothing else."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in _open_fds():
+            if fd > keep_up_to and fd != null:
+                try:
+                    os.dup2(null, fd, inheritable=False)
+                except OSError:
+                    pass
+    finally:
+        os.close(null)
+
+
+def _wait_for_the_supervisor() -> None:
+    """Returns once the intermediate child has exited and this process is
+    the supervisor's (``BERTH_PARENT_PID``) child."""
+    raw = os.environ.get("BERTH_PARENT_PID", "")
+    if not raw.isdigit():
+        return
+    supervisor = int(raw)
+    deadline = time.monotonic() + _REPARENT_WAIT
+    while os.getppid() != supervisor:
+        if time.monotonic() > deadline:
+            _fail(
+                "this forked worker was not re-parented to the supervisor (pid {}; parent is pid "
+                "{}): the supervisor must be a child subreaper".format(supervisor, os.getppid())
+            )
+        time.sleep(0.0005)
+
+
+def _fail(message: str) -> NoReturn:
+    say(message)
+    os._exit(1)

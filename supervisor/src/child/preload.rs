@@ -1,0 +1,434 @@
+//! A worker kind's preloaded interpreter: the kind's own program, started
+//! with `BERTH_PRELOAD`, imports the kind's heavy modules once and then
+//! forks a worker for each load, swap, recycle and restart of a model of
+//! that kind (`python/berth_worker/preload.py`; docs/wire.md, "Preloaded
+//! workers").
+//!
+//! A fork is double: the preloader's child forks the worker and exits, so
+//! the worker is re-parented to this supervisor, a child subreaper, which
+//! reaps it and reads its exit status as it does a spawned worker's. The
+//! fork frame carries everything the spawn path would have set: the
+//! worker's whole environment (the same [`worker_env`]), its folder, the
+//! cgroup it joins before its backend loads, and three descriptors: its
+//! wire's socket, its stdout and its stderr.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use tokio::io::unix::AsyncFd;
+
+use crate::child::limits::Cgroup;
+use crate::child::process::ProcessWatch;
+use crate::child::spawn::{Connect, SpawnOptions, spawn, worker_env};
+use crate::child::stream::io as wire_io;
+
+/// The environment variable that makes a `berth_worker` program a preloader.
+pub(crate) const ENV_PRELOAD: &str = "BERTH_PRELOAD";
+
+/// The variable of spaces that makes room in the preloader's environment
+/// block for each worker's environment (preload.py), and its size.
+const ENV_SPACE: &str = "BERTH_ENV_SPACE";
+const ENV_SPACE_BYTES: usize = 32 << 10;
+
+/// The longest control frame either side sends.
+const MAX_FRAME: usize = 1 << 20;
+
+/// Whether this process is a child subreaper: a preloader's workers are
+/// re-parented to it only then, and only then can it reap them.
+pub(crate) fn is_subreaper() -> bool {
+    let mut flag: libc::c_int = 0;
+    // SAFETY: PR_GET_CHILD_SUBREAPER writes one int through the pointer.
+    let rc = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut flag as *mut libc::c_int) };
+    rc == 0 && flag != 0
+}
+
+/// Why a preloader could not be had.
+#[derive(Debug, Clone)]
+pub(crate) enum StartFailure {
+    /// The preload is the operator's mistake (a module that starts a
+    /// thread, opens a GPU, or does not import): the kind starts cold
+    /// until the configuration changes.
+    Refused { module: String, reason: String },
+    /// It failed this time (it died, timed out, broke the control socket):
+    /// the next load tries again.
+    Failed(String),
+}
+
+impl std::fmt::Display for StartFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartFailure::Refused { module, reason } => {
+                write!(f, "the preload was refused: module `{module}`: {reason}")
+            }
+            StartFailure::Failed(why) => write!(f, "the preloaded interpreter failed: {why}"),
+        }
+    }
+}
+
+/// A running preloaded interpreter of one worker kind.
+#[derive(Debug)]
+pub(crate) struct Preloader {
+    kind: String,
+    process: Arc<ProcessWatch>,
+    /// One fork at a time: each is a frame out and its answer back.
+    control: tokio::sync::Mutex<Control>,
+    modules: Vec<String>,
+    import: Duration,
+    started: Instant,
+    forks: AtomicU64,
+    next_id: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Control {
+    socket: AsyncFd<OwnedFd>,
+    buf: Vec<u8>,
+}
+
+/// What the preloader says (preload.py).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Said {
+    Preloaded {
+        modules: Vec<String>,
+        import_us: u64,
+    },
+    Refused {
+        module: String,
+        reason: String,
+    },
+    Forked {
+        id: u64,
+        pid: u32,
+    },
+    ForkFailed {
+        id: Option<u64>,
+        reason: String,
+    },
+}
+
+/// What a fork needs besides the preloader.
+pub(crate) struct ForkRequest<'a> {
+    pub model: &'a str,
+    pub mark: &'a str,
+    /// The worker's environment beyond what every worker gets.
+    pub extra_env: &'a [(String, String)],
+    pub cwd: Option<&'a Path>,
+    /// The `cgroup.procs` it writes itself into first.
+    pub cgroup_procs: Option<&'a Path>,
+    /// Its end of the wire's socket pair.
+    pub wire: RawFd,
+}
+
+/// A worker the preloader forked, now this process's child.
+pub(crate) struct Forked {
+    pub pid: u32,
+    /// The read ends of its stdout and stderr.
+    pub output: (File, File),
+}
+
+impl Preloader {
+    /// Starts `program` as `kind`'s preloader and waits (up to `timeout`)
+    /// until it has imported `modules`.
+    pub(crate) async fn start(
+        kind: &str,
+        program: (&Path, &[String]),
+        cwd: Option<&Path>,
+        env: &[(String, String)],
+        modules: &[String],
+        timeout: Duration,
+    ) -> Result<Preloader, StartFailure> {
+        let failed = |why: String| StartFailure::Failed(why);
+        if !is_subreaper() {
+            return Err(failed(
+                "this supervisor is not a child subreaper, so it could not reap the workers a \
+                 preloader forks (berth serve is one; a host embedding berth calls \
+                 berth::orphans::become_subreaper() first)"
+                    .into(),
+            ));
+        }
+        let label = format!("preload-{kind}");
+        let (ours, theirs) = wire_io::socket_pair()
+            .map_err(|e| failed(format!("cannot create its control socket: {e}")))?;
+        let mut env = env.to_vec();
+        env.push((
+            ENV_PRELOAD.into(),
+            serde_json::to_string(modules).unwrap_or_else(|_| "[]".into()),
+        ));
+        // Room in its initial environment block, which each forked worker
+        // overwrites with its own: /proc/<pid>/environ then tells the
+        // worker's model and mark, not the preloader's.
+        env.push((ENV_SPACE.into(), " ".repeat(ENV_SPACE_BYTES)));
+        let fence = Cgroup::create(&label, None)
+            .inspect_err(|why| tracing::debug!(kind, "no cgroup for the preloader: {why}"))
+            .ok();
+        let mark = crate::orphans::new_mark();
+        let spawning = crate::orphans::spawning();
+        let child = spawn(SpawnOptions {
+            model: &label,
+            binary: program.0,
+            args: program.1,
+            connect: Connect::Stream(theirs.as_raw_fd()),
+            cwd,
+            mark: &mark,
+            extra_env: &env,
+            cgroup_procs: fence.as_ref().map(Cgroup::procs_file),
+        })
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+        let process = Arc::new(ProcessWatch::start(&label, child, None, fence, &mark));
+        drop(spawning);
+        drop(theirs);
+        // SAFETY: `ours` is an open descriptor this function owns; the
+        // `AsyncFd` takes it and is its only user from here on.
+        let socket = unsafe { AsyncFd::register(ours) }.map_err(|e| {
+            failed(format!(
+                "cannot watch its control socket: {}",
+                e.into_parts().1
+            ))
+        })?;
+        let mut control = Control {
+            socket,
+            buf: Vec::new(),
+        };
+        let started = Instant::now();
+        let first = tokio::time::timeout(timeout, control.read()).await;
+        let stop = |process: &ProcessWatch| process.signal_group(nix::sys::signal::Signal::SIGKILL);
+        let said = match first {
+            Ok(Ok(said)) => said,
+            Ok(Err(why)) => {
+                stop(&process);
+                let exit = process.exited_within(Duration::from_secs(2)).await;
+                let tail = process.stderr_suffix().await;
+                return Err(failed(format!(
+                    "it {}before it was ready{tail}",
+                    match exit {
+                        Some(status) => format!("exited ({status}) "),
+                        None => format!("broke its control socket ({why}) "),
+                    }
+                )));
+            }
+            Err(_) => {
+                stop(&process);
+                return Err(failed(format!(
+                    "it did not finish importing within {timeout:?} (the kind's load_timeout)"
+                )));
+            }
+        };
+        match said {
+            Said::Preloaded { modules, import_us } => {
+                tracing::info!(
+                    kind,
+                    pid = process.pid(),
+                    import_ms = import_us as f64 / 1e3,
+                    "preloaded {}",
+                    modules.join(", ")
+                );
+                Ok(Preloader {
+                    kind: kind.to_string(),
+                    process,
+                    control: tokio::sync::Mutex::new(control),
+                    modules,
+                    import: Duration::from_micros(import_us),
+                    started,
+                    forks: AtomicU64::new(0),
+                    next_id: AtomicU64::new(1),
+                })
+            }
+            Said::Refused { module, reason } => {
+                stop(&process);
+                Err(StartFailure::Refused { module, reason })
+            }
+            other => {
+                stop(&process);
+                Err(failed(format!("it said {other:?} before it was ready")))
+            }
+        }
+    }
+
+    /// Forks a worker; it is this process's child when this returns.
+    /// `Err` says why not (the caller starts the worker cold).
+    pub(crate) async fn fork(
+        &self,
+        request: ForkRequest<'_>,
+        timeout: Duration,
+    ) -> Result<Forked, String> {
+        if let Some(status) = self.process.try_exit() {
+            return Err(format!(
+                "the preloaded interpreter (pid {}) has exited ({status})",
+                self.pid()
+            ));
+        }
+        let (out_r, out_w) = pipe().map_err(|e| format!("cannot create its stdout pipe: {e}"))?;
+        let (err_r, err_w) = pipe().map_err(|e| format!("cannot create its stderr pipe: {e}"))?;
+        let env: BTreeMap<String, String> = worker_env(
+            request.model,
+            request.mark,
+            request.extra_env,
+            Connect::Stream(request.wire),
+        )
+        .into_iter()
+        .collect();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let header = serde_json::json!({
+            "type": "fork",
+            "id": id,
+            "env": env,
+            "cwd": request.cwd.map(|p| p.to_string_lossy().into_owned()),
+            "cgroup_procs": request.cgroup_procs.map(|p| p.to_string_lossy().into_owned()),
+        });
+        let bytes = berth_protocol::stream::frame(header.to_string().as_bytes(), &[]);
+        let mut control = self.control.lock().await;
+        let exchange = async {
+            control
+                .send(
+                    &bytes,
+                    &[request.wire, out_w.as_raw_fd(), err_w.as_raw_fd()],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            control.read().await
+        };
+        let said = match tokio::time::timeout(timeout, exchange).await {
+            Ok(Ok(said)) => said,
+            Ok(Err(why)) => return Err(format!("its control socket broke: {why}")),
+            Err(_) => return Err(format!("it did not answer a fork within {timeout:?}")),
+        };
+        drop(control);
+        match said {
+            Said::Forked { id: got, pid } if got == id => {
+                self.forks.fetch_add(1, Ordering::Relaxed);
+                Ok(Forked {
+                    pid,
+                    output: (File::from(out_r), File::from(err_r)),
+                })
+            }
+            Said::ForkFailed { id: got, reason } if got.is_none_or(|g| g == id) => {
+                Err(format!("the fork failed: {reason}"))
+            }
+            Said::Refused { module, reason } => {
+                Err(format!("it refused to fork: `{module}`: {reason}"))
+            }
+            other => Err(format!("it answered a fork with {other:?}")),
+        }
+    }
+
+    pub(crate) fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    pub(crate) fn process(&self) -> &Arc<ProcessWatch> {
+        &self.process
+    }
+
+    pub(crate) fn modules(&self) -> &[String] {
+        &self.modules
+    }
+
+    /// How long its imports took.
+    pub(crate) fn import_time(&self) -> Duration {
+        self.import
+    }
+
+    pub(crate) fn uptime(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Workers forked so far.
+    pub(crate) fn forks(&self) -> u64 {
+        self.forks.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_alive(&self) -> bool {
+        self.process.try_exit().is_none()
+    }
+
+    /// Stops it (it holds nothing to save: its whole group is killed) and
+    /// waits until it is reaped.
+    pub(crate) async fn stop(&self) {
+        self.process.begin_stop();
+        self.process.signal_group(nix::sys::signal::Signal::SIGKILL);
+        let _ = self.process.exited_within(Duration::from_secs(5)).await;
+    }
+}
+
+impl Control {
+    async fn send(&mut self, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+        let mut sent = 0;
+        let mut fds = fds;
+        while sent < bytes.len() {
+            let mut guard = self.socket.writable().await?;
+            match guard.try_io(|s| wire_io::send(s.as_raw_fd(), &bytes[sent..], fds)) {
+                Ok(Ok(n)) => {
+                    sent += n;
+                    fds = &[];
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
+        }
+        Ok(())
+    }
+
+    /// The next frame the preloader sends.
+    async fn read(&mut self) -> Result<Said, String> {
+        loop {
+            if self.buf.len() >= 8 {
+                let length =
+                    u32::from_le_bytes(self.buf[0..4].try_into().expect("4 bytes")) as usize;
+                let head = u32::from_le_bytes(self.buf[4..8].try_into().expect("4 bytes")) as usize;
+                if length > MAX_FRAME || head + 4 > length {
+                    return Err(format!("a control frame of {length} bytes is malformed"));
+                }
+                if self.buf.len() >= 4 + length {
+                    let header = self.buf[8..8 + head].to_vec();
+                    self.buf.drain(..4 + length);
+                    return serde_json::from_slice(&header).map_err(|e| {
+                        format!(
+                            "a control frame is not one it may send ({e}): {}",
+                            berth_protocol::stream::excerpt(&header)
+                        )
+                    });
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            let mut guard = self.socket.readable().await.map_err(|e| e.to_string())?;
+            match guard.try_io(|s| {
+                // SAFETY: reads into `chunk`, which has the room it says.
+                let n =
+                    unsafe { libc::read(s.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
+                if n < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            }) {
+                Ok(Ok(0)) => return Err("end of file".into()),
+                Ok(Ok(n)) => self.buf.extend_from_slice(&chunk[..n]),
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+/// A pipe, both ends close-on-exec: (read, write).
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 succeeded: both are open descriptors nothing else owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
