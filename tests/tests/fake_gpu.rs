@@ -297,14 +297,32 @@ fn fifty_load_unload_cycles_and_a_swap_leave_the_device_where_it_started() {
 /// the unload proves it came back.
 #[test]
 fn a_python_worker_is_placed_and_its_vram_proven_back_like_any_other() {
-    let fake = FakeGpu::new();
     let config = format!(
         "[[model]]\nname = \"pyvram\"\nbackend = \"hog\"\ngpus = [1]\ncommand = {:?}\n",
         berth_tests::python::python_worker_command()
     );
-    let server = fake.serve(&config);
+    python_worker_placed(&config, "cold");
+}
+
+/// As above, for a worker forked from its kind's preloaded interpreter:
+/// its placement is set in the fork, before its backend loads, and the
+/// preloader itself is placed nowhere.
+#[test]
+fn a_forked_python_worker_is_placed_and_its_vram_proven_back_like_any_other() {
+    let config = format!(
+        "[workers.py]\ncommand = {:?}\npreload = [\"berth_worker.backends\"]\n\n\
+         [[model]]\nname = \"pyvram\"\nbackend = \"hog\"\ngpus = [1]\nworker = \"py\"\n",
+        berth_tests::python::python_worker_command()
+    );
+    python_worker_placed(&config, "forked");
+}
+
+fn python_worker_placed(config: &str, start: &str) {
+    let fake = FakeGpu::new();
+    let server = fake.serve(config);
     let report = load(&server, "pyvram");
     assert_eq!(report["gpus"], json!([1]), "{report}");
+    assert_eq!(report["start"]["kind"], start, "{report}");
     let pid = u(&report["pid"]) as u32;
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
     let environ = String::from_utf8_lossy(&environ);

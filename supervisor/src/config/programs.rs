@@ -326,3 +326,35 @@ impl HttpSpec {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_preload_is_for_a_stream_wire_command_and_names_modules() {
+        let mut python = WorkerKind::command(["python3", "-m", "berth_worker"]);
+        python.preload = vec!["torch".into(), "berth_examples.torch_embed".into()];
+        assert!(python.check("py").is_ok());
+        for bad in ["", "torch/nn", "1torch", "torch.", "a b", "torch;rm"] {
+            let mut kind = python.clone();
+            kind.preload = vec![bad.into()];
+            let err = kind.check("py").unwrap_err();
+            assert!(err.contains("not a Python module name"), "{bad:?}: {err}");
+        }
+        let mut binary = WorkerKind::binary("/opt/worker");
+        binary.preload = vec!["torch".into()];
+        assert!(binary.check("rs").unwrap_err().contains("stream wire"));
+        let mut server = python.clone();
+        server.http = Some(HttpSpec::new("/health"));
+        assert!(server.check("srv").unwrap_err().contains("without `http`"));
+        let mut stray = WorkerKind::command(["python3"]);
+        stray.preload_at_start = true;
+        assert!(
+            stray
+                .check("py")
+                .unwrap_err()
+                .contains("go with a `preload`")
+        );
+    }
+}

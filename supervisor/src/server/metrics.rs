@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use crate::gpu::DeviceStatus;
 use crate::supervisor::{
-    BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters, Supervisor,
+    BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters, PreloaderStatus, Supervisor,
 };
 
 fn escape(label: &str) -> String {
@@ -138,6 +138,21 @@ pub fn render(supervisor: &Supervisor) -> String {
     }
     family(
         &mut out,
+        "berth_worker_private_bytes",
+        "gauge",
+        "Resident memory only the model's worker maps: what its exit gives back.",
+    );
+    for s in &stats {
+        let _ = writeln!(
+            out,
+            "berth_worker_private_bytes{{model=\"{}\",pid=\"{}\"}} {}",
+            escape(&s.name),
+            s.pid.unwrap_or(0),
+            s.private_bytes
+        );
+    }
+    family(
+        &mut out,
         "berth_worker_vram_bytes",
         "gauge",
         "Device memory the model's worker holds (NVML).",
@@ -200,8 +215,68 @@ pub fn render(supervisor: &Supervisor) -> String {
         "Models with a worker.",
     );
     let _ = writeln!(out, "berth_models_loaded {}", stats.len());
+    render_preloaders(&mut out, &supervisor.preloaders());
     render_gpus(&mut out, &supervisor.gpus_on(inventory));
     out
+}
+
+/// A per-preloader gauge: name, help, and how to read it.
+type PreloaderGauge = (&'static str, &'static str, fn(&PreloaderStatus) -> f64);
+
+/// The worker kinds' preloaded interpreters: their standing cost, and the
+/// workers forked from each; nothing where no kind preloads.
+fn render_preloaders(out: &mut String, preloaders: &[PreloaderStatus]) {
+    let ready: Vec<&PreloaderStatus> = preloaders.iter().filter(|p| p.pid.is_some()).collect();
+    if preloaders.is_empty() {
+        return;
+    }
+    let gauges: [PreloaderGauge; 4] = [
+        (
+            "berth_preloader_rss_bytes",
+            "Resident memory of the worker kind's preloaded interpreter.",
+            |p| p.rss_bytes as f64,
+        ),
+        (
+            "berth_preloader_pss_bytes",
+            "Its proportional set size (what it shares with its forked workers, split).",
+            |p| p.pss_bytes as f64,
+        ),
+        (
+            "berth_preloader_forks",
+            "Workers forked from it since it started.",
+            |p| p.forks as f64,
+        ),
+        (
+            "berth_preloader_import_seconds",
+            "How long its preload's imports took.",
+            |p| p.import_ms / 1e3,
+        ),
+    ];
+    for (name, help, get) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for p in &ready {
+            let _ = writeln!(
+                out,
+                "{name}{{kind=\"{}\",pid=\"{}\"}} {}",
+                escape(&p.kind),
+                p.pid.unwrap_or(0),
+                get(p)
+            );
+        }
+    }
+    let name = "berth_preloader_refused";
+    let _ = writeln!(
+        out,
+        "# HELP {name} 1 where the kind's preload was refused (its workers start cold).\n# TYPE {name} gauge"
+    );
+    for p in preloaders {
+        let _ = writeln!(
+            out,
+            "{name}{{kind=\"{}\"}} {}",
+            escape(&p.kind),
+            u8::from(p.state == "refused")
+        );
+    }
 }
 
 /// A per-device gauge: name, help, and how to read it.

@@ -1,0 +1,253 @@
+//! Warm starts: a worker kind's preloaded interpreter forks its workers
+//! (python/berth_worker/preload.py, supervisor/src/child/preload.rs), driven
+//! through the real `berth serve` and the real interpreter. The guarantees
+//! every worker gives run against forked workers in the conformance suite;
+//! this file holds what is the preloader's own: a refused preload, a dead
+//! preloader, its keep-alive, its start with the server, restarts.
+
+use std::time::Duration;
+
+use berth_tests::python::{python_worker_command, repo_root};
+use berth_tests::*;
+use serde_json::{Value, json};
+
+/// A config with a `py` kind preloading `modules`, `extra` kind settings,
+/// and models `a` and `b` of that kind (`hog`, 1 MiB).
+fn config(modules: &[&str], extra: &str) -> String {
+    config_of("py", modules, extra)
+}
+
+/// [`config`] with the kind named `kind` (its preloader is `preload-<kind>`).
+fn config_of(kind: &str, modules: &[&str], extra: &str) -> String {
+    format!(
+        "[workers.{kind}]\ncommand = {:?}\nenv = {{ PYTHONPATH = {:?} }}\npreload = {:?}\n{extra}\n\
+         [[model]]\nname = \"a\"\nbackend = \"hog\"\nworker = \"{kind}\"\n\n\
+         [[model]]\nname = \"b\"\nbackend = \"hog\"\nworker = \"{kind}\"\n",
+        python_worker_command(),
+        repo_root().join("python/tests").display().to_string(),
+        modules,
+    )
+}
+
+/// `berth serve` with its log in a file, read by [`log`].
+fn serve(config_toml: &str) -> (Server, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!(
+        "berth-preload-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("berth.toml");
+    std::fs::write(&path, config_toml).unwrap();
+    let log = dir.join("serve.log");
+    let file = std::fs::File::create(&log).unwrap();
+    let server = Server::start_custom(&path, None, &[], &[], &mut |command| {
+        command.stderr(file.try_clone().unwrap());
+    });
+    (server, log)
+}
+
+fn log(path: &std::path::Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+fn load(server: &Server, model: &str) -> Value {
+    let (status, body) = server.post(&format!("/api/models/{model}/load"), json!({}));
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+fn preloaders(server: &Server) -> Vec<Value> {
+    let (status, body) = server.get("/api/ps");
+    assert_eq!(status, 200, "{body}");
+    body["preloaders"].as_array().cloned().unwrap_or_default()
+}
+
+fn preloader_pid(report: &Value) -> u32 {
+    assert_eq!(report["start"]["kind"], "forked", "{report}");
+    report["start"]["preloader_pid"].as_u64().unwrap() as u32
+}
+
+#[test]
+fn workers_are_forked_from_one_preloader_and_ps_tells_what_each_owns() {
+    let (server, _log) = serve(&config(&["json", "berth_worker.backends"], ""));
+    let a = load(&server, "a");
+    let b = load(&server, "b");
+    let preloader = preloader_pid(&a);
+    assert_eq!(preloader_pid(&b), preloader, "one preloader for the kind");
+    for report in [&a, &b] {
+        let pid = report["pid"].as_u64().unwrap() as u32;
+        // The supervisor's own child, in a session of its own.
+        let stat = procfs::process::Process::new(pid as i32)
+            .unwrap()
+            .stat()
+            .unwrap();
+        assert_eq!(stat.ppid as u32, server.pid(), "{report}");
+        assert_eq!(stat.session, pid as i32);
+        assert!(report["private_bytes"].as_u64().unwrap() > 0, "{report}");
+        assert!(report["shared_bytes"].as_u64().unwrap() > 0, "{report}");
+    }
+    let (_, ps) = server.get("/api/ps");
+    for model in ps["models"].as_array().unwrap() {
+        assert_eq!(model["start"]["kind"], "forked", "{model}");
+        assert!(model["private_bytes"].as_u64().unwrap() < model["rss_bytes"].as_u64().unwrap());
+    }
+    let listed = preloaders(&server);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["kind"], "py");
+    assert_eq!(listed[0]["state"], "ready");
+    assert_eq!(listed[0]["pid"], preloader);
+    assert_eq!(listed[0]["forks"], 2);
+    assert!(listed[0]["rss_bytes"].as_u64().unwrap() > 0);
+    assert!(
+        listed[0]["keep_alive_left_s"].is_null(),
+        "its models are loaded"
+    );
+    let (_, metrics) = server.get("/metrics");
+    let metrics = metrics.as_str().unwrap().to_string();
+    assert!(
+        metrics.contains(&format!(
+            "berth_preloader_forks{{kind=\"py\",pid=\"{preloader}\"}} 2"
+        )),
+        "{metrics}"
+    );
+    // An unload's proof counts what the worker owned.
+    let (status, unload) = server.post("/api/models/a/unload", json!({}));
+    assert_eq!(status, 200, "{unload}");
+    assert_eq!(unload["leftover_processes"], 0);
+    assert!(
+        unload["private_at_stop_bytes"].as_u64().unwrap() > 0,
+        "{unload}"
+    );
+}
+
+#[test]
+fn a_preload_that_starts_a_thread_is_refused_naming_the_module_and_loads_start_cold() {
+    let (server, log_file) = serve(&config_of(
+        "refusing",
+        &["json", "preload_starts_a_thread"],
+        "",
+    ));
+    for model in ["a", "b"] {
+        let report = load(&server, model);
+        assert_eq!(report["start"]["kind"], "cold_fallback", "{report}");
+        let reason = report["start"]["reason"].as_str().unwrap();
+        assert!(reason.contains("preload_starts_a_thread"), "{reason}");
+        assert!(reason.contains("threads are running"), "{reason}");
+    }
+    let listed = preloaders(&server);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["state"], "refused");
+    assert!(
+        listed[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("preload_starts_a_thread")
+    );
+    assert!(listed[0]["pid"].is_null());
+    assert!(log(&log_file).contains("preload was refused: module `preload_starts_a_thread`"));
+    assert!(
+        wait_for(Duration::from_secs(2), || workers_of_model(
+            "preload-refusing"
+        )
+        .is_empty()),
+        "the refused preloader is gone"
+    );
+}
+
+#[test]
+fn a_dead_preloader_is_replaced_at_the_next_load_and_its_workers_serve_on() {
+    let (server, log_file) = serve(&config(&["berth_worker.backends"], ""));
+    let a = load(&server, "a");
+    let first = preloader_pid(&a);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(wait_for(Duration::from_secs(5), || !alive(first)));
+    // Its worker is the supervisor's, not the preloader's: it serves on.
+    let (status, body) = server.post("/api/models/a/infer", json!({}));
+    assert_eq!(status, 200, "{body}");
+    let b = load(&server, "b");
+    let second = preloader_pid(&b);
+    assert_ne!(second, first);
+    assert!(
+        log(&log_file).contains("starting a new one"),
+        "{}",
+        log(&log_file)
+    );
+}
+
+#[test]
+fn an_idle_preloader_is_stopped_after_its_keep_alive_and_not_before() {
+    let (server, log_file) = serve(&config(&["json"], "preload_keep_alive = \"1s\""));
+    let a = load(&server, "a");
+    let preloader = preloader_pid(&a);
+    // While a model of its kind is loaded it stays, keep-alive or not.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(alive(preloader));
+    let (status, _) = server.post("/api/models/a/unload", json!({}));
+    assert_eq!(status, 200);
+    assert!(
+        wait_for(Duration::from_secs(10), || !alive(preloader)),
+        "still running: {:?}",
+        preloaders(&server)
+    );
+    assert!(wait_for(Duration::from_secs(2), || preloaders(&server).is_empty()));
+    assert!(log(&log_file).contains("stopping its preloaded interpreter"));
+    // The next load starts a new one.
+    let b = load(&server, "b");
+    assert_ne!(preloader_pid(&b), preloader);
+}
+
+#[test]
+fn preload_at_start_starts_the_preloader_with_the_server() {
+    let (server, _log) = serve(&config(&["json"], "preload_at_start = true"));
+    assert!(
+        wait_for(Duration::from_secs(20), || preloaders(&server)
+            .first()
+            .is_some_and(|p| p["state"] == "ready")),
+        "{:?}",
+        preloaders(&server)
+    );
+    let pid = preloaders(&server)[0]["pid"].as_u64().unwrap() as u32;
+    assert_eq!(preloaders(&server)[0]["forks"], 0);
+    let a = load(&server, "a");
+    assert_eq!(preloader_pid(&a), pid);
+}
+
+#[test]
+fn a_crashed_forked_worker_is_restarted_forked() {
+    let toml = format!(
+        "[workers.py]\ncommand = {:?}\npreload = [\"berth_worker.backends\"]\n\n\
+         [[model]]\nname = \"f\"\nbackend = \"fault\"\nworker = \"py\"\noptions = {{ crash_on = \"poison\" }}\n",
+        python_worker_command()
+    );
+    let (server, _log) = serve(&toml);
+    let report = load(&server, "f");
+    let preloader = preloader_pid(&report);
+    let first = report["pid"].as_u64().unwrap();
+    let (status, _) = server.post("/api/models/f/infer", json!({"input": "poison"}));
+    assert_ne!(status, 200);
+    let restarted = || {
+        let (_, ps) = server.get("/api/ps");
+        ps["models"]
+            .as_array()
+            .and_then(|m| m.first())
+            .cloned()
+            .unwrap_or_default()
+    };
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            let m = restarted();
+            m["state"] == "ready" && m["pid"].as_u64().is_some_and(|p| p != first)
+        }),
+        "{}",
+        restarted()
+    );
+    let m = restarted();
+    assert_eq!(m["start"]["kind"], "forked", "{m}");
+    assert_eq!(m["start"]["preloader_pid"], preloader, "{m}");
+    assert_eq!(m["restarts"], 1, "{m}");
+}
