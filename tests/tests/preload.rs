@@ -251,3 +251,42 @@ fn a_crashed_forked_worker_is_restarted_forked() {
     assert_eq!(m["start"]["preloader_pid"], preloader, "{m}");
     assert_eq!(m["restarts"], 1, "{m}");
 }
+
+#[test]
+fn a_wedged_preloader_is_stopped_and_the_worker_starts_cold_on_a_wire_of_its_own() {
+    let toml = format!(
+        "[workers.wedged]\ncommand = {:?}\npreload = [\"json\"]\n\n\
+         [[model]]\nname = \"a\"\nbackend = \"echo\"\nworker = \"wedged\"\nload_timeout = \"9s\"\n\n\
+         [[model]]\nname = \"b\"\nbackend = \"echo\"\nworker = \"wedged\"\n",
+        python_worker_command()
+    );
+    let (server, _log) = serve(&toml);
+    // Start the preloader with a first load, then freeze it.
+    let b = load(&server, "b");
+    let frozen = preloader_pid(&b);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(frozen as i32),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    let a = load(&server, "a");
+    assert_eq!(a["start"]["kind"], "cold_fallback", "{a}");
+    assert!(
+        a["start"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("did not answer a fork"),
+        "{a}"
+    );
+    let (status, body) = server.post("/api/models/a/infer", json!({"x": 1}));
+    assert_eq!((status, &body["x"]), (200, &json!(1)), "{body}");
+    assert!(
+        wait_for(Duration::from_secs(5), || !alive(frozen)),
+        "stopped"
+    );
+    // The next load starts a new preloader.
+    let (status, _) = server.post("/api/models/b/unload", json!({}));
+    assert_eq!(status, 200);
+    let b = load(&server, "b");
+    assert_ne!(preloader_pid(&b), frozen);
+}

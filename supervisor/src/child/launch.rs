@@ -232,33 +232,48 @@ pub(crate) async fn launch(
     }
     // The wire's listening end: a one-shot ipc server, or a socket pair
     // whose other end the child inherits (closed here once it is started).
-    let listening = match program.wire {
-        Wire::Ipc => {
-            let (server, name) = handshake::open(model)?;
-            Listening::Ipc(server, name)
-        }
-        Wire::Stream => {
-            let (ours, theirs) =
-                stream::io::socket_pair().map_err(io_error("cannot create the worker's socket"))?;
-            Listening::Stream(ours, theirs)
-        }
-        Wire::Http => unreachable!("launched above"),
+    let listen = || -> Result<Listening> {
+        Ok(match program.wire {
+            Wire::Ipc => {
+                let (server, name) = handshake::open(model)?;
+                Listening::Ipc(server, name)
+            }
+            Wire::Stream => {
+                let (ours, theirs) = stream::io::socket_pair()
+                    .map_err(io_error("cannot create the worker's socket"))?;
+                Listening::Stream(ours, theirs)
+            }
+            Wire::Http => unreachable!("launched above"),
+        })
     };
-    let connect = match &listening {
-        Listening::Ipc(_, name) => Connect::Ipc(name),
-        Listening::Stream(_, theirs) => Connect::Stream(theirs.as_raw_fd()),
+    let mut listening = listen()?;
+    let mut start = start;
+    let process = loop {
+        let connect = match &listening {
+            Listening::Ipc(_, name) => Connect::Ipc(name),
+            Listening::Stream(_, theirs) => Connect::Stream(theirs.as_raw_fd()),
+        };
+        match start_process(
+            spec,
+            &program.path,
+            &program.args,
+            connect,
+            program.cwd.as_deref(),
+            &env,
+            spawned,
+            (start, timeout),
+        )
+        .await?
+        {
+            Started::Process(process) => break process,
+            // A preloader that never answered may still fork a worker
+            // holding that socket: a cold start gets a socket of its own.
+            Started::Again(why) => {
+                listening = listen()?;
+                start = Start::ColdBecause(why);
+            }
+        }
     };
-    let process = start_process(
-        spec,
-        &program.path,
-        &program.args,
-        connect,
-        program.cwd.as_deref(),
-        &env,
-        spawned,
-        start,
-    )
-    .await?;
     let pid = process.pid();
     tracing::debug!(model, pid, program = %program, start = %process.start_kind(), "worker started");
 
@@ -410,9 +425,10 @@ async fn launch_server(
         program.cwd.as_deref(),
         &env,
         spawned,
-        Start::Cold,
+        (Start::Cold, timeout),
     )
-    .await?;
+    .await?
+    .process();
     let pid = process.pid();
     let upstream = Arc::new(upstream::Upstream::new(model, &prepared, http));
     tracing::debug!(model, pid, address = %upstream.address(), "server started");
@@ -517,6 +533,25 @@ async fn launch_server(
     Ok((handle, report))
 }
 
+/// What [`start_process`] did.
+enum Started {
+    Process(Arc<ProcessWatch>),
+    /// The preloader did not answer the fork (it was stopped); start the
+    /// worker cold, on a new wire (the old one's other end may yet be
+    /// held by a worker it forked late), saying why.
+    Again(String),
+}
+
+impl Started {
+    /// The process of a start that cannot ask to start again (a cold one).
+    fn process(self) -> Arc<ProcessWatch> {
+        match self {
+            Started::Process(process) => process,
+            Started::Again(why) => unreachable!("a cold start asked to start again: {why}"),
+        }
+    }
+}
+
 /// Starts a worker's process, capped if the spec says so and else in a
 /// cgroup of its own to fence in what it starts, with a fresh mark, and
 /// hands it to a watch that reaps it; `spawned` is told its pid. With
@@ -531,8 +566,8 @@ async fn start_process(
     cwd: Option<&std::path::Path>,
     env: &[(String, String)],
     spawned: &(dyn Fn(u32) + Send + Sync),
-    start: Start,
-) -> Result<Arc<ProcessWatch>> {
+    (start, load_timeout): (Start, Duration),
+) -> Result<Started> {
     let model = spec.name.as_str();
     let cap = spec
         .memory_limit
@@ -562,7 +597,9 @@ async fn start_process(
                     .map(std::path::Path::new),
                 wire,
             };
-            let timeout = spec.load_timeout.unwrap_or(Duration::from_secs(30));
+            // A fork takes milliseconds: one that has not come in a third
+            // of the load's time leaves the rest for a cold start.
+            let timeout = (load_timeout / 3).min(Duration::from_secs(10));
             match preloader.fork(request, timeout).await {
                 Ok(forked) => {
                     let start = WorkerStart::Forked {
@@ -575,15 +612,22 @@ async fn start_process(
                     drop(spawning);
                     process.spawn_rss_guard();
                     spawned(process.pid());
-                    return Ok(process);
+                    return Ok(Started::Process(process));
                 }
-                Err(why) => {
+                Err(failure) => {
                     let why = format!(
-                        "forking from the preloaded interpreter of kind `{}` (pid {}) failed: {why}",
+                        "forking from the preloaded interpreter of kind `{}` (pid {}) failed: {}",
                         preloader.kind(),
-                        preloader.pid()
+                        preloader.pid(),
+                        failure.why
                     );
                     tracing::warn!(model, "{why}; starting the worker cold");
+                    if failure.unanswered {
+                        // Wedged, or off the protocol: stopped, so that the
+                        // next load starts a new one.
+                        preloader.stop().await;
+                        return Ok(Started::Again(why));
+                    }
                     Some(why)
                 }
             }
@@ -610,7 +654,7 @@ async fn start_process(
     drop(spawning);
     process.spawn_rss_guard();
     spawned(process.pid());
-    Ok(process)
+    Ok(Started::Process(process))
 }
 
 async fn kill_and_reap(process: &ProcessWatch) {

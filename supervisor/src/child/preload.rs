@@ -126,6 +126,16 @@ pub(crate) struct ForkRequest<'a> {
     pub wire: RawFd,
 }
 
+/// Why a fork gave no worker.
+#[derive(Debug)]
+pub(crate) struct ForkFailure {
+    pub why: String,
+    /// The preloader did not answer as the protocol says (it timed out,
+    /// broke its socket, said something else): it may yet fork a worker
+    /// late, and is not to be trusted with another fork.
+    pub unanswered: bool,
+}
+
 /// A worker the preloader forked, now this process's child.
 pub(crate) struct Forked {
     pub pid: u32,
@@ -258,15 +268,25 @@ impl Preloader {
         &self,
         request: ForkRequest<'_>,
         timeout: Duration,
-    ) -> Result<Forked, String> {
+    ) -> Result<Forked, ForkFailure> {
+        let clean = |why: String| ForkFailure {
+            why,
+            unanswered: false,
+        };
+        let unanswered = |why: String| ForkFailure {
+            why,
+            unanswered: true,
+        };
         if let Some(status) = self.process.try_exit() {
-            return Err(format!(
+            return Err(clean(format!(
                 "the preloaded interpreter (pid {}) has exited ({status})",
                 self.pid()
-            ));
+            )));
         }
-        let (out_r, out_w) = pipe().map_err(|e| format!("cannot create its stdout pipe: {e}"))?;
-        let (err_r, err_w) = pipe().map_err(|e| format!("cannot create its stderr pipe: {e}"))?;
+        let (out_r, out_w) =
+            pipe().map_err(|e| clean(format!("cannot create its stdout pipe: {e}")))?;
+        let (err_r, err_w) =
+            pipe().map_err(|e| clean(format!("cannot create its stderr pipe: {e}")))?;
         let env: BTreeMap<String, String> = worker_env(
             request.model,
             request.mark,
@@ -297,8 +317,12 @@ impl Preloader {
         };
         let said = match tokio::time::timeout(timeout, exchange).await {
             Ok(Ok(said)) => said,
-            Ok(Err(why)) => return Err(format!("its control socket broke: {why}")),
-            Err(_) => return Err(format!("it did not answer a fork within {timeout:?}")),
+            Ok(Err(why)) => return Err(unanswered(format!("its control socket broke: {why}"))),
+            Err(_) => {
+                return Err(unanswered(format!(
+                    "it did not answer a fork within {timeout:?}"
+                )));
+            }
         };
         drop(control);
         match said {
@@ -310,12 +334,12 @@ impl Preloader {
                 })
             }
             Said::ForkFailed { id: got, reason } if got.is_none_or(|g| g == id) => {
-                Err(format!("the fork failed: {reason}"))
+                Err(clean(format!("the fork failed: {reason}")))
             }
             Said::Refused { module, reason } => {
-                Err(format!("it refused to fork: `{module}`: {reason}"))
+                Err(clean(format!("it refused to fork: `{module}`: {reason}")))
             }
-            other => Err(format!("it answered a fork with {other:?}")),
+            other => Err(unanswered(format!("it answered a fork with {other:?}"))),
         }
     }
 

@@ -104,7 +104,7 @@ pub(crate) fn send(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
-    let payload = (size_of::<RawFd>() * fds.len()) as u32;
+    let payload = std::mem::size_of_val(fds) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(payload) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
