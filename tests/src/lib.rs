@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod chaos;
+pub mod conformance;
 pub mod fake_gpu;
 pub mod infinity;
 pub mod python;

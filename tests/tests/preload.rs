@@ -290,3 +290,28 @@ fn a_wedged_preloader_is_stopped_and_the_worker_starts_cold_on_a_wire_of_its_own
     let b = load(&server, "b");
     assert_ne!(preloader_pid(&b), frozen);
 }
+
+#[test]
+fn a_preloader_that_dies_before_it_is_ready_is_tried_again_only_after_a_wait() {
+    let (server, log_file) = serve(&config_of("dying", &["json", "preload_exits"], ""));
+    let a = load(&server, "a");
+    assert_eq!(a["start"]["kind"], "cold_fallback", "{a}");
+    let reason = a["start"]["reason"].as_str().unwrap();
+    assert!(reason.contains("exited"), "{reason}");
+    // The next load starts cold at once, without a second try.
+    let b = load(&server, "b");
+    let reason = b["start"]["reason"].as_str().unwrap();
+    assert!(reason.contains("the next try is in"), "{reason}");
+    let listed = preloaders(&server);
+    assert_eq!(listed[0]["state"], "failed", "{listed:?}");
+    assert_eq!(
+        log(&log_file)
+            .matches("the preloaded interpreter failed")
+            .count(),
+        1,
+        "{}",
+        log(&log_file)
+    );
+    let (status, body) = server.post("/api/models/b/infer", json!({}));
+    assert_eq!(status, 200, "{body}");
+}

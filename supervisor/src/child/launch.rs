@@ -11,16 +11,16 @@ use nix::sys::signal::Signal;
 
 use crate::child::handle::{LoadOutcome, WorkerHandle};
 use crate::child::handshake::{self, HandshakeOutcome};
-use crate::child::limits::{Cgroup, MemoryCap};
+use crate::child::limits::MemoryCap;
 use crate::child::memory::system_memory;
-use crate::child::preload::{ForkRequest, Preloader};
 use crate::child::process::ProcessWatch;
-use crate::child::spawn::{Connect, SpawnOptions, find_worker_binary, spawn};
+use crate::child::spawn::{Connect, find_worker_binary};
+use crate::child::start::{Start, Started, start_process};
 use crate::child::{health, stop, stream, upstream};
 use crate::config::{HttpSpec, ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
-use crate::report::{LoadReport, WorkerStart};
+use crate::report::LoadReport;
 
 /// The end a new worker connects to, by wire.
 enum Listening {
@@ -177,17 +177,6 @@ pub(crate) fn offered_backends(
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
 /// by the supervisor's placement) when the model asks for GPUs. `spawned`
 /// hears the worker's pid as soon as it runs.
-/// How a worker process is to begin.
-pub(crate) enum Start {
-    /// Its program starts afresh.
-    Cold,
-    /// Forked from its kind's preloaded interpreter; started cold if the
-    /// fork fails.
-    Fork(Arc<Preloader>),
-    /// Afresh although its kind preloads, for this reason.
-    ColdBecause(String),
-}
-
 pub(crate) async fn launch(
     spec: &ModelSpec,
     config: &SupervisorConfig,
@@ -531,130 +520,6 @@ async fn launch_server(
         start: process.start_kind().clone(),
     };
     Ok((handle, report))
-}
-
-/// What [`start_process`] did.
-enum Started {
-    Process(Arc<ProcessWatch>),
-    /// The preloader did not answer the fork (it was stopped); start the
-    /// worker cold, on a new wire (the old one's other end may yet be
-    /// held by a worker it forked late), saying why.
-    Again(String),
-}
-
-impl Started {
-    /// The process of a start that cannot ask to start again (a cold one).
-    fn process(self) -> Arc<ProcessWatch> {
-        match self {
-            Started::Process(process) => process,
-            Started::Again(why) => unreachable!("a cold start asked to start again: {why}"),
-        }
-    }
-}
-
-/// Starts a worker's process, capped if the spec says so and else in a
-/// cgroup of its own to fence in what it starts, with a fresh mark, and
-/// hands it to a watch that reaps it; `spawned` is told its pid. With
-/// [`Start::Fork`] it is forked from its kind's preloaded interpreter, and
-/// started cold if that fails: a load never fails for the preloader's sake.
-#[allow(clippy::too_many_arguments)]
-async fn start_process(
-    spec: &ModelSpec,
-    binary: &std::path::Path,
-    args: &[String],
-    connect: Connect<'_>,
-    cwd: Option<&std::path::Path>,
-    env: &[(String, String)],
-    spawned: &(dyn Fn(u32) + Send + Sync),
-    (start, load_timeout): (Start, Duration),
-) -> Result<Started> {
-    let model = spec.name.as_str();
-    let cap = spec
-        .memory_limit
-        .map(|limit| MemoryCap::prepare(model, limit));
-    let fence = match &cap {
-        Some(_) => None,
-        None => Cgroup::create(model, None)
-            .inspect_err(|why| tracing::debug!(model, "no cgroup for the worker: {why}"))
-            .ok(),
-    };
-    let mark = crate::orphans::new_mark();
-    let spawning = crate::orphans::spawning();
-    let procs = cap
-        .as_ref()
-        .and_then(MemoryCap::cgroup)
-        .or(fence.as_ref())
-        .map(Cgroup::procs_file);
-    let cold_because = match (start, connect) {
-        (Start::Fork(preloader), Connect::Stream(wire)) => {
-            let request = ForkRequest {
-                model,
-                mark: &mark,
-                extra_env: env,
-                cwd,
-                cgroup_procs: procs
-                    .and_then(|p| p.to_str().ok())
-                    .map(std::path::Path::new),
-                wire,
-            };
-            // A fork takes milliseconds: one that has not come in a third
-            // of the load's time leaves the rest for a cold start.
-            let timeout = (load_timeout / 3).min(Duration::from_secs(10));
-            match preloader.fork(request, timeout).await {
-                Ok(forked) => {
-                    let start = WorkerStart::Forked {
-                        preloader_pid: preloader.pid(),
-                    };
-                    let process = Arc::new(
-                        ProcessWatch::adopt(model, forked.pid, forked.output, cap, fence, &mark)
-                            .with_start(start),
-                    );
-                    drop(spawning);
-                    process.spawn_rss_guard();
-                    spawned(process.pid());
-                    return Ok(Started::Process(process));
-                }
-                Err(failure) => {
-                    let why = format!(
-                        "forking from the preloaded interpreter of kind `{}` (pid {}) failed: {}",
-                        preloader.kind(),
-                        preloader.pid(),
-                        failure.why
-                    );
-                    tracing::warn!(model, "{why}; starting the worker cold");
-                    if failure.unanswered {
-                        // Wedged, or off the protocol: stopped, so that the
-                        // next load starts a new one.
-                        preloader.stop().await;
-                        return Ok(Started::Again(why));
-                    }
-                    Some(why)
-                }
-            }
-        }
-        (Start::ColdBecause(why), _) => Some(why),
-        (Start::Fork(_) | Start::Cold, _) => None,
-    };
-    let child = spawn(SpawnOptions {
-        model,
-        binary,
-        args,
-        connect,
-        cwd,
-        mark: &mark,
-        extra_env: env,
-        cgroup_procs: procs,
-    })
-    .await?;
-    let start = match cold_because {
-        Some(reason) => WorkerStart::ColdFallback { reason },
-        None => WorkerStart::Cold,
-    };
-    let process = Arc::new(ProcessWatch::start(model, child, cap, fence, &mark).with_start(start));
-    drop(spawning);
-    process.spawn_rss_guard();
-    spawned(process.pid());
-    Ok(Started::Process(process))
 }
 
 async fn kill_and_reap(process: &ProcessWatch) {

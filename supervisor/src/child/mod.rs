@@ -7,8 +7,9 @@
 //! `process` (reaping, kill causes), `output` (bounded stdout/stderr),
 //! `memory` (procfs), `limits` (memory caps), `probe` (asking a program
 //! for its backends), `upstream` (an HTTP server run as a worker),
-//! `ports` (where such a server listens, and that it is the one there) and
-//! `preload` (a worker kind's preloaded interpreter, which forks workers).
+//! `ports` (where such a server listens, and that it is the one there),
+//! `preload` (a worker kind's preloaded interpreter, which forks workers)
+//! and `start` (a worker's process, spawned or forked).
 
 pub(crate) mod death;
 pub mod handle;
@@ -25,6 +26,7 @@ pub(crate) mod probe;
 pub mod process;
 mod routes;
 pub mod spawn;
+pub(crate) mod start;
 pub mod stop;
 pub(crate) mod stream;
 pub(crate) mod sweep;

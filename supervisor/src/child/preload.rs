@@ -227,7 +227,7 @@ impl Preloader {
             Err(_) => {
                 stop(&process);
                 return Err(failed(format!(
-                    "it did not finish importing within {timeout:?} (the kind's load_timeout)"
+                    "it did not finish importing within {timeout:?} (half the load_timeout)"
                 )));
             }
         };

@@ -18,9 +18,14 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{Inner, Supervisor};
-use crate::child::launch::Start;
 use crate::child::preload::{Preloader, StartFailure};
+use crate::child::start::Start;
 use crate::config::{DEFAULT_PRELOAD_KEEP_ALIVE, ModelSpec, WorkerKind};
+
+/// The wait before a failed preloader start is tried again, doubling up to
+/// the most.
+const PRELOAD_RETRY_FIRST: Duration = Duration::from_secs(10);
+const PRELOAD_RETRY_MAX: Duration = Duration::from_secs(300);
 
 /// The preloaders, by worker kind.
 #[derive(Default)]
@@ -35,8 +40,12 @@ struct KindSlot {
     preloader: Option<Arc<Preloader>>,
     /// Why the kind's preload was refused: it starts cold from then on.
     refused: Option<String>,
-    /// Why the last start failed, if it did (the next load tries again).
+    /// Why the last start failed, if it did, and when a load may try
+    /// again (each failure doubles the wait, from 10 s to 5 minutes): a
+    /// preloader that cannot start costs each load nothing meanwhile.
     failed: Option<String>,
+    retry_at: Option<Instant>,
+    backoff: Duration,
     /// The last time a worker of the kind was asked for.
     used: Option<Instant>,
 }
@@ -124,9 +133,20 @@ impl Supervisor {
             );
             slot.preloader = None;
         }
+        if let (Some(failed), Some(at)) = (&slot.failed, slot.retry_at) {
+            let left = at.saturating_duration_since(Instant::now());
+            if !left.is_zero() {
+                return Start::ColdBecause(format!(
+                    "{failed} (the next try is in {})",
+                    humantime::format_duration(Duration::from_secs(left.as_secs().max(1)))
+                ));
+            }
+        }
         match self.start_preloader(kind, declared).await {
             Ok(preloader) => {
                 slot.failed = None;
+                slot.retry_at = None;
+                slot.backoff = Duration::ZERO;
                 slot.preloader = Some(Arc::clone(&preloader));
                 Start::Fork(preloader)
             }
@@ -140,8 +160,13 @@ impl Supervisor {
                         slot.refused = Some(reason.clone());
                     }
                     StartFailure::Failed(_) => {
+                        slot.backoff =
+                            (slot.backoff * 2).clamp(PRELOAD_RETRY_FIRST, PRELOAD_RETRY_MAX);
+                        slot.retry_at = Some(Instant::now() + slot.backoff);
                         tracing::warn!(
-                            "{reason}; this worker starts cold, the next load tries again"
+                            "{reason}; this worker starts cold, and the kind's loads until a \
+                             new try in {}",
+                            humantime::format_duration(slot.backoff)
                         );
                         slot.failed = Some(reason.clone());
                     }
@@ -167,7 +192,8 @@ impl Supervisor {
             declared.cwd.as_deref(),
             &env,
             &declared.preload,
-            self.inner.config.load_timeout,
+            // Half the load's time: a cold start still has the rest.
+            self.inner.config.load_timeout / 2,
         )
         .await?;
         self.watch_preloaders();
