@@ -1,15 +1,16 @@
 //! The supervisor's side of one worker process (a *child*; the worker's
-//! own side is the `berth-worker` crate), one concern per file: `spawn`,
-//! `handshake`, `launch` (spawn → hello → load), `handle` (requests and the
-//! reader), `routes` (a worker's events to the requests waiting), `death`
-//! (what a dead worker leaves), `health` (heartbeats, stalls), `stop`,
-//! `sweep` (killing what a worker left, in its group or outside it),
-//! `process` (reaping, kill causes), `output` (bounded stdout/stderr),
-//! `memory` (procfs), `limits` (memory caps), `probe` (asking a program
-//! for its backends), `upstream` (an HTTP server run as a worker),
-//! `ports` (where such a server listens, and that it is the one there),
-//! `preload` (a worker kind's preloaded interpreter, which forks workers)
-//! and `start` (a worker's process, spawned or forked).
+//! own side is the `berth-worker` crate), one concern per file: `program`
+//! (which program a worker runs), `spawn`, `start` (a worker's process,
+//! spawned or forked), `preload` (a worker kind's preloaded interpreter,
+//! which forks workers), `handshake`, `launch` (start → hello → load),
+//! `handle` (requests and the reader), `routes` (a worker's events to the
+//! requests waiting), `death` (what a dead worker leaves), `health`
+//! (heartbeats, stalls), `stop`, `sweep` (killing what a worker left, in its
+//! group or outside it), `process` (reaping, kill causes), `output`
+//! (bounded stdout/stderr), `memory` (procfs), `limits` (memory caps),
+//! `probe` (asking a program for its backends), `upstream` (an HTTP server
+//! run as a worker) and `ports` (where such a server listens, and that it is
+//! the one there).
 
 pub(crate) mod death;
 pub mod handle;
@@ -24,6 +25,7 @@ pub(crate) mod ports;
 pub(crate) mod preload;
 pub(crate) mod probe;
 pub mod process;
+pub(crate) mod program;
 mod routes;
 pub mod spawn;
 pub(crate) mod start;

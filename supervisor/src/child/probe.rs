@@ -14,7 +14,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::child::launch::WorkerProgram;
+use crate::child::program::WorkerProgram;
 
 /// How long the whole exchange may take.
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -253,10 +253,38 @@ fn wait_until(
     }
 }
 
+/// The backends `program` offers (`--backends`, see `child/probe.rs`),
+/// asked once per program and remembered, or why it could not say (a
+/// wrapper that passes no arguments on, a program that is not a berth
+/// worker, one that hangs). Blocks while it asks; the cache's lock is not
+/// held meanwhile.
+pub(crate) fn offered_backends(
+    program: &WorkerProgram,
+) -> std::result::Result<Vec<Offered>, String> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    type Known = HashMap<WorkerProgram, std::result::Result<Vec<Offered>, String>>;
+    static KNOWN: Mutex<Option<Known>> = Mutex::new(None);
+    let known = |f: &mut dyn FnMut(&mut Known)| {
+        let mut guard = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+        f(guard.get_or_insert_with(HashMap::new));
+    };
+    let mut cached = None;
+    known(&mut |k| cached = k.get(program).cloned());
+    if let Some(answer) = cached {
+        return answer;
+    }
+    let answer = ask_backends(program);
+    known(&mut |k| {
+        k.insert(program.clone(), answer.clone());
+    });
+    answer
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::child::launch::Wire;
+    use crate::child::program::Wire;
 
     fn sh(script: &str) -> WorkerProgram {
         WorkerProgram {

@@ -57,8 +57,8 @@ impl Supervisor {
     /// found and offers its backend.
     pub(super) fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
         spec.validate_for(&self.inner.config)?;
-        let program = crate::child::launch::worker_program(spec, &self.inner.config)?;
-        if program.wire == crate::child::launch::Wire::Http {
+        let program = crate::child::program::worker_program(spec, &self.inner.config)?;
+        if program.wire == crate::child::program::Wire::Http {
             // A server is not asked for backends; its command is checked
             // for its placeholders.
             // (What it reserved is given back as it is dropped.)
@@ -69,7 +69,7 @@ impl Supervisor {
                     reason,
                 });
         }
-        let Ok(offered) = crate::child::launch::offered_backends(&program) else {
+        let Ok(offered) = crate::child::probe::offered_backends(&program) else {
             // The load will say what is wrong with the program.
             return Ok(());
         };
@@ -120,7 +120,8 @@ impl Supervisor {
     /// it is listening, so a missing or broken worker is found at start and
     /// not at the first request.
     pub fn check_workers(&self) -> std::result::Result<(), String> {
-        use crate::child::launch::{default_program, offered_backends, worker_program};
+        use crate::child::probe::offered_backends;
+        use crate::child::program::{default_program, worker_program};
         let config = &self.inner.config;
         let mut programs = vec![default_program(config).map_err(|e| e.to_string())?];
         for (name, kind) in &config.workers {
