@@ -6,8 +6,8 @@
 
 use std::time::{Duration, Instant};
 
+use berth::Body;
 use berth::protocol::Bulk;
-use berth::{Body, Error, ModelSpec};
 use berth_tests::conformance::{Worker, assert_forked};
 use berth_tests::*;
 
