@@ -3,7 +3,7 @@
 //! worker (`berth-worker` on `ipc-channel`), the Python worker (`python3 -m
 //! berth_worker` on the stream wire, in the test venv) started cold, and the
 //! same Python worker forked from its kind's preloaded interpreter, from one
-//! definition. [`conformance!`](crate::conformance) makes a `rust`, a
+//! definition. [`conformance!`](macro@crate::conformance) makes a `rust`, a
 //! `python` and a `python_forked` test of each.
 
 use berth::ModelSpec;
