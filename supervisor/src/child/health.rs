@@ -58,6 +58,17 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
             worker.sample_rss();
             let asked = Instant::now();
             let Some(stats) = worker.ping(policy.heartbeat_timeout).await else {
+                // A worker that died (a crash, a kill from outside) fails its
+                // ping at once, before it is reaped: its death, not a lost
+                // heartbeat, is then the cause its requests are told.
+                if worker
+                    .process()
+                    .exited_within(Duration::from_millis(250))
+                    .await
+                    .is_some()
+                {
+                    return;
+                }
                 if worker.is_alive() && !worker.process().is_stopping() {
                     tracing::warn!(
                         model = worker.model(),
