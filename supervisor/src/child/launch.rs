@@ -40,6 +40,12 @@ fn ms(d: Duration) -> f64 {
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
 /// by the supervisor's placement) when the model asks for GPUs. `spawned`
 /// hears the worker's pid as soon as it runs.
+/// How long a worker polls after an answer: a quarter of the callers'
+/// `answer_spin` (25 µs at the default), enough for a caller's turnaround.
+fn worker_spin(answer_spin: Duration) -> Duration {
+    answer_spin.min(crate::config::MAX_ANSWER_SPIN) / 4
+}
+
 pub(crate) async fn launch(
     spec: &ModelSpec,
     config: &SupervisorConfig,
@@ -61,6 +67,12 @@ pub(crate) async fn launch(
 
     let program = worker_program(spec, config)?;
     let mut env = program.env.clone();
+    // A worker that just answered polls briefly for its next command, so
+    // that a caller's next request does not find its vCPU halted.
+    env.push((
+        berth_protocol::ENV_ANSWER_SPIN.into(),
+        worker_spin(config.answer_spin).as_micros().to_string(),
+    ));
     if let Some(gpus) = &gpus {
         env.extend(gpu::worker_env(gpus, gpu::uuid));
         let totals: Vec<Option<u64>> = gpus.iter().map(|&i| gpu::total_bytes(i)).collect();
