@@ -168,11 +168,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let wanted: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let run = |section: &str| wanted.is_empty() || wanted.iter().any(|w| w == section);
+    let run = berth_tests::bench::sections();
     let with_infinity = !std::env::args().any(|a| a == "--without-infinity");
     let minilm = default_model("minilm");
     let server = Server::start(&format!(

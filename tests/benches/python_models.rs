@@ -232,11 +232,7 @@ fn main() {
     let runtime = berth_tests::bench::runtime();
     let _ = examples_python();
     println!("Python models ({})\n", machine());
-    let wanted: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let run = |section: &str| wanted.is_empty() || wanted.iter().any(|w| w == section);
+    let run = berth_tests::bench::sections();
     runtime.block_on(async {
         let sup = Supervisor::new(test_config());
         if run("status-quo") {

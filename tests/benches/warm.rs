@@ -298,11 +298,7 @@ fn main() {
     let runtime = berth_tests::bench::runtime();
     let _ = examples_python();
     println!("Warm starts ({})\n", machine());
-    let wanted: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let run = |section: &str| wanted.is_empty() || wanted.iter().any(|w| w == section);
+    let run = berth_tests::bench::sections();
     runtime.block_on(async {
         let sup = Arc::new(Supervisor::new(config()));
         println!("| what | A | B | ratio A/B, median (p10–p90) | samples |");

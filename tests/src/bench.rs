@@ -121,6 +121,17 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
+/// The sections named on a bench's command line (arguments that do not
+/// start with `-`): the returned test is true for those, or for every
+/// section where none is named.
+pub fn sections() -> impl Fn(&str) -> bool {
+    let wanted: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    move |section| wanted.is_empty() || wanted.iter().any(|w| w == section)
+}
+
 /// The echo benches' supervisor settings: the tests' own, with
 /// `BERTH_BENCH_ANSWER_SPIN_US` (microseconds; `0` parks at once) setting
 /// `answer_spin`, for the runs that compare callers with and without it.
