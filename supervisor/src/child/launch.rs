@@ -67,12 +67,6 @@ pub(crate) async fn launch(
 
     let program = worker_program(spec, config)?;
     let mut env = program.env.clone();
-    // A worker that just answered polls briefly for its next command, so
-    // that a caller's next request does not find its vCPU halted.
-    env.push((
-        berth_protocol::ENV_ANSWER_SPIN.into(),
-        worker_spin(config.answer_spin).as_micros().to_string(),
-    ));
     if let Some(gpus) = &gpus {
         env.extend(gpu::worker_env(gpus, gpu::uuid));
         let totals: Vec<Option<u64>> = gpus.iter().map(|&i| gpu::total_bytes(i)).collect();
@@ -94,6 +88,12 @@ pub(crate) async fn launch(
     if program.wire == Wire::Http {
         return launch_server(spec, config, program, env, weights, gpus, spawned, started).await;
     }
+    // A berth worker that just answered polls briefly for its next command,
+    // so that a caller's next request does not find its vCPU halted.
+    env.push((
+        berth_protocol::ENV_ANSWER_SPIN.into(),
+        worker_spin(config.answer_spin).as_micros().to_string(),
+    ));
     // The wire's listening end: a one-shot ipc server, or a socket pair
     // whose other end the child inherits (closed here once it is started).
     let listen = || -> Result<Listening> {
