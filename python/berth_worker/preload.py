@@ -32,11 +32,11 @@ import time
 from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from .process import arm_parent_death, die, flush_and_exit, keep_out_of_forks, parent_gone, say
+from .wire import PREFIX, FrameError, check_prefix, decode_header, encode_frame
 
 #: The environment variable that makes ``serve`` a preloader.
 ENV_PRELOAD = "BERTH_PRELOAD"
 
-_PREFIX = struct.Struct("<II")
 _MAX_FRAME = 1 << 20
 #: A fork frame carries three descriptors: the wire, stdout, stderr.
 _FORK_FDS = 3
@@ -123,8 +123,7 @@ def unsafe_to_fork() -> Optional[str]:
 
 
 def _send(sock: socket.socket, header: Dict[str, Any]) -> None:
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    sock.sendall(_PREFIX.pack(4 + len(head), len(head)) + head)
+    sock.sendall(encode_frame(header))
 
 
 class _Control:
@@ -139,17 +138,15 @@ class _Control:
         """The next frame's header and the descriptors that came with it."""
         while True:
             if len(self.buf) >= 8:
-                length, head_length = _PREFIX.unpack_from(self.buf, 0)
-                if length > _MAX_FRAME or head_length > length - 4:
-                    raise ValueError("a control frame of {} bytes is malformed".format(length))
+                length, head_length = PREFIX.unpack_from(self.buf, 0)
+                if length > _MAX_FRAME:
+                    raise ValueError("a control frame of {} bytes is too long".format(length))
+                check_prefix(length, head_length)
                 if len(self.buf) >= 4 + length:
                     head = bytes(self.buf[8 : 8 + head_length])
                     del self.buf[: 4 + length]
                     fds, self.fds = self.fds, []
-                    header = json.loads(head.decode("utf-8"))
-                    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
-                        raise ValueError("a control frame's header is not a typed object")
-                    return header, fds
+                    return decode_header(head), fds
             data, ancdata, flags, _ = self.sock.recvmsg(
                 1 << 16, socket.CMSG_SPACE(_FORK_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
             )
@@ -310,7 +307,7 @@ def become_preloader() -> None:
             header, fds = control.read()
         except EOFError:
             flush_and_exit(0)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, FrameError) as e:
             die("the control socket broke: {}; exiting".format(e))
         if header["type"] != "fork":
             for extra in fds:

@@ -63,6 +63,10 @@ fn preloaders(server: &Server) -> Vec<Value> {
     body["preloaders"].as_array().cloned().unwrap_or_default()
 }
 
+fn signal(pid: u32, signal: nix::sys::signal::Signal) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).unwrap();
+}
+
 fn preloader_pid(report: &Value) -> u32 {
     assert_eq!(report["start"]["kind"], "forked", "{report}");
     report["start"]["preloader_pid"].as_u64().unwrap() as u32
@@ -160,11 +164,7 @@ fn a_dead_preloader_is_replaced_at_the_next_load_and_its_workers_serve_on() {
     let (server, log_file) = serve(&config(&["berth_worker.backends"], ""));
     let a = load(&server, "a");
     let first = preloader_pid(&a);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(first as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    signal(first, nix::sys::signal::Signal::SIGKILL);
     assert!(wait_for(Duration::from_secs(5), || !alive(first)));
     // Its worker is the supervisor's, not the preloader's: it serves on.
     let (status, body) = server.post("/api/models/a/infer", json!({}));
@@ -264,11 +264,7 @@ fn a_wedged_preloader_is_stopped_and_the_worker_starts_cold_on_a_wire_of_its_own
     // Start the preloader with a first load, then freeze it.
     let b = load(&server, "b");
     let frozen = preloader_pid(&b);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(frozen as i32),
-        nix::sys::signal::Signal::SIGSTOP,
-    )
-    .unwrap();
+    signal(frozen, nix::sys::signal::Signal::SIGSTOP);
     let a = load(&server, "a");
     assert_eq!(a["start"]["kind"], "cold_fallback", "{a}");
     assert!(

@@ -12,7 +12,7 @@ use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 use crate::base::KillCause;
-use crate::child::handle::WorkerHandle;
+use crate::child::handle::{NoPong, WorkerHandle};
 
 /// How a worker is watched.
 #[derive(Debug, Clone, Copy)]
@@ -57,18 +57,26 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
             // for, by `ps` or an unload.
             worker.sample_rss();
             let asked = Instant::now();
-            let Some(stats) = worker.ping(policy.heartbeat_timeout).await else {
-                // A worker that died (a crash, a kill from outside) fails its
-                // ping at once, before it is reaped: its death, not a lost
-                // heartbeat, is then the cause its requests are told.
-                if worker
-                    .process()
-                    .exited_within(Duration::from_millis(250))
-                    .await
-                    .is_some()
-                {
-                    return;
+            let stats = match worker.heartbeat(policy.heartbeat_timeout).await {
+                Ok(stats) => Some(stats),
+                Err(why) => {
+                    // A worker that died (a crash, a kill from outside)
+                    // fails its ping at once, before it is reaped: its death,
+                    // not a lost heartbeat, is then the cause its requests
+                    // are told.
+                    if why == NoPong::Gone
+                        && worker
+                            .process()
+                            .exited_within(Duration::from_millis(250))
+                            .await
+                            .is_some()
+                    {
+                        return;
+                    }
+                    None
                 }
+            };
+            let Some(stats) = stats else {
                 if worker.is_alive() && !worker.process().is_stopping() {
                     tracing::warn!(
                         model = worker.model(),

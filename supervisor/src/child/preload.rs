@@ -24,6 +24,7 @@ use serde::Deserialize;
 use tokio::io::unix::AsyncFd;
 
 use crate::child::limits::Cgroup;
+use crate::child::memory::{ProcessMemory, process_memory};
 use crate::child::process::ProcessWatch;
 use crate::child::spawn::{Connect, SpawnOptions, spawn, worker_env};
 use crate::child::stream::io as wire_io;
@@ -83,6 +84,10 @@ pub(crate) struct Preloader {
     started: Instant,
     forks: AtomicU64,
     next_id: AtomicU64,
+    /// Its last full memory reading, and when: `ps` and `/metrics` read it
+    /// at most once a second, however many poll (smaps_rollup walks its
+    /// page tables: ~10 ms for an interpreter holding PyTorch).
+    memory: std::sync::Mutex<Option<(Instant, ProcessMemory)>>,
 }
 
 #[derive(Debug)]
@@ -98,6 +103,9 @@ enum Said {
     Preloaded {
         modules: Vec<String>,
         import_us: u64,
+        /// Files the preload left open (they point at /dev/null in workers).
+        #[serde(default)]
+        open_files: Vec<String>,
     },
     Refused {
         module: String,
@@ -232,7 +240,11 @@ impl Preloader {
             }
         };
         match said {
-            Said::Preloaded { modules, import_us } => {
+            Said::Preloaded {
+                modules,
+                import_us,
+                open_files,
+            } => {
                 tracing::info!(
                     kind,
                     pid = process.pid(),
@@ -240,6 +252,13 @@ impl Preloader {
                     "preloaded {}",
                     modules.join(", ")
                 );
+                if !open_files.is_empty() {
+                    tracing::info!(
+                        kind,
+                        "files the preload left open, which its workers see as /dev/null: {}",
+                        open_files.join(", ")
+                    );
+                }
                 Ok(Preloader {
                     kind: kind.to_string(),
                     process,
@@ -249,6 +268,7 @@ impl Preloader {
                     started,
                     forks: AtomicU64::new(0),
                     next_id: AtomicU64::new(1),
+                    memory: std::sync::Mutex::new(None),
                 })
             }
             Said::Refused { module, reason } => {
@@ -371,6 +391,19 @@ impl Preloader {
     /// Workers forked so far.
     pub(crate) fn forks(&self) -> u64 {
         self.forks.load(Ordering::Relaxed)
+    }
+
+    /// Its memory, read at most once a second.
+    pub(crate) fn memory(&self) -> ProcessMemory {
+        let mut last = self.memory.lock().unwrap_or_else(|e| e.into_inner());
+        match *last {
+            Some((at, reading)) if at.elapsed() < Duration::from_secs(1) => reading,
+            _ => {
+                let reading = process_memory(self.pid()).unwrap_or_default();
+                *last = Some((Instant::now(), reading));
+                reading
+            }
+        }
     }
 
     pub(crate) fn is_alive(&self) -> bool {

@@ -5,7 +5,8 @@ use std::sync::atomic::Ordering;
 
 use crate::gpu::DeviceStatus;
 use crate::supervisor::{
-    BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters, PreloaderStatus, Supervisor,
+    BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters, ModelStatus, PreloaderStatus,
+    Supervisor,
 };
 
 fn escape(label: &str) -> String {
@@ -121,50 +122,33 @@ pub fn render(supervisor: &Supervisor) -> String {
             let _ = writeln!(out, "{name}_count{{model=\"{m}\"}} {count}");
         }
     }
-    family(
-        &mut out,
-        "berth_worker_rss_bytes",
-        "gauge",
-        "Resident memory of the model's worker.",
-    );
-    for s in &stats {
-        let _ = writeln!(
-            out,
-            "berth_worker_rss_bytes{{model=\"{}\",pid=\"{}\"}} {}",
-            escape(&s.name),
-            s.pid.unwrap_or(0),
-            s.rss_bytes
-        );
-    }
-    family(
-        &mut out,
-        "berth_worker_private_bytes",
-        "gauge",
-        "Resident memory only the model's worker maps: what its exit gives back.",
-    );
-    for s in &stats {
-        let _ = writeln!(
-            out,
-            "berth_worker_private_bytes{{model=\"{}\",pid=\"{}\"}} {}",
-            escape(&s.name),
-            s.pid.unwrap_or(0),
-            s.private_bytes
-        );
-    }
-    family(
-        &mut out,
-        "berth_worker_vram_bytes",
-        "gauge",
-        "Device memory the model's worker holds (NVML).",
-    );
-    for s in stats.iter().filter(|s| s.vram_bytes.is_some()) {
-        let _ = writeln!(
-            out,
-            "berth_worker_vram_bytes{{model=\"{}\",pid=\"{}\"}} {}",
-            escape(&s.name),
-            s.pid.unwrap_or(0),
-            s.vram_bytes.unwrap_or(0)
-        );
+    let worker_gauges: [WorkerGauge; 3] = [
+        (
+            "berth_worker_rss_bytes",
+            "Resident memory of the model's worker.",
+            |s| Some(s.rss_bytes),
+        ),
+        (
+            "berth_worker_private_bytes",
+            "Resident memory only the model's worker maps: what its exit gives back.",
+            |s| Some(s.private_bytes),
+        ),
+        (
+            "berth_worker_vram_bytes",
+            "Device memory the model's worker holds (NVML).",
+            |s| s.vram_bytes,
+        ),
+    ];
+    for (name, help, get) in worker_gauges {
+        family(&mut out, name, "gauge", help);
+        for (s, value) in stats.iter().filter_map(|s| get(s).map(|v| (s, v))) {
+            let _ = writeln!(
+                out,
+                "{name}{{model=\"{}\",pid=\"{}\"}} {value}",
+                escape(&s.name),
+                s.pid.unwrap_or(0),
+            );
+        }
     }
     family(
         &mut out,
@@ -220,16 +204,19 @@ pub fn render(supervisor: &Supervisor) -> String {
     out
 }
 
+/// A per-worker gauge: name, help, and how to read it (`None`: no line).
+type WorkerGauge = (&'static str, &'static str, fn(&ModelStatus) -> Option<u64>);
+
 /// A per-preloader gauge: name, help, and how to read it.
 type PreloaderGauge = (&'static str, &'static str, fn(&PreloaderStatus) -> f64);
 
 /// The worker kinds' preloaded interpreters: their standing cost, and the
 /// workers forked from each; nothing where no kind preloads.
 fn render_preloaders(out: &mut String, preloaders: &[PreloaderStatus]) {
-    let ready: Vec<&PreloaderStatus> = preloaders.iter().filter(|p| p.pid.is_some()).collect();
     if preloaders.is_empty() {
         return;
     }
+    let ready: Vec<&PreloaderStatus> = preloaders.iter().filter(|p| p.pid.is_some()).collect();
     let gauges: [PreloaderGauge; 4] = [
         (
             "berth_preloader_rss_bytes",

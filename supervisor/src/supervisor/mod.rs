@@ -146,7 +146,6 @@ impl Supervisor {
             preloaders: Default::default(),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let _entered = runtime.enter();
             Supervisor {
                 inner: Arc::clone(&inner),
             }

@@ -242,7 +242,7 @@ impl Supervisor {
                 status.state = "refused".into();
                 status.reason = Some(reason.clone());
             } else if let Some(p) = slot.preloader.as_ref().filter(|p| p.is_alive()) {
-                let memory = crate::child::memory::process_memory(p.pid()).unwrap_or_default();
+                let memory = p.memory();
                 status.pid = Some(p.pid());
                 status.modules = p.modules().to_vec();
                 status.import_ms = p.import_time().as_secs_f64() * 1e3;

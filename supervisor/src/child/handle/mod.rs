@@ -502,10 +502,16 @@ impl WorkerHandle {
     /// without answering 200: its stats are then the supervisor's own
     /// figures (bytes relayed as progress).
     pub async fn ping(&self, timeout: Duration) -> Option<WorkerStats> {
+        self.heartbeat(timeout).await.ok()
+    }
+
+    /// [`Self::ping`], saying why no pong came: silence for `timeout`, or
+    /// a channel already gone (the worker died, and is not reaped yet).
+    pub(crate) async fn heartbeat(&self, timeout: Duration) -> Result<WorkerStats, NoPong> {
         if let Some(upstream) = &self.upstream {
             // `timeout` is its `unhealthy_after`: a window, not one poll.
             if !upstream.still_healthy(timeout).await {
-                return None;
+                return Err(NoPong::Silent);
             }
             let stats = WorkerStats {
                 rss_bytes: self.memory().last.rss_bytes,
@@ -515,22 +521,24 @@ impl WorkerHandle {
                 in_flight: self.in_flight(),
             };
             self.record_stats(stats);
-            return Some(stats);
+            return Ok(stats);
         }
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let mut pongs = self.pongs.clone();
-        self.send(Command::Ping { seq }).ok()?;
+        self.send(Command::Ping { seq }).map_err(|_| NoPong::Gone)?;
         let waited = tokio::time::timeout(
             timeout,
             pongs.wait_for(|p| p.as_ref().is_some_and(|(s, _)| *s >= seq)),
         )
         .await;
         let stats = match waited {
-            Ok(Ok(pong)) => pong.as_ref().map(|(_, stats)| *stats)?,
-            _ => return None,
+            Ok(Ok(pong)) => pong.as_ref().map(|(_, stats)| *stats).ok_or(NoPong::Gone)?,
+            // The reader dropped the pongs: the worker's channel ended.
+            Ok(Err(_)) => return Err(NoPong::Gone),
+            Err(_) => return Err(NoPong::Silent),
         };
         self.record_stats(stats);
-        Some(stats)
+        Ok(stats)
     }
 
     /// Waits until no request is in flight, up to `timeout`. True if drained.
@@ -582,4 +590,13 @@ pub(crate) enum LoadOutcome {
     Loaded(LoadInfo),
     Failed(Error),
     TimedOut,
+}
+
+/// Why a heartbeat got no pong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NoPong {
+    /// None came within the timeout (or an HTTP server stayed unhealthy).
+    Silent,
+    /// The worker's channel is gone: it died, or is dying.
+    Gone,
 }
