@@ -295,9 +295,9 @@ fn berth_run_returns_the_vectors() {
     assert_eq!(v["load"]["details"]["dim"], 384);
 }
 
-/// `embed`'s encoder (candle's operations, with its own product for a few
-/// rows) against candle's `BertModel` on the shipped model: each text
-/// alone (the own product) and all at once (past it, candle's).
+/// `embed`'s encoder (its own pass for a few rows, candle's operations past
+/// them) against candle's `BertModel` on the shipped model: each text
+/// alone (the own pass) and all at once (past it, candle's).
 #[test]
 fn the_encoder_agrees_with_candles_bert() {
     let texts: Vec<String> = [FOX, FOOD, BREAD, "A somewhat longer sentence, so that the batch of all four texts has more rows than the few-rows product takes."]

@@ -1,7 +1,8 @@
 //! `embed`: sentence embeddings from a sentence-transformers BERT directory
 //! (all-MiniLM-L6-v2 and its kind) with candle, on the CPU or a GPU; the
-//! encoder is berth's own (`bert.rs`: candle's operations, with its own
-//! product for a few rows, where a single text spends its time).
+//! encoder is berth's own (`bert.rs`: candle's operations for large
+//! batches; for a few rows, where a single text spends its time, a pass on
+//! plain slices, `few.rs`, with products of its own, `kernel.rs`).
 //!
 //! The directory holds `config.json`, `model.safetensors`, `tokenizer.json`
 //! and optionally `1_Pooling/config.json` (only mean pooling is supported,
@@ -39,6 +40,8 @@ use crate::backends::{LoadMode, choose_device, configure_threads, device_name, p
 use crate::{Backend, Batching, LoadContext, RequestContext};
 
 mod bert;
+mod few;
+mod kernel;
 
 use bert::Bert;
 pub use bert::agreement_with_candle;

@@ -1,0 +1,311 @@
+//! `embed`'s own pass for a few rows of activations (one text, or a few
+//! short ones): the encoder's arithmetic on plain slices, with no tensor
+//! per operation.
+//!
+//! At batch 1 a text is ~14 rows, and candle's ~40 operations a layer each
+//! cost more in allocation, dispatch and pool wake-ups than their
+//! arithmetic: half of a single text's time went there once the products
+//! were berth's own. This pass runs the same computation as `Bert`'s
+//! candle path, in candle's order of operations (embeddings summed word +
+//! type, then position; layer norms as candle's fused kernel computes them;
+//! softmax after subtracting the row's maximum), with four dispatches to
+//! the compute pool a layer: query, key and value together, attention's
+//! heads, and the two products of the feed-forward block; the GELU's `erf`
+//! is a rational approximation within 1e-7 of candle's.
+
+use candle_core::{Result, StorageRef, Tensor};
+use candle_transformers::models::bert::HiddenAct;
+
+use super::bert::{Bert, Dense, Layer};
+use super::kernel::{self, Product};
+
+/// What the pass reads besides the weight matrices: the biases and the
+/// layer norms' scales, copied once at load (~20 KB a layer).
+pub(super) struct Small {
+    norm: Norm,
+    layers: Vec<SmallLayer>,
+}
+
+struct SmallLayer {
+    query: Vec<f32>,
+    key: Vec<f32>,
+    value: Vec<f32>,
+    attention_out: Vec<f32>,
+    attention_norm: Norm,
+    intermediate: Vec<f32>,
+    out: Vec<f32>,
+    out_norm: Norm,
+}
+
+struct Norm {
+    weight: Vec<f32>,
+    bias: Vec<f32>,
+}
+
+fn values(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1()
+}
+
+fn norm(n: &candle_nn::LayerNorm) -> Result<Norm> {
+    let Some(bias) = n.bias() else {
+        candle_core::bail!("a layer norm without a bias");
+    };
+    Ok(Norm {
+        weight: values(n.weight())?,
+        bias: values(bias)?,
+    })
+}
+
+impl Small {
+    pub(super) fn new(bert: &Bert) -> Result<Small> {
+        let layers = bert
+            .layers
+            .iter()
+            .map(|l: &Layer| {
+                Ok(SmallLayer {
+                    query: values(&l.query.bias)?,
+                    key: values(&l.key.bias)?,
+                    value: values(&l.value.bias)?,
+                    attention_out: values(&l.attention_out.bias)?,
+                    attention_norm: norm(&l.attention_norm)?,
+                    intermediate: values(&l.intermediate.bias)?,
+                    out: values(&l.out.bias)?,
+                    out_norm: norm(&l.out_norm)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Small {
+            norm: norm(&bert.norm)?,
+            layers,
+        })
+    }
+}
+
+/// A contiguous f32 CPU tensor's values, read where they lie while held.
+struct Held<'a> {
+    storage: StorageRef<'a>,
+    start: usize,
+    end: usize,
+}
+
+impl<'a> Held<'a> {
+    fn of(t: &'a Tensor) -> Result<Held<'a>> {
+        let (storage, layout) = t.storage_and_layout();
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("the weights are not contiguous");
+        };
+        Ok(Held {
+            storage,
+            start,
+            end,
+        })
+    }
+
+    fn values(&self) -> Result<&[f32]> {
+        let candle_core::Storage::Cpu(cpu) = &*self.storage else {
+            candle_core::bail!("the weights are not in CPU memory");
+        };
+        Ok(&cpu.as_slice::<f32>()?[self.start..self.end])
+    }
+}
+
+/// The last hidden states, `n * len` rows of `hidden`, for `n` texts of
+/// `len` tokens (`ids`, `types` and `mask` row-major, `mask` 1 for a token
+/// and 0 for padding). The caller has checked [`kernel::available`].
+pub(super) fn forward(
+    bert: &Bert,
+    small: &Small,
+    ids: &[u32],
+    types: &[u32],
+    mask: &[u32],
+    len: usize,
+) -> Result<Vec<f32>> {
+    let h = bert.hidden;
+    let rows = ids.len();
+    let (word, position, token_type) = (
+        Held::of(bert.word.embeddings())?,
+        Held::of(bert.position.embeddings())?,
+        Held::of(bert.token_type.embeddings())?,
+    );
+    let (word, position, token_type) = (word.values()?, position.values()?, token_type.values()?);
+    let mut x = vec![0f32; rows * h];
+    for (r, row) in x.chunks_exact_mut(h).enumerate() {
+        let at = |table: &[f32], i: usize, what: &str| -> Result<std::ops::Range<usize>> {
+            if (i + 1) * h > table.len() {
+                candle_core::bail!("{what} {i} is past the model's {}", table.len() / h);
+            }
+            Ok(i * h..(i + 1) * h)
+        };
+        let w = &word[at(word, ids[r] as usize, "token id")?];
+        let t = &token_type[at(token_type, types[r] as usize, "token type")?];
+        let p = &position[at(position, r % len.max(1), "position")?];
+        for (c, out) in row.iter_mut().enumerate() {
+            *out = (w[c] + t[c]) + p[c];
+        }
+    }
+    layer_norm(&mut x, &small.norm, bert.eps);
+    // 0 where a token may be attended to, f32::MIN where not (candle's).
+    let mask: Vec<f32> = mask
+        .iter()
+        .map(|m| if *m == 0 { f32::MIN } else { 0.0 })
+        .collect();
+    let inter = small
+        .layers
+        .first()
+        .map(|l| l.intermediate.len())
+        .unwrap_or(0);
+    let mut s = Scratch {
+        q: vec![0f32; rows * h],
+        k: vec![0f32; rows * h],
+        v: vec![0f32; rows * h],
+        context: vec![0f32; rows * h],
+        mid: vec![0f32; rows * inter],
+        next: vec![0f32; rows * h],
+    };
+    for (layer, small) in bert.layers.iter().zip(&small.layers) {
+        x = run_layer(bert, layer, small, x, &mask, len, &mut s)?;
+    }
+    Ok(x)
+}
+
+/// The pass's buffers, reused across layers.
+struct Scratch {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    context: Vec<f32>,
+    mid: Vec<f32>,
+    next: Vec<f32>,
+}
+
+fn held(d: &Dense) -> Result<Held<'_>> {
+    Held::of(&d.weight)
+}
+
+fn run_layer(
+    bert: &Bert,
+    l: &Layer,
+    small: &SmallLayer,
+    x: Vec<f32>,
+    mask: &[f32],
+    len: usize,
+    s: &mut Scratch,
+) -> Result<Vec<f32>> {
+    let (wq, wk, wv) = (held(&l.query)?, held(&l.key)?, held(&l.value)?);
+    kernel::products(&mut [
+        Product {
+            w: wq.values()?,
+            bias: &small.query,
+            x: &x,
+            out: &mut s.q,
+        },
+        Product {
+            w: wk.values()?,
+            bias: &small.key,
+            x: &x,
+            out: &mut s.k,
+        },
+        Product {
+            w: wv.values()?,
+            bias: &small.value,
+            x: &x,
+            out: &mut s.v,
+        },
+    ]);
+    attention(bert, s, mask, len);
+    let wo = held(&l.attention_out)?;
+    kernel::products(&mut [Product {
+        w: wo.values()?,
+        bias: &small.attention_out,
+        x: &s.context,
+        out: &mut s.next,
+    }]);
+    add_and_norm(&mut s.next, &x, &small.attention_norm, bert.eps);
+    let x = std::mem::replace(&mut s.next, x);
+    let wi = held(&l.intermediate)?;
+    kernel::products(&mut [Product {
+        w: wi.values()?,
+        bias: &small.intermediate,
+        x: &x,
+        out: &mut s.mid,
+    }]);
+    match bert.act {
+        // SAFETY: the caller checked `kernel::available`.
+        HiddenAct::Gelu => unsafe { kernel::gelu(&mut s.mid, true) },
+        HiddenAct::GeluApproximate => unsafe { kernel::gelu(&mut s.mid, false) },
+        HiddenAct::Relu => s.mid.iter_mut().for_each(|v| *v = v.max(0.0)),
+    }
+    let wout = held(&l.out)?;
+    kernel::products(&mut [Product {
+        w: wout.values()?,
+        bias: &small.out,
+        x: &s.mid,
+        out: &mut s.next,
+    }]);
+    add_and_norm(&mut s.next, &x, &small.out_norm, bert.eps);
+    Ok(std::mem::replace(&mut s.next, x))
+}
+
+/// Every text's every head, on the compute pool: `s.context` from
+/// `s.q`, `s.k` and `s.v`.
+fn attention(bert: &Bert, s: &mut Scratch, mask: &[f32], len: usize) {
+    let h = bert.hidden;
+    let width = h / bert.heads;
+    let texts = mask.len() / len.max(1);
+    let scale = 1.0 / (width as f32).sqrt();
+    let (q, k, v) = (&s.q, &s.k, &s.v);
+    let out = s.context.as_mut_ptr() as usize;
+    let (heads, total) = (bert.heads, s.context.len());
+    candle_core::utils::barrier_pool().execute_chunked(texts * heads, |items| {
+        let mut scores = vec![0f32; len];
+        for item in items {
+            let (t, head) = (item / heads, item % heads);
+            let start = t * len * h + head * width;
+            let end = start + (len - 1) * h + width;
+            assert!(end <= total, "text {t} head {head} past the activations");
+            // SAFETY: `available` (the caller's); this (text, head) alone
+            // writes its `width` columns of its text's `len` rows, all
+            // inside `context` (asserted).
+            unsafe {
+                kernel::attend(
+                    &q[start..end],
+                    &k[start..end],
+                    &v[start..end],
+                    (out as *mut f32).add(start),
+                    h,
+                    width,
+                    &mask[t * len..(t + 1) * len],
+                    scale,
+                    &mut scores,
+                )
+            };
+        }
+    });
+}
+
+/// `y = layer_norm(y + x)`.
+fn add_and_norm(y: &mut [f32], x: &[f32], norm: &Norm, eps: f32) {
+    for (a, b) in y.iter_mut().zip(x) {
+        *a += b;
+    }
+    layer_norm(y, norm, eps);
+}
+
+/// Each row normalised as candle's fused layer norm does: the mean and the
+/// mean square summed in f32, the variance as their difference.
+fn layer_norm(x: &mut [f32], norm: &Norm, eps: f32) {
+    let h = norm.weight.len();
+    for row in x.chunks_exact_mut(h) {
+        let (mut sum, mut sum2) = (0f32, 0f32);
+        for v in row.iter() {
+            sum += v;
+            sum2 += v * v;
+        }
+        let mean = sum / h as f32;
+        let var = sum2 / h as f32 - mean * mean;
+        let inv_std = (var + eps).sqrt().recip();
+        for ((v, w), b) in row.iter_mut().zip(&norm.weight).zip(&norm.bias) {
+            *v = (*v - mean) * inv_std * w + b;
+        }
+    }
+}
