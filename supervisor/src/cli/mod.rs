@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod embed;
+mod events;
 mod fetch;
 mod generate;
 mod gpus;
@@ -40,6 +41,9 @@ enum Commands {
     Serve(serve::ServeArgs),
     /// Show the models a running `berth serve` has loaded.
     Ps(http::Remote),
+    /// Follow what happens to the models (loads, unloads with what came
+    /// back, crashes, swaps, evictions) in a running `berth serve`.
+    Events(events::EventsArgs),
     /// Show each GPU's memory and which of its processes are berth's workers.
     Gpus(http::Remote),
     /// Load a registered model in a running `berth serve`.
@@ -124,6 +128,7 @@ pub fn main() -> ExitCode {
             Commands::Serve(args) => serve::run(args).await,
             Commands::Ps(remote) => ps::run(remote),
             Commands::Gpus(remote) => gpus::run(remote),
+            Commands::Events(args) => events::run(args),
             Commands::Load(args) => load::load(args),
             Commands::Unload(args) => load::unload(args),
             Commands::Swap(args) => swap::run(args),

@@ -10,12 +10,13 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::Supervisor;
+use crate::{EventKind, Supervisor};
 
 mod base64;
 pub mod config;
 mod embeddings;
 mod error;
+mod events;
 mod guard;
 pub mod infer;
 pub mod listen;
@@ -139,6 +140,7 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
         .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/api/ps", get(management::ps))
+        .route("/api/events", get(events::events))
         .route("/api/gpus", get(management::gpus))
         .route("/api/models", get(management::catalogue))
         .route(
@@ -315,6 +317,10 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
     tokio::spawn(signals(stop_tx));
     tokio::spawn(crate::heap::run_heap_trimmer());
     tracing::info!("berth serve listening on {}", options.listen);
+    supervisor.emit(EventKind::ServerStarted {
+        listen: options.listen.to_string(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    });
     eprintln!("berth: listening on {}", options.listen);
     notify::notify(&format!(
         "READY=1\nSTATUS=listening on {}\nMAINPID={}",
@@ -324,6 +330,7 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
     tokio::spawn(notify::watchdog());
     let connections = listen::serve(&bound, app, options.connections, stop).await;
     drop(bound);
+    supervisor.emit(EventKind::ServerDraining);
     notify::notify(&format!(
         "STOPPING=1\nSTATUS=draining requests (at most {}), then stopping every worker",
         humantime::format_duration(supervisor.config().drain_timeout)
@@ -341,6 +348,7 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
     {
         eprintln!("berth: {failed}");
     }
+    supervisor.emit(EventKind::ServerStopped);
     // What workers left behind that was adopted by this subreaper.
     let adopted = crate::orphans::kill_adopted();
     if adopted > 0 {

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::slot::{Entry, Slot};
-use super::{ModelState, State, Supervisor};
+use super::{EventKind, ModelState, State, Supervisor};
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
 use crate::gpu;
@@ -241,6 +241,10 @@ impl Supervisor {
                         victim,
                         "evicting the least recently used idle model to make room"
                     );
+                    self.emit(EventKind::Evicted {
+                        model: victim.clone(),
+                        for_model: Some(model.into()),
+                    });
                     match self.unload(&victim).await {
                         Ok(report) => tracing::info!("{report}"),
                         Err(e) => tracing::warn!(victim, "eviction failed: {e}"),

@@ -2,7 +2,7 @@
 //! registered, and what a client may learn of them.
 
 use super::slot::{Change, Entry, Slot};
-use super::{CatalogueEntry, ModelState, Supervisor};
+use super::{CatalogueEntry, EventKind, ModelState, Supervisor};
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
 use crate::report::UnloadReport;
@@ -48,7 +48,9 @@ impl Supervisor {
             self.inner.config.default_keep_alive,
             Change::Register,
         );
-        state.catalogue.insert(name, entry);
+        state.catalogue.insert(name.clone(), entry);
+        drop(state);
+        self.emit(EventKind::Registered { model: name });
         Ok(())
     }
 
@@ -158,7 +160,11 @@ impl Supervisor {
             Err(Error::NotLoaded { .. }) => None,
             Err(e) => return Err(e),
         };
-        self.lock().catalogue.remove(model);
+        if self.lock().catalogue.remove(model).is_some() {
+            self.emit(EventKind::Deregistered {
+                model: model.into(),
+            });
+        }
         Ok(report)
     }
 

@@ -55,18 +55,21 @@ impl CrashHistory {
     }
 
     /// Records how a worker died and quarantines the requests that were in
-    /// flight at this death and the one before.
-    pub(super) fn note_death(&mut self, model: &str, pid: u32, death: &Death) {
+    /// flight at this death and the one before; returns how many it newly
+    /// quarantined.
+    pub(super) fn note_death(&mut self, model: &str, pid: u32, death: &Death) -> usize {
         let description = match &death.cause {
             Some(cause) => format!("worker pid {pid} was {cause} ({})", death.exit),
             None => format!("worker pid {pid} {}", death.exit),
         };
+        let mut quarantined = 0;
         for hash in death
             .in_flight
             .iter()
             .filter(|h| self.last_in_flight.contains(h))
         {
             if self.quarantine.insert(*hash) {
+                quarantined += 1;
                 tracing::warn!(
                     model,
                     "a request was in flight at two worker deaths in a row; it is quarantined"
@@ -85,6 +88,7 @@ impl CrashHistory {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
         });
+        quarantined
     }
 
     /// Counts a crash; returns the backoff before the next start, or `None`

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use super::slot::{Change, Entry, Incoming, LoadSignal, Slot, Unload};
-use super::{ModelState, Need, Retiring, State, Supervisor, SwapReport, detached};
+use super::{EventKind, ModelState, Need, Retiring, State, Supervisor, SwapReport, detached};
 use crate::child::handle::WorkerHandle;
 use crate::child::{launch, stop};
 use crate::config::ModelSpec;
@@ -137,6 +137,10 @@ impl Supervisor {
         }
         drop(gate);
         self.inner.notify_changed();
+        self.emit(EventKind::Loading {
+            model: model.into(),
+            restart: false,
+        });
 
         let launched = self
             .launch_into_slot(model, &spec, gpus, |state, worker, report| {
@@ -152,6 +156,10 @@ impl Supervisor {
         let result = match launched {
             Ok(Some((_, report, ()))) => {
                 let _ = done.send(Some(Ok(())));
+                self.emit(EventKind::Loaded {
+                    model: model.into(),
+                    report: Box::new(report.clone()),
+                });
                 Ok(report)
             }
             Ok(None) => {
@@ -167,6 +175,10 @@ impl Supervisor {
                 self.lock().slots.remove(model);
                 let _ = done.send(Some(Err(Arc::new(e.shared()))));
                 self.inner.notify_changed();
+                self.emit(EventKind::LoadFailed {
+                    model: model.into(),
+                    error: e.to_string(),
+                });
                 Err(e)
             }
         };
@@ -320,6 +332,10 @@ impl Supervisor {
         }
         self.inner.notify_changed();
         tracing::info!(model, "{report}");
+        self.emit(EventKind::Unloaded {
+            model: model.into(),
+            report: Box::new(report.clone()),
+        });
         Ok(report)
     }
 
@@ -364,10 +380,27 @@ impl Supervisor {
                 });
             }
         }
+        self.emit(EventKind::SwapBegun {
+            model: model.clone(),
+        });
         // A task of its own: a caller that goes away must not leave the slot
         // marked `swapping` forever.
-        let this = self.clone();
-        detached(&model, async move { this.replace_worker(spec).await }).await
+        let (this, name) = (self.clone(), model.clone());
+        detached(&model, async move {
+            let swapped = this.replace_worker(spec).await;
+            this.emit(match &swapped {
+                Ok(report) => EventKind::SwapCompleted {
+                    model: name,
+                    report: Box::new(report.clone()),
+                },
+                Err(e) => EventKind::SwapRolledBack {
+                    model: name,
+                    error: e.to_string(),
+                },
+            });
+            swapped
+        })
+        .await
     }
 
     /// The body of a swap (and of a recycle): the slot is already marked

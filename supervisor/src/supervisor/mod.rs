@@ -32,6 +32,7 @@ mod budget;
 mod catalogue;
 mod counters;
 mod crashes;
+mod events;
 mod keep_alive;
 mod lifecycle;
 mod preloaders;
@@ -44,6 +45,7 @@ mod types;
 pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters};
 
 pub use crashes::LastExit;
+pub use events::{Event, EventKind, Follow, Followed, HISTORY as EVENT_HISTORY};
 pub use preloaders::PreloaderStatus;
 pub use requests::{Lease, RequestStream};
 pub use types::{
@@ -89,6 +91,8 @@ struct Inner {
     stopping: tokio::sync::watch::Sender<bool>,
     /// Worker kinds' preloaded interpreters.
     preloaders: preloaders::Preloaders,
+    /// What happened, for followers.
+    events: events::Events,
 }
 
 impl Inner {
@@ -144,6 +148,7 @@ impl Supervisor {
             shutting_down: AtomicBool::new(false),
             stopping: tokio::sync::watch::Sender::new(false),
             preloaders: Default::default(),
+            events: Default::default(),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             Supervisor {
@@ -176,6 +181,17 @@ impl Supervisor {
             });
         }
         Ok(())
+    }
+
+    /// Follows what happens to the models: the kept events after `since`
+    /// (0: all kept), then each as it happens.
+    pub fn events(&self, since: u64) -> Follow {
+        self.inner.events.follow(since)
+    }
+
+    /// Records an event (the sidecar's own start and drain).
+    pub fn emit(&self, what: EventKind) {
+        self.inner.events.emit(what);
     }
 
     pub fn is_shutting_down(&self) -> bool {

@@ -19,7 +19,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
 use super::crashes::LastExit;
-use super::{Inner, ModelState, Need, State, Supervisor};
+use super::{EventKind, Inner, ModelState, Need, State, Supervisor};
+use crate::base::KillCause;
 use crate::child::death::Death;
 use crate::child::handle::WorkerHandle;
 use crate::config::ModelSpec;
@@ -66,14 +67,16 @@ impl Supervisor {
                 // A swap or recycle is already replacing it: record the death
                 // and let the swap install the new worker (or, if the swap
                 // fails, hand this death back to the crash policy).
-                entry.health.note_death(model, worker.pid(), death);
+                let quarantined = entry.health.note_death(model, worker.pid(), death);
+                self.death_events(model, entry.health.last_exit.as_ref(), quarantined);
                 slot.hold();
                 return;
             }
             if !current || slot.state != ModelState::Ready || self.is_shutting_down() {
                 return; // a planned stop, or a worker already replaced
             }
-            entry.health.note_death(model, worker.pid(), death);
+            let quarantined = entry.health.note_death(model, worker.pid(), death);
+            self.death_events(model, entry.health.last_exit.as_ref(), quarantined);
             let last = entry
                 .health
                 .last_exit
@@ -88,10 +91,18 @@ impl Supervisor {
                 None => {
                     let failure = entry.health.failure(&entry.spec);
                     tracing::error!(model, "model failed: {failure}");
+                    self.emit(EventKind::Failed {
+                        model: model.into(),
+                        reason: failure.clone(),
+                    });
                     slot.fail(failure);
                     None
                 }
                 Some(delay) => {
+                    self.emit(EventKind::Restarting {
+                        model: model.into(),
+                        in_ms: delay.as_millis() as u64,
+                    });
                     let (done, signal) = watch::channel(None);
                     slot.begin_restart(signal, delay, entry.last_peak_bytes.unwrap_or(0));
                     Some((delay, done, entry.spec.clone()))
@@ -101,6 +112,43 @@ impl Supervisor {
         self.inner.notify_changed();
         if let Some((delay, done, spec)) = restart {
             tokio::spawn(self.clone().restart(model.to_string(), spec, delay, done));
+        }
+    }
+
+    /// The events a worker's unplanned death makes: what killed it, if the
+    /// supervisor or the kernel did (a memory limit, a hang), the crash,
+    /// and the requests it quarantined.
+    fn death_events(&self, model: &str, exit: Option<&LastExit>, quarantined: usize) {
+        let Some(exit) = exit else { return };
+        let pid = exit.pid;
+        match &exit.cause {
+            Some(KillCause::MemoryLimit {
+                limit_bytes,
+                peak_bytes,
+                ..
+            }) => self.emit(EventKind::MemoryLimitExceeded {
+                model: model.into(),
+                pid,
+                limit_bytes: *limit_bytes,
+                peak_bytes: *peak_bytes,
+            }),
+            Some(cause @ (KillCause::Stalled { .. } | KillCause::HeartbeatLost { .. })) => self
+                .emit(EventKind::HangDetected {
+                    model: model.into(),
+                    pid,
+                    cause: cause.clone(),
+                }),
+            _ => {}
+        }
+        self.emit(EventKind::Crashed {
+            model: model.into(),
+            exit: exit.clone(),
+        });
+        if quarantined > 0 {
+            self.emit(EventKind::Quarantined {
+                model: model.into(),
+                requests: quarantined,
+            });
         }
     }
 
@@ -129,6 +177,10 @@ impl Supervisor {
             if let Some(entry) = self.lock().catalogue.get(&model) {
                 entry.counters.restarts.fetch_add(1, Ordering::Relaxed);
             }
+            self.emit(EventKind::Loading {
+                model: model.clone(),
+                restart: true,
+            });
             let launched = match self.place_restart(&model, &spec, &done).await {
                 Ok(gpus) => {
                     self.launch_into_slot(&model, &spec, gpus, |state, worker, report| {
@@ -152,6 +204,15 @@ impl Supervisor {
             match launched {
                 Ok(Some((_, report, ()))) => {
                     tracing::info!(model, pid = report.pid, "restarted");
+                    let pid = report.pid;
+                    self.emit(EventKind::Loaded {
+                        model: model.clone(),
+                        report: Box::new(report),
+                    });
+                    self.emit(EventKind::Restarted {
+                        model: model.clone(),
+                        pid,
+                    });
                     let _ = done.send(Some(Ok(())));
                     return;
                 }
@@ -167,6 +228,10 @@ impl Supervisor {
                 }
                 Err(e) => {
                     tracing::warn!(model, "restart failed: {e}");
+                    self.emit(EventKind::LoadFailed {
+                        model: model.clone(),
+                        error: e.to_string(),
+                    });
                     let next = {
                         let mut state = self.lock();
                         let State {
@@ -199,11 +264,19 @@ impl Supervisor {
                             Some(d) => {
                                 // The next attempt places afresh.
                                 slot.retry_restart(d);
+                                self.emit(EventKind::Restarting {
+                                    model: model.clone(),
+                                    in_ms: d.as_millis() as u64,
+                                });
                                 Some(d)
                             }
                             None => {
                                 let failure = entry.health.failure(&entry.spec);
                                 tracing::error!(model, "model failed: {failure}");
+                                self.emit(EventKind::Failed {
+                                    model: model.clone(),
+                                    reason: failure.clone(),
+                                });
                                 slot.fail(failure);
                                 None
                             }
@@ -319,6 +392,24 @@ impl Supervisor {
                 return;
             }
             entry.counters.recycles.fetch_add(1, Ordering::Relaxed);
+            let why = match (over || soon, max_rss, max_requests) {
+                (true, Some(m), _) if over => {
+                    format!("its RSS of {rss} bytes reached max_rss ({m})")
+                }
+                (true, Some(m), _) => format!(
+                    "its RSS of {rss} bytes would pass max_rss ({m}) before a replacement loads"
+                ),
+                (_, _, Some(m)) => format!(
+                    "it served {} requests (max_requests {m})",
+                    worker.requests()
+                ),
+                _ => "it wore out".to_string(),
+            };
+            inner.events.emit(EventKind::Recycling {
+                model: model.into(),
+                pid: worker.pid(),
+                why,
+            });
             tracing::info!(
                 model,
                 pid = worker.pid(),
@@ -333,7 +424,19 @@ impl Supervisor {
         };
         let model = model.to_string();
         tokio::spawn(async move {
-            match supervisor.replace_worker(spec).await {
+            let replaced = supervisor.replace_worker(spec).await;
+            supervisor.emit(match &replaced {
+                Ok(report) => EventKind::Recycled {
+                    model: model.clone(),
+                    old_pid: report.old_pid,
+                    new_pid: report.new_pid,
+                },
+                Err(e) => EventKind::RecycleFailed {
+                    model: model.clone(),
+                    error: e.to_string(),
+                },
+            });
+            match replaced {
                 Ok(report) => tracing::info!("recycled: {report}"),
                 Err(e @ (Error::BudgetExceeded { .. } | Error::GpuBudgetExceeded { .. })) => {
                     // Two workers do not fit side by side: stop the old one
