@@ -38,8 +38,8 @@ pub use config::{HttpSpec, ModelSpec, SupervisorConfig, WorkerKind, is_dangerous
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport, WorkerStart};
 pub use supervisor::{
-    BatchingStatus, CatalogueEntry, EVENT_HISTORY, Event, EventKind, Follow, Followed, Lease,
-    ModelCounters, ModelState, ModelStatus, PreloaderStatus, RequestOptions, RequestStream,
-    Supervisor, SwapReport,
+    BatchingStatus, CatalogueEntry, EVENT_HISTORY, Event, EventKind, Follow, Followed, HostSample,
+    Lease, MemoryHistory, ModelCounters, ModelSample, ModelState, ModelStatus, PreloaderStatus,
+    RequestOptions, RequestStream, Supervisor, SwapReport,
 };
 pub use units::{mib, parse_bytes, parse_duration};

@@ -2,6 +2,7 @@
 //! supervisor that uses them, poll instead of sleeping.
 
 pub mod bench;
+pub mod browser;
 pub mod chaos;
 pub mod conformance;
 pub mod fake_gpu;

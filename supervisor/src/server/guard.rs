@@ -109,7 +109,18 @@ impl Guard {
         }
         if let Some(origin) = headers.get(header::ORIGIN) {
             let origin = origin.to_str().unwrap_or("").trim_end_matches('/');
-            if !self.origins.contains(&origin.to_ascii_lowercase()) {
+            // The console's own requests: a page served by this server, at
+            // the address the Host check just accepted (a page elsewhere
+            // has another origin; a rebound name fails the Host check, or
+            // has no token).
+            // Only where the Host was checked, or a token is asked for too.
+            let same_origin = (self.hosts.is_some() || self.token.is_some())
+                && text(header::HOST).is_some_and(|host| {
+                    ["http://", "https://"]
+                        .iter()
+                        .any(|scheme| origin.eq_ignore_ascii_case(&format!("{scheme}{host}")))
+                });
+            if !same_origin && !self.origins.contains(&origin.to_ascii_lowercase()) {
                 return Some(ApiError::new(
                     StatusCode::FORBIDDEN,
                     "forbidden_origin",
@@ -140,6 +151,7 @@ impl Guard {
             ));
         }
         if !is_probe(path)
+            && !is_console(method, path)
             && let Some(token) = &self.token
             && !bearer_matches(text(header::AUTHORIZATION), token)
         {
@@ -151,6 +163,12 @@ impl Guard {
         }
         None
     }
+}
+
+/// A GET of the console's page, script or style: no data in them, and a
+/// browser cannot send a header with a navigation.
+fn is_console(method: &Method, path: &str) -> bool {
+    (method == Method::GET || method == Method::HEAD) && super::console::PATHS.contains(&path)
 }
 
 /// The liveness and readiness probes' paths.
@@ -394,5 +412,55 @@ mod tests {
         assert!(!bearer_matches(Some("Basic s3cret"), "s3cret"));
         assert!(!bearer_matches(Some("s3cret"), "s3cret"));
         assert!(!bearer_matches(None, "s3cret"));
+    }
+
+    #[test]
+    fn the_consoles_own_origin_passes_where_the_host_was_checked_and_its_files_need_no_token() {
+        let json = (header::CONTENT_TYPE, "application/json");
+        let own = headers(&[
+            (header::HOST, "127.0.0.1:7733"),
+            (header::ORIGIN, "http://127.0.0.1:7733"),
+            json.clone(),
+        ]);
+        assert!(
+            loopback()
+                .refuse(&Method::POST, "/api/models/x/load", &own)
+                .is_none()
+        );
+        // On a private address with no Host list and no token, a rebound
+        // page's origin matches its own Host: not taken as the console's.
+        let lan = Guard::new(&Listen::parse("10.0.0.5:7733").unwrap(), None, &[], &[]);
+        let rebound = headers(&[
+            (header::HOST, "evil.example:7733"),
+            (header::ORIGIN, "http://evil.example:7733"),
+            json.clone(),
+        ]);
+        let refused = lan
+            .refuse(&Method::POST, "/api/models/x/load", &rebound)
+            .unwrap();
+        assert_eq!(refused.code, "forbidden_origin");
+        // With a token: the page, its script and style load without it;
+        // nothing else does.
+        let guarded = Guard::new(
+            &Listen::parse("127.0.0.1:7733").unwrap(),
+            Some("s3cret".into()),
+            &[],
+            &[],
+        );
+        let host = headers(&[(header::HOST, "127.0.0.1:7733")]);
+        for path in ["/", "/console.js", "/console.css"] {
+            assert!(
+                guarded.refuse(&Method::GET, path, &host).is_none(),
+                "{path}"
+            );
+        }
+        for (method, path) in [
+            (Method::GET, "/api/ps"),
+            (Method::POST, "/"),
+            (Method::GET, "/api/events"),
+        ] {
+            let refused = guarded.refuse(&method, path, &host).unwrap();
+            assert_eq!(refused.code, "unauthorized", "{method} {path}");
+        }
     }
 }

@@ -25,6 +25,26 @@ pub async fn ps(State(app): State<AppState>) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!({ "models": stats, "preloaders": preloaders })))
 }
 
+/// Memory over time (`?since_ms=`: only the samples after that moment).
+pub async fn history(
+    State(app): State<AppState>,
+    axum::extract::Query(query): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let since = match query.get("since_ms") {
+        None => 0,
+        Some(v) => v.trim().parse::<u64>().map_err(|_| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!(
+                    "`since_ms` must be a time in Unix milliseconds (the last sample's                      `at_unix_ms`), not `{v}`"
+                ),
+            )
+        })?,
+    };
+    Ok(Json(json!(app.supervisor.history(since))))
+}
+
 /// Each GPU's memory and berth's workers on it; `unavailable` says why
 /// there is none.
 pub async fn gpus(State(app): State<AppState>) -> Json<Value> {

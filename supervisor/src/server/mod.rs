@@ -14,6 +14,7 @@ use crate::{EventKind, Supervisor};
 
 mod base64;
 pub mod config;
+mod console;
 mod embeddings;
 mod error;
 mod events;
@@ -141,6 +142,7 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/api/ps", get(management::ps))
         .route("/api/events", get(events::events))
+        .route("/api/history", get(management::history))
         .route("/api/gpus", get(management::gpus))
         .route("/api/models", get(management::catalogue))
         .route(
@@ -155,6 +157,9 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
         .route("/readyz", get(readyz));
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/", get(console::page))
+        .route("/console.js", get(console::script))
+        .route("/console.css", get(console::style))
         .merge(api)
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")

@@ -33,6 +33,7 @@ mod catalogue;
 mod counters;
 mod crashes;
 mod events;
+mod history;
 mod keep_alive;
 mod lifecycle;
 mod preloaders;
@@ -46,6 +47,7 @@ pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCount
 
 pub use crashes::LastExit;
 pub use events::{Event, EventKind, Follow, Followed, HISTORY as EVENT_HISTORY};
+pub use history::{HostSample, MemoryHistory, ModelSample};
 pub use preloaders::PreloaderStatus;
 pub use requests::{Lease, RequestStream};
 pub use types::{
@@ -93,6 +95,8 @@ struct Inner {
     preloaders: preloaders::Preloaders,
     /// What happened, for followers.
     events: events::Events,
+    /// Memory over time, a sample a second.
+    history: history::History,
 }
 
 impl Inner {
@@ -149,6 +153,7 @@ impl Supervisor {
             stopping: tokio::sync::watch::Sender::new(false),
             preloaders: Default::default(),
             events: Default::default(),
+            history: Default::default(),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             Supervisor {
@@ -159,6 +164,7 @@ impl Supervisor {
                 Arc::downgrade(&inner),
                 Arc::clone(&inner.expiry_changed),
             ));
+            runtime.spawn(history::sampler(Arc::downgrade(&inner)));
             if let Some(budget) = inner.config.memory_budget {
                 runtime.spawn(budget::budget_watch(Arc::downgrade(&inner), budget));
             }
@@ -189,8 +195,15 @@ impl Supervisor {
         self.inner.events.follow(since)
     }
 
+    /// Memory over time, per model and for the host: the samples taken
+    /// after `since_ms` (Unix milliseconds; 0: all kept).
+    pub fn history(&self, since_ms: u64) -> MemoryHistory {
+        self.inner.history.after(since_ms)
+    }
+
     /// Records an event (the sidecar's own start and drain).
     pub fn emit(&self, what: EventKind) {
+        self.inner.history.record(&what);
         self.inner.events.emit(what);
     }
 
