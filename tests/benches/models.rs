@@ -1,7 +1,11 @@
 //! Model benchmarks, printed as docs/performance.md's tables.
 //!
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench models`
-//! (fetches the default models first if they are missing).
+//! (fetches the default models first if they are missing). The status quo
+//! beside berth is also drawn: `docs/status-quo-candle.svg`.
+//!
+//! `... --bench models -- status-quo` runs only that part (the cycles
+//! always run; `speed` adds the rest).
 
 use std::time::{Duration, Instant};
 
@@ -30,23 +34,31 @@ fn local_embed(options: &[(&str, &str)]) -> Box<dyn Backend> {
     local_backend("embed", Some(&default_model("minilm")), options)
 }
 
-/// The status quo: load in-process, work, drop everything; what is left?
-fn in_process_residue() -> (u64, u64, u64) {
+/// Load / use / drop cycles, in-process and through berth.
+const CYCLES: usize = 10;
+
+/// The status quo: load in-process, work, drop everything, `CYCLES` times;
+/// the process's RSS before, after each load-and-use and after each drop,
+/// and after a last `malloc_trim(0)`.
+fn in_process_cycles() -> (u64, Vec<u64>, Vec<u64>, u64) {
     let before = own_rss();
-    {
-        let mut backend = local_embed(&[("load_mode", "read")]);
-        let ctx = RequestContext::standalone();
-        for chunk in sentences(256).chunks(32) {
-            backend
-                .handle(Body::json(json!({ "input": chunk }).to_string()), &ctx)
-                .unwrap();
+    let (mut loaded, mut dropped) = (Vec::new(), Vec::new());
+    for _ in 0..CYCLES {
+        {
+            let mut backend = local_embed(&[("load_mode", "read")]);
+            let ctx = RequestContext::standalone();
+            for chunk in sentences(256).chunks(32) {
+                backend
+                    .handle(Body::json(json!({ "input": chunk }).to_string()), &ctx)
+                    .unwrap();
+            }
+            loaded.push(own_rss());
         }
+        dropped.push(own_rss());
     }
-    let after_drop = own_rss();
     // SAFETY: malloc_trim only returns free heap memory to the kernel.
     unsafe { libc::malloc_trim(0) };
-    let after_trim = own_rss();
-    (before, after_drop, after_trim)
+    (before, loaded, dropped, own_rss())
 }
 
 /// Sentences per second of `calls` calls of `call` on `batch` sentences each.
@@ -138,22 +150,58 @@ async fn load_modes(sup: &Supervisor, name: &str, backend: &str) {
     }
 }
 
-async fn berth_residue(sup: &Supervisor) -> (u64, u64, u64) {
+/// The same cycles through a worker: the host's RSS before, the host's
+/// plus its worker's after each load-and-use, the host's (and whatever
+/// the worker left: nothing) after each unload.
+async fn berth_cycles(sup: &Supervisor) -> (u64, Vec<u64>, Vec<u64>, u64) {
     let before = own_rss();
     let spec = ModelSpec::new("minilm", "embed")
         .model(default_model("minilm"))
         .option("load_mode", "read");
-    sup.load(spec).await.unwrap();
-    for chunk in sentences(256).chunks(32) {
-        sup.request("minilm", Body::json(json!({ "input": chunk }).to_string()))
-            .await
-            .unwrap();
+    let (mut loaded, mut dropped, mut worker_left) = (Vec::new(), Vec::new(), 0);
+    for _ in 0..CYCLES {
+        sup.load(spec.clone()).await.unwrap();
+        for chunk in sentences(256).chunks(32) {
+            sup.request("minilm", Body::json(json!({ "input": chunk }).to_string()))
+                .await
+                .unwrap();
+        }
+        let report = sup.unload("minilm").await.unwrap();
+        loaded.push(own_rss() + report.rss_at_stop_bytes);
+        worker_left = berth::child::memory::process_memory(report.pid)
+            .map(|m| m.rss_bytes)
+            .unwrap_or(0);
+        dropped.push(own_rss() + worker_left);
     }
-    let report = sup.unload("minilm").await.unwrap();
-    let worker_left = berth::child::memory::process_memory(report.pid)
-        .map(|m| m.rss_bytes)
-        .unwrap_or(0);
-    (before, own_rss(), worker_left)
+    (before, loaded, dropped, worker_left)
+}
+
+/// The two sides' cycles as `docs/status-quo-candle.svg`, in MiB above
+/// each process's RSS before its first load.
+fn draw(in_process: (u64, &[u64], &[u64]), through_berth: (u64, &[u64], &[u64])) {
+    use berth_tests::chart::{BERTH, Cycles, IN_PROCESS, write_cycles_chart};
+    let line = |label: &str, color, (before, loaded, dropped): (u64, &[u64], &[u64])| {
+        let over = |v: &u64| v.saturating_sub(before) as f64 / (1 << 20) as f64;
+        Cycles {
+            label: label.into(),
+            color,
+            before: 0.0,
+            loaded: loaded.iter().map(over).collect(),
+            dropped: dropped.iter().map(over).collect(),
+        }
+    };
+    write_cycles_chart(
+        "status-quo-candle.svg",
+        "all-MiniLM-L6-v2 (candle): load, 256 embeddings, drop, 10 times",
+        &format!(
+            "Memory above the host's own RSS before the first load; berth's line is the host's plus its worker's.\n`cargo bench -p berth-tests --bench models -- status-quo`, {}",
+            machine()
+        ),
+        &[
+            line("in one process", IN_PROCESS, in_process),
+            line("berth: host + worker", BERTH, through_berth),
+        ],
+    );
 }
 
 fn main() {
@@ -161,34 +209,46 @@ fn main() {
         return;
     }
     default_model("minilm");
+    let run = berth_tests::bench::sections();
     // First, in a fresh process: the status quo's residue.
-    let (before, after_drop, after_trim) = in_process_residue();
+    let (before, loaded, dropped, after_trim) = in_process_cycles();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
     runtime.block_on(async {
         let sup = Supervisor::new(test_config());
-        let (sup_before, sup_after, worker_left) = berth_residue(&sup).await;
-        println!("### Memory left after load (read) + 256 embeddings + unload\n");
-        println!("| where | left behind |");
-        println!("|---|---|");
+        let (sup_before, sup_loaded, sup_dropped, worker_left) = berth_cycles(&sup).await;
         println!(
-            "| in-process, after dropping everything | {} |",
-            mib(after_drop.saturating_sub(before))
+            "### Memory left after load (read) + 256 embeddings + unload, {CYCLES} times\n"
+        );
+        println!("| where | left behind after the 1st cycle | after the {CYCLES}th |");
+        println!("|---|---|---|");
+        println!(
+            "| in-process, after dropping everything | {} | {} |",
+            mib(dropped[0].saturating_sub(before)),
+            mib(dropped[CYCLES - 1].saturating_sub(before))
         );
         println!(
-            "| in-process, after also calling `malloc_trim(0)` | {} |",
+            "| in-process, after also calling `malloc_trim(0)` | | {} |",
             mib(after_trim.saturating_sub(before))
         );
         println!(
-            "| berth: the worker after unload | {} (process gone) |",
+            "| berth: the worker after unload | | {} (process gone) |",
             mib(worker_left)
         );
         println!(
-            "| berth: the supervisor's own RSS change over the cycle | {} |\n",
-            mib(sup_after.saturating_sub(sup_before))
+            "| berth: the supervisor's own RSS change | {} | {} |\n",
+            mib(sup_dropped[0].saturating_sub(sup_before)),
+            mib(sup_dropped[CYCLES - 1].saturating_sub(sup_before))
         );
+        draw(
+            (before, &loaded, &dropped),
+            (sup_before, &sup_loaded, &sup_dropped),
+        );
+        if !run("speed") {
+            return;
+        }
         println!(
             "### Embeddings: all-MiniLM-L6-v2, sentences/s ({})\n",
             machine()

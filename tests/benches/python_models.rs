@@ -12,7 +12,8 @@
 //!    through a worker 20 times, with the same requests. Printed: the
 //!    Python process's RSS before the first load and after the first and
 //!    last drop; the host's RSS before and after, what each unload reclaimed
-//!    and the processes left.
+//!    and the processes left. Drawn too: `docs/status-quo-torch.svg` and
+//!    `docs/status-quo-jax.svg`.
 //! 2. The Equinox stack's two initialisations, each loaded without a cap:
 //!    the load reports' peak and settled RSS.
 //! 3. Texts per second of `torch_embed` at batch 1 and 32 through berth and
@@ -80,6 +81,7 @@ async fn status_quo_beside_berth(sup: &Supervisor, framework: &str) {
     let mut reclaimed = Vec::new();
     let mut at_stop = Vec::new();
     let mut leftover = 0;
+    let (mut loaded, mut dropped) = (Vec::new(), Vec::new());
     for _ in 0..CYCLES {
         sup.load(spec.clone()).await.unwrap();
         for body in &bodies {
@@ -91,8 +93,49 @@ async fn status_quo_beside_berth(sup: &Supervisor, framework: &str) {
         reclaimed.push(report.reclaimed_bytes as f64 / MIB);
         at_stop.push(report.rss_at_stop_bytes as f64 / MIB);
         leftover = leftover.max(report.leftover_processes);
+        let host = own_rss() as f64 / MIB;
+        loaded.push(host + report.rss_at_stop_bytes as f64 / MIB - host_before);
+        dropped.push(host - host_before);
     }
     let host_after = own_rss() as f64 / MIB;
+    let series = |key: &str| -> Vec<f64> {
+        sq[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| mib(v) - bare)
+            .collect()
+    };
+    use berth_tests::chart::{BERTH, Cycles, IN_PROCESS, write_cycles_chart};
+    let (what, name) = if framework == "torch" {
+        ("all-MiniLM-L6-v2 (PyTorch): load, 16 requests of 32 texts, drop", "torch")
+    } else {
+        ("The 24-block Equinox stack (JAX): load, 8 requests, drop", "jax")
+    };
+    write_cycles_chart(
+        &format!("status-quo-{name}.svg"),
+        &format!("{what}, {CYCLES} times"),
+        &format!(
+            "Memory above each host's RSS before it loaded anything (the Python process: before importing the\nframework, so its first step is the import) while it loads, uses and drops the model as users are told\nto (del, gc.collect(), the cache release); berth's line is its host plus the worker.\n`cargo bench -p berth-tests --bench python_models -- status-quo`, {}",
+            machine()
+        ),
+        &[
+            Cycles {
+                label: "in one Python process".into(),
+                color: IN_PROCESS,
+                before: before - bare,
+                loaded: series("rss_loaded_bytes"),
+                dropped: series("rss_after_bytes"),
+            },
+            Cycles {
+                label: "berth: host + worker".into(),
+                color: BERTH,
+                before: 0.0,
+                loaded,
+                dropped,
+            },
+        ],
+    );
     println!(
         "| {framework} | {before:.0} → {first:.0} → {last:.0} MiB: **{:+.0} MiB** left after 1 cycle, **{:+.0} MiB** after {CYCLES} (+{:.0} MiB of imports, from {bare:.0}) | {host_before:.0} → {host_after:.0} MiB (**{:+.0} MiB**); worker RSS at stop {:.0} MiB, reclaimed {:.0} MiB per unload (median); {leftover} processes left |",
         first - before,

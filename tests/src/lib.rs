@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod browser;
+pub mod chart;
 pub mod chaos;
 pub mod conformance;
 pub mod fake_gpu;

@@ -201,8 +201,8 @@ impl Supervisor {
         self.inner.history.after(since_ms)
     }
 
-    /// Records an event (the sidecar's own start and drain).
-    pub fn emit(&self, what: EventKind) {
+    /// Records an event (and a load's or unload's memory sample).
+    pub(crate) fn emit(&self, what: EventKind) {
         self.inner.history.record(&what);
         self.inner.events.emit(what);
     }
