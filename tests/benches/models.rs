@@ -219,9 +219,7 @@ fn main() {
     runtime.block_on(async {
         let sup = Supervisor::new(test_config());
         let (sup_before, sup_loaded, sup_dropped, worker_left) = berth_cycles(&sup).await;
-        println!(
-            "### Memory left after load (read) + 256 embeddings + unload, {CYCLES} times\n"
-        );
+        println!("### Memory left after load (read) + 256 embeddings + unload, {CYCLES} times\n");
         println!("| where | left behind after the 1st cycle | after the {CYCLES}th |");
         println!("|---|---|---|");
         println!(

@@ -108,9 +108,15 @@ async fn status_quo_beside_berth(sup: &Supervisor, framework: &str) {
     };
     use berth_tests::chart::{BERTH, Cycles, IN_PROCESS, write_cycles_chart};
     let (what, name) = if framework == "torch" {
-        ("all-MiniLM-L6-v2 (PyTorch): load, 16 requests of 32 texts, drop", "torch")
+        (
+            "all-MiniLM-L6-v2 (PyTorch): load, 16 requests of 32 texts, drop",
+            "torch",
+        )
     } else {
-        ("The 24-block Equinox stack (JAX): load, 8 requests, drop", "jax")
+        (
+            "The 24-block Equinox stack (JAX): load, 8 requests, drop",
+            "jax",
+        )
     };
     write_cycles_chart(
         &format!("status-quo-{name}.svg"),

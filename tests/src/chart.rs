@@ -34,7 +34,12 @@ pub fn cycles_svg(title: &str, note: &str, lines: &[Cycles]) -> String {
     let notes: Vec<&str> = note.lines().collect();
     let (w, h, l, r, b) = (840.0, 350.0, 64.0, 220.0, 40.0);
     let t = 46.0 + 15.0 * notes.len().saturating_sub(1) as f64;
-    let cycles = lines.iter().map(|c| c.loaded.len()).max().unwrap_or(0).max(1);
+    let cycles = lines
+        .iter()
+        .map(|c| c.loaded.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
     let steps = 2 * cycles; // before, then load/drop pairs
     let top = lines
         .iter()

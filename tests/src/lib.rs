@@ -3,8 +3,8 @@
 
 pub mod bench;
 pub mod browser;
-pub mod chart;
 pub mod chaos;
+pub mod chart;
 pub mod conformance;
 pub mod fake_gpu;
 pub mod infinity;

@@ -173,6 +173,37 @@ fn the_console_shows_what_the_api_shows_and_drives_loads_and_unloads() {
     }
 }
 
+#[test]
+fn a_running_workers_last_stderr_lines_show_in_ps_and_on_the_page() {
+    let server = Server::start(
+        "[[model]]\nname = \"chatty\"\nbackend = \"fault\"\noptions = { stderr_bytes = \"40\" }\n",
+    );
+    assert_eq!(
+        server
+            .post("/api/models/chatty/load", serde_json::json!({}))
+            .0,
+        200
+    );
+    assert_eq!(
+        server
+            .post("/api/models/chatty/infer", serde_json::json!({"x": 1}))
+            .0,
+        200
+    );
+    let lines = model(&server.ps(), "chatty").unwrap()["stderr_tail"].clone();
+    let last = lines
+        .as_array()
+        .and_then(|l| l.last())
+        .and_then(Value::as_str);
+    assert!(last.is_some_and(|l| l.len() >= 40), "{lines}");
+    let mut browser = Browser::open(&server.url, 1200, 900);
+    let shown = browser.wait_for(
+        "(() => { const p = document.querySelector('#stderr-live [data-model=chatty] pre'); return p ? p.textContent : ''; })()",
+        WAIT,
+    );
+    assert!(shown.as_str().unwrap().contains(last.unwrap()), "{shown}");
+}
+
 /// A page from another origin that tries to load a model and read
 /// `/api/ps`, and writes what happened into its title.
 fn evil_page(berth: &str) -> String {

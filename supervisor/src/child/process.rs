@@ -300,6 +300,16 @@ impl ProcessWatch {
             .collect()
     }
 
+    /// The last stderr lines kept so far, without waiting.
+    pub fn stderr_lines(&self) -> Vec<String> {
+        self.stderr
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
     pub async fn stderr_suffix(&self) -> String {
         let tail = self.stderr_tail().await;
         if tail.is_empty() {

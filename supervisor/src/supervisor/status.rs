@@ -64,6 +64,7 @@ impl Supervisor {
                         batching: entry
                             .map(|e| BatchingStatus::of(&e.counters))
                             .unwrap_or_default(),
+                        stderr_tail: Vec::new(),
                     };
                     (status, worker)
                 })
@@ -87,6 +88,7 @@ impl Supervisor {
                     status.in_flight = w.in_flight();
                     status.rss_growth_per_request_bytes = w.rss_growth_per_request();
                     status.vram_bytes = crate::gpu::process_vram(devices, &w.pids());
+                    status.stderr_tail = w.process().stderr_lines();
                 }
                 status
             })

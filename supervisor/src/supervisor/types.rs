@@ -87,6 +87,10 @@ pub struct ModelStatus {
     /// the split of their time into queueing and compute.
     #[serde(default)]
     pub batching: BatchingStatus,
+    /// The worker's last stderr lines (at most 20), as the supervisor kept
+    /// them for its death report.
+    #[serde(default)]
+    pub stderr_tail: Vec<String>,
 }
 
 /// Batch sizes and where requests' time went, as a model's workers reported

@@ -230,6 +230,7 @@ async function refreshModels() {
     state.models = ps.models || [];
     state.catalogue = catalogue.models || [];
     drawTable();
+    drawLiveStderr();
   } catch (e) {
     if (e instanceof Unauthorized) askForToken("The token was refused.");
   }
@@ -284,6 +285,15 @@ function drawTable() {
       actions));
   }
   body.replaceChildren(...rows);
+}
+
+function drawLiveStderr() {
+  const blocks = state.models
+    .filter((m) => m.stderr_tail && m.stderr_tail.length)
+    .map((m) => el("div", { "data-model": m.name, class: "live" },
+      el("div", {}, el("strong", {}, m.name), ` pid ${m.pid}, running:`),
+      el("pre", {}, m.stderr_tail.join("\n"))));
+  $("stderr-live").replaceChildren(...blocks);
 }
 
 // ---- the charts ------------------------------------------------------
