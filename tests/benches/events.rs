@@ -105,6 +105,10 @@ fn main() {
             if followers > 0 {
                 delivered.push(seen.load(Ordering::Relaxed) as f64 / followers as f64);
             }
+            for conn in &streams {
+                // The reader threads hold clones: close the connection itself.
+                let _ = conn.shutdown(std::net::Shutdown::Both);
+            }
             drop(streams);
             std::thread::sleep(Duration::from_millis(300));
         }

@@ -88,8 +88,9 @@ impl Drop for TempDir {
     }
 }
 
+/// A pipe whose ends no other child inherits (tests run in parallel).
 fn pipe() -> (OwnedFd, OwnedFd) {
-    nix::unistd::pipe().expect("a pipe")
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).expect("a pipe")
 }
 
 impl Browser {
@@ -123,10 +124,18 @@ impl Browser {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        // SAFETY: only dup2, async-signal-safe, between fork and exec.
+        // SAFETY: only fcntl and dup2, async-signal-safe, between fork and
+        // exec. Both ends move above 4 first, so that placing one on 3 or 4
+        // cannot overwrite the other; dup2 clears close-on-exec.
         unsafe {
             command.pre_exec(move || {
-                if libc::dup2(child_in, 3) < 0 || libc::dup2(child_out, 4) < 0 {
+                let high_in = libc::fcntl(child_in, libc::F_DUPFD, 10);
+                let high_out = libc::fcntl(child_out, libc::F_DUPFD, 10);
+                if high_in < 0
+                    || high_out < 0
+                    || libc::dup2(high_in, 3) < 0
+                    || libc::dup2(high_out, 4) < 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -171,6 +180,17 @@ impl Browser {
         bytes.push(0);
         self.to.write_all(&bytes).expect("Chromium reads its pipe");
         loop {
+            if self.from.buffer().is_empty() {
+                // Not for ever: a Chromium that hangs fails the test.
+                let mut fd = libc::pollfd {
+                    fd: self.from.get_ref().as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one pollfd, ours, for the call's length.
+                let ready = unsafe { libc::poll(&mut fd, 1, 60_000) };
+                assert!(ready > 0, "Chromium did not answer {method} within 60 s");
+            }
             let mut raw = Vec::new();
             let n = self.from.read_until(0, &mut raw).expect("Chromium answers");
             assert!(n > 0, "Chromium closed its pipe during {method}");

@@ -37,7 +37,8 @@ pub async fn history(
                 StatusCode::BAD_REQUEST,
                 "bad_request",
                 format!(
-                    "`since_ms` must be a time in Unix milliseconds (the last sample's                      `at_unix_ms`), not `{v}`"
+                    "`since_ms` must be a time in Unix milliseconds (the last sample's \
+                     `at_unix_ms`), not `{v}`"
                 ),
             )
         })?,

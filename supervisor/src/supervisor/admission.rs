@@ -241,12 +241,14 @@ impl Supervisor {
                         victim,
                         "evicting the least recently used idle model to make room"
                     );
-                    self.emit(EventKind::Evicted {
-                        model: victim.clone(),
-                        for_model: Some(model.into()),
-                    });
                     match self.unload(&victim).await {
-                        Ok(report) => tracing::info!("{report}"),
+                        Ok(report) => {
+                            tracing::info!("{report}");
+                            self.emit(EventKind::Evicted {
+                                model: victim.clone(),
+                                for_model: Some(model.into()),
+                            });
+                        }
                         Err(e) => tracing::warn!(victim, "eviction failed: {e}"),
                     }
                 }

@@ -47,12 +47,14 @@ pub(super) async fn budget_watch(inner: Weak<Inner>, budget: u64) {
                     mib(room.used),
                     mib(budget)
                 );
-                supervisor.emit(super::EventKind::Evicted {
-                    model: victim.clone(),
-                    for_model: None,
-                });
                 match supervisor.unload(&victim).await {
-                    Ok(report) => tracing::info!("{report}"),
+                    Ok(report) => {
+                        tracing::info!("{report}");
+                        supervisor.emit(super::EventKind::Evicted {
+                            model: victim.clone(),
+                            for_model: None,
+                        });
+                    }
                     Err(e) => tracing::debug!(victim, "eviction skipped: {e}"),
                 }
             }

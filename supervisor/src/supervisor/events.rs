@@ -73,13 +73,15 @@ pub enum EventKind {
         model: String,
         report: Box<UnloadReport>,
     },
-    /// An idle model is unloaded to make room: for `for_model`'s load, or
-    /// (`null`) because the loaded models grew past the memory budget.
+    /// An idle model was unloaded to make room (its `unloaded` comes
+    /// first): for `for_model`'s load, or (`null`) because the loaded
+    /// models grew past the memory budget.
     Evicted {
         model: String,
         for_model: Option<String>,
     },
-    /// Unloaded because it sat idle past its keep-alive.
+    /// Unloaded (its `unloaded` comes first) because it sat idle past its
+    /// keep-alive.
     KeepAliveExpired {
         model: String,
     },

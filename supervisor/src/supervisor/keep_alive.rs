@@ -66,11 +66,11 @@ pub(super) async fn keep_alive_reaper(inner: Weak<Inner>, changed: Arc<Notify>) 
             let supervisor = supervisor.clone();
             tokio::spawn(async move {
                 tracing::info!(model = name, "keep-alive ran out; unloading");
-                supervisor.emit(super::EventKind::KeepAliveExpired {
-                    model: name.clone(),
-                });
-                if let Err(e) = supervisor.unload(&name).await {
-                    tracing::debug!(model = name, "keep-alive unload skipped: {e}");
+                match supervisor.unload(&name).await {
+                    Ok(_) => supervisor.emit(super::EventKind::KeepAliveExpired {
+                        model: name.clone(),
+                    }),
+                    Err(e) => tracing::debug!(model = name, "keep-alive unload skipped: {e}"),
                 }
             });
         }

@@ -169,6 +169,10 @@ impl Supervisor {
                     model: model.into(),
                 };
                 let _ = done.send(Some(Err(Arc::new(err.shared()))));
+                self.emit(EventKind::LoadFailed {
+                    model: model.into(),
+                    error: err.to_string(),
+                });
                 Err(err)
             }
             Err(e) => {

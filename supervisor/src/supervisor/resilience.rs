@@ -75,8 +75,17 @@ impl Supervisor {
             if !current || slot.state != ModelState::Ready || self.is_shutting_down() {
                 return; // a planned stop, or a worker already replaced
             }
-            let quarantined = entry.health.note_death(model, worker.pid(), death);
-            self.death_events(model, entry.health.last_exit.as_ref(), quarantined);
+            // A worker that died during a swap that then failed was noted
+            // then; the swap hands its death back here for the restart.
+            let noted = entry
+                .health
+                .last_exit
+                .as_ref()
+                .is_some_and(|e| e.pid == worker.pid());
+            if !noted {
+                let quarantined = entry.health.note_death(model, worker.pid(), death);
+                self.death_events(model, entry.health.last_exit.as_ref(), quarantined);
+            }
             let last = entry
                 .health
                 .last_exit

@@ -23,7 +23,19 @@ const state = {
   lastEventId: 0,
   started: false,
   following: false,
+  fresh: false, // no event yet on the current connection
+  pending: { models: false, charts: false },
 };
+
+// Many events at once (the kept ones, on connecting) redraw once.
+function soon(what, f) {
+  if (state.pending[what]) return;
+  state.pending[what] = true;
+  setTimeout(() => {
+    state.pending[what] = false;
+    f();
+  }, 100);
+}
 
 const $ = (id) => document.getElementById(id);
 
@@ -112,6 +124,7 @@ async function follow() {
       const reply = await api("/api/events?since=" + state.lastEventId, { raw: true });
       if (!reply.ok) throw new Error("HTTP " + reply.status);
       setStatus("live", "live");
+      state.fresh = true;
       const reader = reply.body.getReader();
       const decoder = new TextDecoder();
       let buffer = "";
@@ -154,7 +167,16 @@ function handleMessage(text) {
     note(value.message || name);
     return;
   }
-  if (typeof value.id !== "number" || value.id <= state.lastEventId) return;
+  if (typeof value.id !== "number") return;
+  if (state.fresh && value.id <= state.lastEventId) {
+    // A new run of berth (its numbers start again at 1): what was shown
+    // is of the old one.
+    state.events = [];
+    state.lastEventId = 0;
+    $("events").replaceChildren();
+  }
+  state.fresh = false;
+  if (value.id <= state.lastEventId) return;
   state.lastEventId = value.id;
   state.events.push(value);
   if (state.events.length > MAX_EVENTS) state.events.shift();
@@ -162,9 +184,9 @@ function handleMessage(text) {
   if (value.type === "unloaded") addReport(value);
   if (value.type === "crashed") addStderr(value);
   if (["loaded", "unloaded", "crashed", "registered", "deregistered", "swap_completed", "recycled", "failed"].includes(value.type)) {
-    refreshModels();
+    soon("models", refreshModels);
   }
-  drawCharts();
+  soon("charts", drawCharts);
 }
 
 function note(text) {
