@@ -27,7 +27,7 @@ pub(crate) struct HealthPolicy {
 /// sends all the pings and their pongs come back together, instead of a
 /// wake-up per worker spread over each second (on a VM, the context
 /// switches were most of what idle workers cost).
-fn aligned(interval: Duration) -> tokio::time::Instant {
+pub(crate) fn aligned(interval: Duration) -> tokio::time::Instant {
     static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     let epoch = *EPOCH.get_or_init(Instant::now);
     let step = interval.as_nanos().max(1);

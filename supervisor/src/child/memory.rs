@@ -68,14 +68,23 @@ pub struct SystemMemory {
     pub anon_bytes: u64,
 }
 
+/// Reads the two fields from `/proc/meminfo` (by hand: a full parse of
+/// every field cost more than the memory history's whole sample).
 pub fn system_memory() -> SystemMemory {
-    use procfs::Current;
-    procfs::Meminfo::current()
-        .map(|m| SystemMemory {
-            available_bytes: m.mem_available.unwrap_or(0),
-            anon_bytes: m.anon_pages.unwrap_or(0),
-        })
-        .unwrap_or_default()
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
+        return SystemMemory::default();
+    };
+    let field = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+            .unwrap_or(0)
+    };
+    SystemMemory {
+        available_bytes: field("MemAvailable"),
+        anon_bytes: field("AnonPages"),
+    }
 }
 
 /// Live processes of process group `pgid` (zombies excluded: they hold no

@@ -6,8 +6,10 @@
 //! one the heartbeat read (each second by default, from `statm`), their
 //! PSS the one last taken (at load, by `ps` or a metrics scrape), their
 //! VRAM NVML's where a model has GPUs. The host's sample is one read of
-//! `/proc/meminfo`. So the sampler costs a lock and a few copies a second,
-//! watched or not. Memory: ~56 bytes a sample, 56 KiB a model that has
+//! two fields of `/proc/meminfo`. It ticks on the heartbeats' grid, so the
+//! runtime wakes once a second for both. So the sampler costs a lock and a
+//! few copies a second, watched or not (64 idle workers' supervisor CPU
+//! with and without it: within the spread, docs/performance.md). Memory: ~56 bytes a sample, 56 KiB a model that has
 //! been loaded since the supervisor started, and as much for the host.
 //!
 //! A load and an unload add samples of their own, from their reports, at
@@ -153,10 +155,13 @@ impl History {
     }
 }
 
-/// Takes a sample a second until the supervisor is gone.
+/// Takes a sample a second until the supervisor is gone, on the
+/// heartbeats' grid: with the default heartbeat interval (1 s) the runtime
+/// wakes once a second for both, not twice.
 pub(super) async fn sampler(inner: Weak<Inner>) {
-    let mut tick = tokio::time::interval(INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let start = crate::child::health::aligned(INTERVAL);
+    let mut tick = tokio::time::interval_at(start, INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else {
