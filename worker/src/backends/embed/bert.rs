@@ -11,7 +11,7 @@ use candle_core::{D, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, LayerNorm, VarBuilder};
 use candle_transformers::models::bert::{Config, HiddenAct};
 
-use super::few::{self, Small};
+use super::few::{self, DenseIn, LayerIn, Shape, Small};
 use super::kernel;
 
 /// The most rows of activations (texts × their padded length) the own
@@ -19,34 +19,43 @@ use super::kernel;
 const FEW_ROWS: usize = 64;
 
 pub(super) struct Bert {
-    pub(super) word: Embedding,
-    pub(super) position: Embedding,
-    pub(super) token_type: Embedding,
-    pub(super) norm: LayerNorm,
-    pub(super) layers: Vec<Layer>,
-    pub(super) hidden: usize,
-    pub(super) heads: usize,
-    pub(super) eps: f32,
-    pub(super) act: HiddenAct,
-    /// The own pass's biases and scales, where it can run (`kernel::available`).
+    word: Embedding,
+    position: Embedding,
+    token_type: Embedding,
+    norm: LayerNorm,
+    layers: Vec<Layer>,
+    hidden: usize,
+    heads: usize,
+    act: HiddenAct,
+    /// The own pass, where it can run (`kernel::available`): the same
+    /// tensors, and the biases and scales copied.
     small: Option<Small>,
 }
 
-pub(super) struct Layer {
-    pub(super) query: Dense,
-    pub(super) key: Dense,
-    pub(super) value: Dense,
-    pub(super) attention_out: Dense,
-    pub(super) attention_norm: LayerNorm,
-    pub(super) intermediate: Dense,
-    pub(super) out: Dense,
-    pub(super) out_norm: LayerNorm,
+struct Layer {
+    query: Dense,
+    key: Dense,
+    value: Dense,
+    attention_out: Dense,
+    attention_norm: LayerNorm,
+    intermediate: Dense,
+    out: Dense,
+    out_norm: LayerNorm,
 }
 
 /// A dense layer, `x Wᵀ + b`.
-pub(super) struct Dense {
-    pub(super) weight: Tensor,
-    pub(super) bias: Tensor,
+struct Dense {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Dense {
+    fn as_input(&self) -> DenseIn<'_> {
+        DenseIn {
+            weight: &self.weight,
+            bias: &self.bias,
+        }
+    }
 }
 
 impl Bert {
@@ -107,13 +116,34 @@ impl Bert {
             layers,
             hidden,
             heads: config.num_attention_heads,
-            eps: eps as f32,
             act: config.hidden_act,
             small: None,
         };
         let (device, inter) = (bert.word.embeddings().device(), config.intermediate_size);
         if kernel::available(device) && hidden % 8 == 0 && inter % 8 == 0 {
-            bert.small = Some(Small::new(&bert)?);
+            let shape = Shape {
+                hidden,
+                heads: bert.heads,
+                eps: eps as f32,
+                act: config.hidden_act,
+            };
+            let tables = [
+                bert.word.embeddings(),
+                bert.position.embeddings(),
+                bert.token_type.embeddings(),
+            ];
+            let layers = bert.layers.iter().map(|l| LayerIn {
+                query: l.query.as_input(),
+                key: l.key.as_input(),
+                value: l.value.as_input(),
+                attention_out: l.attention_out.as_input(),
+                attention_norm: &l.attention_norm,
+                intermediate: l.intermediate.as_input(),
+                out: l.out.as_input(),
+                out_norm: &l.out_norm,
+            });
+            let small = Small::new(shape, tables, &bert.norm, layers)?;
+            bert.small = Some(small);
         }
         Ok(bert)
     }
@@ -127,7 +157,7 @@ impl Bert {
             .filter(|_| n * len <= FEW_ROWS && len > 0)
         {
             let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<u32>();
-            let hidden = few::forward(self, small, &flat(ids)?, &flat(types)?, &flat(mask)?, len)?;
+            let hidden = few::forward(small, &flat(ids)?, &flat(types)?, &flat(mask)?, len)?;
             return Tensor::from_vec(hidden, (n, len, self.hidden), ids.device());
         }
         let positions = Tensor::arange(0u32, len as u32, ids.device())?;

@@ -16,24 +16,69 @@
 use candle_core::{Result, StorageRef, Tensor};
 use candle_transformers::models::bert::HiddenAct;
 
-use super::bert::{Bert, Dense, Layer};
 use super::kernel::{self, Product};
 
-/// What the pass reads besides the weight matrices: the biases and the
-/// layer norms' scales, copied once at load (~20 KB a layer).
+/// The encoder as this pass reads it: the weight matrices and embedding
+/// tables as the loaded tensors (clones share their storage: no copy), the
+/// biases and the layer norms' scales copied once at load (~20 KB a layer).
 pub(super) struct Small {
+    shape: Shape,
+    word: Tensor,
+    position: Tensor,
+    token_type: Tensor,
     norm: Norm,
     layers: Vec<SmallLayer>,
 }
 
+/// The encoder's sizes and activation.
+pub(super) struct Shape {
+    pub hidden: usize,
+    pub heads: usize,
+    pub eps: f32,
+    pub act: HiddenAct,
+}
+
+/// One dense layer's tensors, as loaded: `weight` is `[out, in]`.
+pub(super) struct DenseIn<'a> {
+    pub weight: &'a Tensor,
+    pub bias: &'a Tensor,
+}
+
+/// One encoder layer's tensors, as loaded.
+pub(super) struct LayerIn<'a> {
+    pub query: DenseIn<'a>,
+    pub key: DenseIn<'a>,
+    pub value: DenseIn<'a>,
+    pub attention_out: DenseIn<'a>,
+    pub attention_norm: &'a candle_nn::LayerNorm,
+    pub intermediate: DenseIn<'a>,
+    pub out: DenseIn<'a>,
+    pub out_norm: &'a candle_nn::LayerNorm,
+}
+
+/// A dense layer: the weights where they lie, the bias copied.
+struct Dense {
+    weight: Tensor,
+    bias: Vec<f32>,
+}
+
+impl Dense {
+    fn new(d: &DenseIn) -> Result<Dense> {
+        Ok(Dense {
+            weight: d.weight.clone(),
+            bias: values(d.bias)?,
+        })
+    }
+}
+
 struct SmallLayer {
-    query: Vec<f32>,
-    key: Vec<f32>,
-    value: Vec<f32>,
-    attention_out: Vec<f32>,
+    query: Dense,
+    key: Dense,
+    value: Dense,
+    attention_out: Dense,
     attention_norm: Norm,
-    intermediate: Vec<f32>,
-    out: Vec<f32>,
+    intermediate: Dense,
+    out: Dense,
     out_norm: Norm,
 }
 
@@ -57,25 +102,35 @@ fn norm(n: &candle_nn::LayerNorm) -> Result<Norm> {
 }
 
 impl Small {
-    pub(super) fn new(bert: &Bert) -> Result<Small> {
-        let layers = bert
-            .layers
-            .iter()
-            .map(|l: &Layer| {
+    /// `tables`: the word, position and token-type embeddings; `norm`: the
+    /// embeddings' layer norm.
+    pub(super) fn new<'a>(
+        shape: Shape,
+        tables: [&Tensor; 3],
+        norm_in: &candle_nn::LayerNorm,
+        layers: impl Iterator<Item = LayerIn<'a>>,
+    ) -> Result<Small> {
+        let layers = layers
+            .map(|l| {
                 Ok(SmallLayer {
-                    query: values(&l.query.bias)?,
-                    key: values(&l.key.bias)?,
-                    value: values(&l.value.bias)?,
-                    attention_out: values(&l.attention_out.bias)?,
-                    attention_norm: norm(&l.attention_norm)?,
-                    intermediate: values(&l.intermediate.bias)?,
-                    out: values(&l.out.bias)?,
-                    out_norm: norm(&l.out_norm)?,
+                    query: Dense::new(&l.query)?,
+                    key: Dense::new(&l.key)?,
+                    value: Dense::new(&l.value)?,
+                    attention_out: Dense::new(&l.attention_out)?,
+                    attention_norm: norm(l.attention_norm)?,
+                    intermediate: Dense::new(&l.intermediate)?,
+                    out: Dense::new(&l.out)?,
+                    out_norm: norm(l.out_norm)?,
                 })
             })
             .collect::<Result<_>>()?;
+        let [word, position, token_type] = tables.map(Tensor::clone);
         Ok(Small {
-            norm: norm(&bert.norm)?,
+            shape,
+            word,
+            position,
+            token_type,
+            norm: norm(norm_in)?,
             layers,
         })
     }
@@ -113,19 +168,18 @@ impl<'a> Held<'a> {
 /// `len` tokens (`ids`, `types` and `mask` row-major, `mask` 1 for a token
 /// and 0 for padding). The caller has checked [`kernel::available`].
 pub(super) fn forward(
-    bert: &Bert,
     small: &Small,
     ids: &[u32],
     types: &[u32],
     mask: &[u32],
     len: usize,
 ) -> Result<Vec<f32>> {
-    let h = bert.hidden;
+    let h = small.shape.hidden;
     let rows = ids.len();
     let (word, position, token_type) = (
-        Held::of(bert.word.embeddings())?,
-        Held::of(bert.position.embeddings())?,
-        Held::of(bert.token_type.embeddings())?,
+        Held::of(&small.word)?,
+        Held::of(&small.position)?,
+        Held::of(&small.token_type)?,
     );
     let (word, position, token_type) = (word.values()?, position.values()?, token_type.values()?);
     let mut x = vec![0f32; rows * h];
@@ -143,7 +197,7 @@ pub(super) fn forward(
             *out = (w[c] + t[c]) + p[c];
         }
     }
-    layer_norm(&mut x, &small.norm, bert.eps);
+    layer_norm(&mut x, &small.norm, small.shape.eps);
     // 0 where a token may be attended to, f32::MIN where not (candle's).
     let mask: Vec<f32> = mask
         .iter()
@@ -152,7 +206,7 @@ pub(super) fn forward(
     let inter = small
         .layers
         .first()
-        .map(|l| l.intermediate.len())
+        .map(|l| l.intermediate.bias.len())
         .unwrap_or(0);
     let mut s = Scratch {
         q: vec![0f32; rows * h],
@@ -162,8 +216,8 @@ pub(super) fn forward(
         mid: vec![0f32; rows * inter],
         next: vec![0f32; rows * h],
     };
-    for (layer, small) in bert.layers.iter().zip(&small.layers) {
-        x = run_layer(bert, layer, small, x, &mask, len, &mut s)?;
+    for layer in &small.layers {
+        x = run_layer(&small.shape, layer, x, &mask, len, &mut s)?;
     }
     Ok(x)
 }
@@ -183,9 +237,8 @@ fn held(d: &Dense) -> Result<Held<'_>> {
 }
 
 fn run_layer(
-    bert: &Bert,
-    l: &Layer,
-    small: &SmallLayer,
+    shape: &Shape,
+    l: &SmallLayer,
     x: Vec<f32>,
     mask: &[f32],
     len: usize,
@@ -195,41 +248,41 @@ fn run_layer(
     kernel::products(&mut [
         Product {
             w: wq.values()?,
-            bias: &small.query,
+            bias: &l.query.bias,
             x: &x,
             out: &mut s.q,
         },
         Product {
             w: wk.values()?,
-            bias: &small.key,
+            bias: &l.key.bias,
             x: &x,
             out: &mut s.k,
         },
         Product {
             w: wv.values()?,
-            bias: &small.value,
+            bias: &l.value.bias,
             x: &x,
             out: &mut s.v,
         },
     ]);
-    attention(bert, s, mask, len);
+    attention(shape, s, mask, len);
     let wo = held(&l.attention_out)?;
     kernel::products(&mut [Product {
         w: wo.values()?,
-        bias: &small.attention_out,
+        bias: &l.attention_out.bias,
         x: &s.context,
         out: &mut s.next,
     }]);
-    add_and_norm(&mut s.next, &x, &small.attention_norm, bert.eps);
+    add_and_norm(&mut s.next, &x, &l.attention_norm, shape.eps);
     let x = std::mem::replace(&mut s.next, x);
     let wi = held(&l.intermediate)?;
     kernel::products(&mut [Product {
         w: wi.values()?,
-        bias: &small.intermediate,
+        bias: &l.intermediate.bias,
         x: &x,
         out: &mut s.mid,
     }]);
-    match bert.act {
+    match shape.act {
         // SAFETY: the caller checked `kernel::available`.
         HiddenAct::Gelu => unsafe { kernel::gelu(&mut s.mid, true) },
         HiddenAct::GeluApproximate => unsafe { kernel::gelu(&mut s.mid, false) },
@@ -238,24 +291,24 @@ fn run_layer(
     let wout = held(&l.out)?;
     kernel::products(&mut [Product {
         w: wout.values()?,
-        bias: &small.out,
+        bias: &l.out.bias,
         x: &s.mid,
         out: &mut s.next,
     }]);
-    add_and_norm(&mut s.next, &x, &small.out_norm, bert.eps);
+    add_and_norm(&mut s.next, &x, &l.out_norm, shape.eps);
     Ok(std::mem::replace(&mut s.next, x))
 }
 
 /// Every text's every head, on the compute pool: `s.context` from
 /// `s.q`, `s.k` and `s.v`.
-fn attention(bert: &Bert, s: &mut Scratch, mask: &[f32], len: usize) {
-    let h = bert.hidden;
-    let width = h / bert.heads;
+fn attention(shape: &Shape, s: &mut Scratch, mask: &[f32], len: usize) {
+    let h = shape.hidden;
+    let width = h / shape.heads;
     let texts = mask.len() / len.max(1);
     let scale = 1.0 / (width as f32).sqrt();
     let (q, k, v) = (&s.q, &s.k, &s.v);
     let out = s.context.as_mut_ptr() as usize;
-    let (heads, total) = (bert.heads, s.context.len());
+    let (heads, total) = (shape.heads, s.context.len());
     candle_core::utils::barrier_pool().execute_chunked(texts * heads, |items| {
         let mut scores = vec![0f32; len];
         for item in items {
