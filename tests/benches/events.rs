@@ -12,22 +12,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use berth_tests::Server;
-use berth_tests::bench::{machine, median};
+use berth_tests::bench::{cpu_nanos, machine, median};
 use serde_json::json;
 
 const CYCLES: usize = 20;
 const ROUNDS: usize = 3;
-
-/// Nanoseconds on a CPU of `pid`'s threads.
-fn cpu_nanos(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .into_iter()
-        .flatten()
-        .filter_map(Result::ok)
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
-}
 
 fn rss_mib(pid: u32) -> f64 {
     procfs::process::Process::new(pid as i32)

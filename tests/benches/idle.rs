@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use berth::{ModelSpec, Supervisor};
-use berth_tests::bench::{machine, median, percentile, runtime};
+use berth_tests::bench::{cpu_nanos, machine, median, percentile, runtime};
 use berth_tests::test_config;
 
 /// utime + stime of `pid` (or this process), in seconds.
@@ -20,19 +20,6 @@ fn cpu_seconds(pid: Option<u32>) -> f64 {
         .and_then(|p| p.stat())
         .map(|s| (s.utime + s.stime) as f64 / procfs::ticks_per_second() as f64)
         .unwrap_or(0.0)
-}
-
-/// Nanoseconds on a CPU of `pid`'s live threads (`schedstat`: exact, where
-/// `stat` counts in 10 ms ticks).
-fn cpu_nanos(pid: u32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0;
-    };
-    tasks
-        .filter_map(Result::ok)
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
 }
 
 fn own_status() -> (u64, u64) {

@@ -149,6 +149,19 @@ pub fn pct_ms(samples: &mut [Duration], p: f64) -> f64 {
     samples[((samples.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
 }
 
+/// Nanoseconds on a CPU of `pid`'s live threads (`schedstat`: exact, where
+/// `stat` counts in 10 ms ticks).
+pub fn cpu_nanos(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// This process's resident memory, in bytes.
 pub fn own_rss() -> u64 {
     berth::child::memory::process_memory(std::process::id())

@@ -98,6 +98,26 @@ pub async fn eventually(timeout: Duration, mut condition: impl FnMut() -> bool) 
     }
 }
 
+/// One raw HTTP/1.1 exchange on a connection of its own (`head`: the
+/// request as written, ending its headers with `Connection: close`): the
+/// status and the whole reply, headers included. Waits at most 60 s.
+pub fn raw_http(port: u16, head: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = stream.read_to_string(&mut out);
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, out)
+}
+
 /// True while `pid` is a live process (a zombie counts as gone: it holds
 /// no memory and only waits for its parent to reap it).
 pub fn alive(pid: u32) -> bool {

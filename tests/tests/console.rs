@@ -54,20 +54,10 @@ fn size_after<'a>(text: &'a str, prefix: &str) -> &'a str {
 
 /// A GET with nothing but a Host: the status and the whole reply.
 fn raw_get(port: u16, path: &str) -> (u16, String) {
-    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        conn,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+    raw_http(
+        port,
+        &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"),
     )
-    .unwrap();
-    let mut reply = String::new();
-    conn.read_to_string(&mut reply).unwrap();
-    let status = reply
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, reply)
 }
 
 fn click(browser: &mut Browser, action: &str, name: &str) {

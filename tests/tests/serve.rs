@@ -472,19 +472,7 @@ fn metrics_count_requests_loads_and_unloads() {
 
 /// One raw request on its own connection: its status and body.
 fn raw_http(port: u16, head: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    stream.write_all(head.as_bytes()).unwrap();
-    let mut out = String::new();
-    let _ = stream.read_to_string(&mut out);
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
+    let (status, out) = berth_tests::raw_http(port, head);
     let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
     (status, body.unwrap_or_default())
 }

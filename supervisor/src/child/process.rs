@@ -292,12 +292,7 @@ impl ProcessWatch {
     pub async fn stderr_tail(&self) -> Vec<String> {
         let mut closed = self.stderr_closed.clone();
         let _ = tokio::time::timeout(Duration::from_millis(250), closed.wait_for(|c| *c)).await;
-        self.stderr
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .cloned()
-            .collect()
+        self.stderr_lines()
     }
 
     /// The last stderr lines kept so far, without waiting.

@@ -41,8 +41,8 @@ pub fn run(args: EventsArgs) -> ExitCode {
                 }
                 let mut event_name = None;
                 let mut resume = false;
-                for line in BufReader::new(reply.body).lines() {
-                    let line = line.map_err(|e| ("io_error".to_string(), e.to_string()))?;
+                let mut body = BufReader::new(reply.body);
+                while let Some(line) = read_line(&mut body)? {
                     if let Some(name) = line.strip_prefix("event: ") {
                         event_name = Some(name.to_string());
                         continue;
@@ -89,6 +89,29 @@ pub fn run(args: EventsArgs) -> ExitCode {
         })(),
         json,
     )
+}
+
+/// The longest line taken from the stream: an event is one line of JSON
+/// (its stderr tail at most 20 lines of 4 KiB); something at `--url` that
+/// sends an endless line ends the command instead of filling its memory.
+const MAX_LINE: u64 = 1 << 20;
+
+/// The next line, without its newline; `None` at the end of the stream.
+fn read_line(body: &mut impl BufRead) -> Result<Option<String>, Failure> {
+    let mut line = String::new();
+    let n = std::io::Read::take(&mut *body, MAX_LINE)
+        .read_line(&mut line)
+        .map_err(|e| ("io_error".to_string(), e.to_string()))?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if !line.ends_with('\n') && n as u64 == MAX_LINE {
+        return Err((
+            "bad_stream".to_string(),
+            format!("the event stream sent a line longer than {MAX_LINE} bytes"),
+        ));
+    }
+    Ok(Some(line.trim_end_matches(['\n', '\r']).to_string()))
 }
 
 /// One event as a line: the time (UTC), its number, its type, its model, and

@@ -4,7 +4,7 @@
 //! Pure bookkeeping; `resilience.rs` acts on it.
 
 use std::collections::{HashSet, VecDeque};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -83,10 +83,7 @@ impl CrashHistory {
             cause: death.cause.clone(),
             description,
             stderr_tail: death.stderr_tail.clone(),
-            at_unix_s: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
+            at_unix_s: crate::base::unix_ms() / 1000,
         });
         quarantined
     }

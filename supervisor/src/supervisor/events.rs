@@ -12,7 +12,6 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
@@ -171,10 +170,7 @@ impl Default for Events {
 
 impl Events {
     pub(super) fn emit(&self, what: EventKind) {
-        let at_unix_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
+        let at_unix_ms = crate::base::unix_ms();
         // Numbered and sent under the history's lock, so followers see
         // events in their numbers' order.
         let mut history = self.history.lock().unwrap_or_else(|e| e.into_inner());

@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -87,7 +87,7 @@ impl History {
     /// The samples a load or an unload adds: the load report's memory, or
     /// the memory at the stop and then nothing.
     pub(super) fn record(&self, what: &EventKind) {
-        let now = now_ms();
+        let now = crate::base::unix_ms();
         let points: Vec<(&String, ModelSample)> = match what {
             EventKind::Loaded { model, report } => vec![(
                 model,
@@ -171,15 +171,8 @@ pub(super) async fn sampler(inner: Weak<Inner>) {
     }
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 fn sample(supervisor: &Supervisor) {
-    let at_unix_ms = now_ms();
+    let at_unix_ms = crate::base::unix_ms();
     let rows: Vec<(String, Option<Arc<crate::WorkerHandle>>, usize, bool)> = {
         let state = supervisor.lock();
         state

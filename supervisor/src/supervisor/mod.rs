@@ -100,6 +100,12 @@ struct Inner {
 }
 
 impl Inner {
+    /// Records an event, and the memory sample a load or unload adds.
+    fn emit(&self, what: EventKind) {
+        self.history.record(&what);
+        self.events.emit(what);
+    }
+
     /// Wakes whoever waits for a slot to change, the reaper included.
     fn notify_changed(&self) {
         self.changed.notify_waiters();
@@ -203,8 +209,7 @@ impl Supervisor {
 
     /// Records an event (and a load's or unload's memory sample).
     pub(crate) fn emit(&self, what: EventKind) {
-        self.inner.history.record(&what);
-        self.inner.events.emit(what);
+        self.inner.emit(what);
     }
 
     pub fn is_shutting_down(&self) -> bool {

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -260,10 +260,7 @@ impl Supervisor {
                             cause: None,
                             description: format!("restart failed: {e}"),
                             stderr_tail: Vec::new(),
-                            at_unix_s: SystemTime::now()
-                                .duration_since(UNIX_EPOCH)
-                                .map(|d| d.as_secs())
-                                .unwrap_or(0),
+                            at_unix_s: crate::base::unix_ms() / 1000,
                         });
                         match entry.health.next_restart(
                             Duration::ZERO,
@@ -414,7 +411,7 @@ impl Supervisor {
                 ),
                 _ => "it wore out".to_string(),
             };
-            inner.events.emit(EventKind::Recycling {
+            inner.emit(EventKind::Recycling {
                 model: model.into(),
                 pid: worker.pid(),
                 why,

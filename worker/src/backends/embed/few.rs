@@ -236,6 +236,18 @@ fn held(d: &Dense) -> Result<Held<'_>> {
     Held::of(&d.weight)
 }
 
+/// `out = x · dᵀ + bias`, one dispatch.
+fn product(d: &Dense, x: &[f32], out: &mut [f32]) -> Result<()> {
+    let w = held(d)?;
+    kernel::products(&mut [Product {
+        w: w.values()?,
+        bias: &d.bias,
+        x,
+        out,
+    }]);
+    Ok(())
+}
+
 fn run_layer(
     shape: &Shape,
     l: &SmallLayer,
@@ -266,35 +278,17 @@ fn run_layer(
         },
     ]);
     attention(shape, s, mask, len);
-    let wo = held(&l.attention_out)?;
-    kernel::products(&mut [Product {
-        w: wo.values()?,
-        bias: &l.attention_out.bias,
-        x: &s.context,
-        out: &mut s.next,
-    }]);
+    product(&l.attention_out, &s.context, &mut s.next)?;
     add_and_norm(&mut s.next, &x, &l.attention_norm, shape.eps);
     let x = std::mem::replace(&mut s.next, x);
-    let wi = held(&l.intermediate)?;
-    kernel::products(&mut [Product {
-        w: wi.values()?,
-        bias: &l.intermediate.bias,
-        x: &x,
-        out: &mut s.mid,
-    }]);
+    product(&l.intermediate, &x, &mut s.mid)?;
     match shape.act {
         // SAFETY: the caller checked `kernel::available`.
         HiddenAct::Gelu => unsafe { kernel::gelu(&mut s.mid, true) },
         HiddenAct::GeluApproximate => unsafe { kernel::gelu(&mut s.mid, false) },
         HiddenAct::Relu => s.mid.iter_mut().for_each(|v| *v = v.max(0.0)),
     }
-    let wout = held(&l.out)?;
-    kernel::products(&mut [Product {
-        w: wout.values()?,
-        bias: &l.out.bias,
-        x: &s.mid,
-        out: &mut s.next,
-    }]);
+    product(&l.out, &s.mid, &mut s.next)?;
     add_and_norm(&mut s.next, &x, &l.out_norm, shape.eps);
     Ok(std::mem::replace(&mut s.next, x))
 }
