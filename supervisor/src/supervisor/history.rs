@@ -199,8 +199,10 @@ fn sample(supervisor: &Supervisor) {
     let mut workers_rss = 0;
     let history = &supervisor.inner.history;
     let mut kept = history.inner.lock().unwrap_or_else(|e| e.into_inner());
-    let registered: Vec<&String> = rows.iter().map(|r| &r.0).collect();
-    kept.models.retain(|name, _| registered.contains(&name));
+    // Deregistered models' lines go (a set: up to 1024 models a second).
+    let registered: std::collections::BTreeSet<&str> = rows.iter().map(|r| r.0.as_str()).collect();
+    kept.models
+        .retain(|name, _| registered.contains(name.as_str()));
     for (name, worker, queued, on_gpu) in &rows {
         let sample = match worker {
             Some(w) => {
