@@ -4,7 +4,10 @@ the supervisor stops it with an error naming what it sent.
 Written from docs/wire.md alone, with the standard library only (no
 berth_worker), the way a third language would. `ROGUE_MODE` picks the
 offence; it behaves until the first request, then commits it (modes that
-break the handshake do so at once).
+break the handshake do so at once). One mode breaks no rule but is a fault
+all the same: `deaf` stops reading for a second at its first request, then
+echoes every request in order (the supervisor must queue what the socket
+does not take, without blocking its callers, and deliver it whole).
 """
 
 import array
@@ -16,6 +19,7 @@ import sys
 
 MODE = os.environ.get("ROGUE_MODE", "")
 SOCK = socket.socket(fileno=int(os.environ["BERTH_FD"]))
+DEAF_DONE = []
 
 
 def frame(header, payload=b""):
@@ -129,6 +133,13 @@ def main():
             send({"type": "pong", "seq": msg["seq"],
                   "stats": {"rss_bytes": 1, "peak_rss_bytes": 1, "progress": 0,
                             "requests_done": 0, "in_flight": 0}})
+        elif kind == "request" and MODE == "deaf":
+            if not DEAF_DONE:
+                import time
+
+                time.sleep(1.0)
+                DEAF_DONE.append(True)
+            send({"type": "done", "id": msg["id"], "body": msg.get("body")})
         elif kind == "request":
             offend(msg["id"])
         elif kind == "shutdown":

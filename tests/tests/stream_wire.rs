@@ -271,3 +271,56 @@ async fn a_refused_worker_reads_why_before_it_is_stopped() {
     assert!(!text.contains("berth_worker"), "no Python advice: {text}");
     assert!(workers_of_model("old-wire").is_empty());
 }
+
+/// A worker that stops reading: what the socket does not take waits in the
+/// supervisor's queue (the first frame partly written by its caller, the
+/// rest behind it), no caller blocks meanwhile, and once the worker reads
+/// again every frame arrives whole and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_stops_reading_gets_every_frame_whole_and_in_order() {
+    let sup = std::sync::Arc::new(supervisor());
+    sup.load(ModelSpec::new("bystander", "echo")).await.unwrap();
+    sup.load(rogue("deaf", "deaf")).await.unwrap();
+    // The first request makes it deaf for a second; the next ones, far
+    // larger than the socket's buffer together, are sent meanwhile.
+    let first = {
+        let sup = std::sync::Arc::clone(&sup);
+        tokio::spawn(async move { sup.request("deaf", Body::json(r#"{"first":true}"#)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let bodies: Vec<String> = (0..6)
+        .map(|k| {
+            format!(
+                r#"{{"k":{k},"pad":"{}"}}"#,
+                char::from(b'a' + k as u8).to_string().repeat(300_000)
+            )
+        })
+        .collect();
+    let pending: Vec<_> = bodies
+        .iter()
+        .map(|body| {
+            let sup = std::sync::Arc::clone(&sup);
+            let body = body.clone();
+            tokio::spawn(async move { sup.request("deaf", Body::json(body)).await })
+        })
+        .collect();
+    // No caller is stuck in a write: the runtime's two threads still serve
+    // another model while the deaf one's frames wait.
+    let answer = sup
+        .request("bystander", Body::json(r#"{"still":"here"}"#))
+        .await
+        .unwrap();
+    assert_eq!(answer.json.replace(' ', ""), r#"{"still":"here"}"#);
+    assert!(
+        pending.iter().all(|p| !p.is_finished()) && !first.is_finished(),
+        "the deaf worker answered before it read again"
+    );
+    first.await.unwrap().unwrap();
+    for (body, handle) in bodies.iter().zip(pending) {
+        let got = handle.await.unwrap().unwrap();
+        let got: serde_json::Value = serde_json::from_str(&got.json).unwrap();
+        let sent: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(got, sent, "an answer came back changed");
+    }
+    sup.shutdown().await;
+}

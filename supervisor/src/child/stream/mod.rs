@@ -2,22 +2,28 @@
 //! any language on one end of a socket pair.
 //!
 //! One registration with tokio's reactor serves both directions: the reader
-//! ([`StreamReader`]) decodes frames as they arrive, the writer is a task
-//! draining a queue, so a worker that stops reading never blocks a caller
-//! (its frames wait in the queue, which admission bounds). Neither is a
-//! thread of its own.
+//! ([`StreamReader`]) decodes frames as they arrive. A frame to send is
+//! written by the caller's own thread, at once and without blocking, when
+//! nothing waits before it (the common case: one `sendmsg`, no thread
+//! woken); whatever the socket does not take at once waits in a queue that
+//! a task drains as the socket drains, so a worker that stops reading
+//! never blocks a caller (its frames wait in the queue, which admission
+//! bounds). Handing every frame to the writer task instead cost a thread
+//! wake-up per request, and on a 2-vCPU host that wake could land behind
+//! the caller's own answer spin (docs/performance.md, "Workers in Python").
 
 pub(crate) mod io;
 
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use berth_protocol::stream::{
     self as wire, BulkRef, FrameDecoder, MEMFD_THRESHOLD, StreamHello, Violation, WorkerMessage,
 };
 use berth_protocol::{Body, Bulk, Command, Event, LoadInfo};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 
 /// What a stream worker sends, checked.
 #[derive(Debug)]
@@ -48,21 +54,68 @@ impl std::fmt::Debug for StreamReader {
     }
 }
 
-/// A frame waiting to be written, with the memfd that rides on it.
+/// A frame not yet wholly written: its bytes from `sent` on, and the memfd
+/// that rides on its first byte (gone once that byte is sent).
 struct OutFrame {
     bytes: Vec<u8>,
+    sent: usize,
     memfd: Option<OwnedFd>,
-}
-
-/// The writing half: a queue drained by a task.
-#[derive(Debug, Clone)]
-pub(crate) struct StreamWriter {
-    queue: mpsc::UnboundedSender<OutFrame>,
 }
 
 impl std::fmt::Debug for OutFrame {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "OutFrame({} bytes)", self.bytes.len())
+        write!(
+            f,
+            "OutFrame({} of {} bytes sent)",
+            self.sent,
+            self.bytes.len()
+        )
+    }
+}
+
+/// What the senders and the writer task share.
+#[derive(Debug)]
+struct Outbox {
+    socket: Arc<AsyncFd<OwnedFd>>,
+    state: Mutex<OutState>,
+    /// Wakes the writer task: a frame was queued, or the senders are gone.
+    queued: Notify,
+}
+
+#[derive(Debug, Default)]
+struct OutState {
+    /// Frames waiting for the socket, in order; the first may be partly sent.
+    queue: VecDeque<OutFrame>,
+    /// The writer task holds a frame it took from the queue: later frames
+    /// must queue behind it.
+    writing: bool,
+    /// A write failed (the worker is gone): nothing more is sent.
+    broken: bool,
+    /// Every sender is gone: the writer task ends once the queue is empty.
+    senders_gone: bool,
+}
+
+impl Outbox {
+    fn state(&self) -> MutexGuard<'_, OutState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The writing half. Cloned freely; the writer task ends when the last
+/// clone is dropped and what was queued has been written.
+#[derive(Debug, Clone)]
+pub(crate) struct StreamWriter {
+    senders: Arc<Senders>,
+}
+
+/// Dropped with the last [`StreamWriter`]: tells the writer task.
+#[derive(Debug)]
+struct Senders(Arc<Outbox>);
+
+impl Drop for Senders {
+    fn drop(&mut self) {
+        self.0.state().senders_gone = true;
+        self.0.queued.notify_one();
     }
 }
 
@@ -81,54 +134,129 @@ pub(crate) fn connect(ours: OwnedFd) -> std::io::Result<(StreamReader, StreamWri
     // SAFETY: an `OwnedFd` is a valid open descriptor that stays open, and
     // its `as_raw_fd` always names it, until the `AsyncFd` drops it.
     let socket = Arc::new(unsafe { AsyncFd::register(ours) }.map_err(|e| e.into_parts().1)?);
-    let (queue, rx) = mpsc::unbounded_channel();
-    tokio::spawn(write_frames(Arc::clone(&socket), rx));
+    let outbox = Arc::new(Outbox {
+        socket: Arc::clone(&socket),
+        state: Mutex::new(OutState::default()),
+        queued: Notify::new(),
+    });
+    tokio::spawn(write_queued(Arc::clone(&outbox)));
     Ok((
         StreamReader {
             socket,
             decoder: FrameDecoder::new(),
             buf: vec![0; 64 << 10],
         },
-        StreamWriter { queue },
+        StreamWriter {
+            senders: Arc::new(Senders(outbox)),
+        },
     ))
 }
 
-async fn write_frames(socket: Arc<AsyncFd<OwnedFd>>, mut rx: mpsc::UnboundedReceiver<OutFrame>) {
-    while let Some(frame) = rx.recv().await {
-        if let Err(e) = write_frame(&socket, frame).await {
+/// One non-blocking `sendmsg` of what is left of `frame`; `WouldBlock`
+/// when the socket takes nothing now.
+fn send_rest(sock: std::os::fd::RawFd, frame: &mut OutFrame) -> std::io::Result<()> {
+    let fd = frame.memfd.as_ref().map(AsRawFd::as_raw_fd);
+    let n = io::send(sock, &frame.bytes[frame.sent..], fd.as_slice())?;
+    frame.sent += n;
+    // It rode on the first byte; the kernel holds its own copy.
+    frame.memfd = None;
+    Ok(())
+}
+
+/// [`send_rest`] for a sender: `Ok(true)` once all of `frame` is sent,
+/// `Ok(false)` when the socket took only part of it, or none.
+fn write_some(socket: &AsyncFd<OwnedFd>, frame: &mut OutFrame) -> std::io::Result<bool> {
+    match send_rest(socket.as_raw_fd(), frame) {
+        Ok(()) => Ok(frame.sent == frame.bytes.len()),
+        Err(e)
+            if e.kind() == std::io::ErrorKind::WouldBlock
+                || e.kind() == std::io::ErrorKind::Interrupted =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The writer task: writes the queued frames in order as the socket takes
+/// them.
+async fn write_queued(outbox: Arc<Outbox>) {
+    loop {
+        let next = {
+            let mut state = outbox.state();
+            match state.queue.pop_front() {
+                Some(frame) => {
+                    state.writing = true;
+                    Some(frame)
+                }
+                None => {
+                    state.writing = false;
+                    if state.senders_gone || state.broken {
+                        return;
+                    }
+                    None
+                }
+            }
+        };
+        let Some(mut frame) = next else {
+            outbox.queued.notified().await;
+            continue;
+        };
+        if let Err(e) = write_frame(&outbox.socket, &mut frame).await {
             // The worker is gone (EPIPE) or its socket broke; its death, or
             // the reader's end of file, is what the requests hear.
             tracing::debug!("stream writer stopped: {e}");
+            let mut state = outbox.state();
+            state.broken = true;
+            state.writing = false;
+            state.queue.clear();
             return;
         }
     }
 }
 
-async fn write_frame(socket: &AsyncFd<OwnedFd>, frame: OutFrame) -> std::io::Result<()> {
-    let mut sent = 0;
-    let mut memfd = frame.memfd;
-    while sent < frame.bytes.len() {
+async fn write_frame(socket: &AsyncFd<OwnedFd>, frame: &mut OutFrame) -> std::io::Result<()> {
+    while frame.sent < frame.bytes.len() {
         let mut guard = socket.writable().await?;
-        let rest = &frame.bytes[sent..];
-        let fd = memfd.as_ref().map(AsRawFd::as_raw_fd);
-        match guard.try_io(|s| io::send(s.as_raw_fd(), rest, fd.as_slice())) {
-            Ok(Ok(n)) => {
-                sent += n;
-                // It rode on the first byte; the kernel holds its own copy.
-                memfd = None;
-            }
+        match guard.try_io(|s| send_rest(s.as_raw_fd(), frame)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Ok(Err(e)) => return Err(e),
-            Err(_would_block) => continue,
+            Err(_would_block) => {}
         }
     }
     Ok(())
 }
 
 impl StreamWriter {
+    /// Writes the frame now if nothing waits before it and the socket takes
+    /// it; queues what is left for the writer task otherwise.
     fn push(&self, bytes: Vec<u8>, memfd: Option<OwnedFd>) -> Result<(), SendError> {
-        self.queue
-            .send(OutFrame { bytes, memfd })
-            .map_err(|_| SendError::Closed)
+        let outbox = &self.senders.0;
+        let mut frame = OutFrame {
+            bytes,
+            sent: 0,
+            memfd,
+        };
+        let mut state = outbox.state();
+        if state.broken {
+            return Err(SendError::Closed);
+        }
+        if state.queue.is_empty() && !state.writing {
+            match write_some(&outbox.socket, &mut frame) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::debug!("stream writer stopped: {e}");
+                    state.broken = true;
+                    return Err(SendError::Closed);
+                }
+            }
+        }
+        state.queue.push_back(frame);
+        drop(state);
+        outbox.queued.notify_one();
+        Ok(())
     }
 
     /// Sends a bare header (`welcome`, `refused`).
