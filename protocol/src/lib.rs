@@ -51,11 +51,6 @@ pub const ENV_MODEL_NAME: &str = "BERTH_MODEL";
 /// also gets `CUDA_VISIBLE_DEVICES`, so CUDA numbers them from 0.
 pub const ENV_GPUS: &str = "BERTH_GPUS";
 
-/// Environment variable holding, in microseconds, how long a worker that
-/// just answered polls for its next command before it blocks (the
-/// supervisor's `answer_spin` / 4; `0` or absent: it blocks at once).
-pub const ENV_ANSWER_SPIN: &str = "BERTH_ANSWER_SPIN_US";
-
 /// Request identifier, unique per worker for the worker's lifetime.
 pub type RequestId = u64;
 

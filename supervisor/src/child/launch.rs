@@ -40,12 +40,6 @@ fn ms(d: Duration) -> f64 {
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
 /// by the supervisor's placement) when the model asks for GPUs. `spawned`
 /// hears the worker's pid as soon as it runs.
-/// How long a worker polls after an answer: a quarter of the callers'
-/// `answer_spin` (25 µs at the default), enough for a caller's turnaround.
-fn worker_spin(answer_spin: Duration) -> Duration {
-    answer_spin.min(crate::config::MAX_ANSWER_SPIN) / 4
-}
-
 pub(crate) async fn launch(
     spec: &ModelSpec,
     config: &SupervisorConfig,
@@ -88,12 +82,6 @@ pub(crate) async fn launch(
     if program.wire == Wire::Http {
         return launch_server(spec, config, program, env, weights, gpus, spawned, started).await;
     }
-    // A berth worker that just answered polls briefly for its next command,
-    // so that a caller's next request does not find its vCPU halted.
-    env.push((
-        berth_protocol::ENV_ANSWER_SPIN.into(),
-        worker_spin(config.answer_spin).as_micros().to_string(),
-    ));
     // The wire's listening end: a one-shot ipc server, or a socket pair
     // whose other end the child inherits (closed here once it is started).
     let listen = || -> Result<Listening> {

@@ -18,11 +18,12 @@
 //!   thread did, until the executor is idle again and the channel goes
 //!   back to it.
 //!
-//! An executor that has just answered polls the channel for up to the
-//! supervisor's `answer_spin` / 4 (25 µs by default) before it blocks: a
-//! caller's next request, a few microseconds later, then finds it awake
-//! rather than waking a halted vCPU (measured: `Supervisor::request` 30 →
-//! 14 µs on the 2-vCPU VM). Only after an answer, never while idle.
+//! An executor that has answered blocks at once for the next command. It
+//! used to poll for a quarter of the supervisor's `answer_spin` first, so
+//! that a caller's next request found it awake; from an idle machine that
+//! poll kept the caller, woken on the same vCPU, from running, and it is
+//! the supervisor's reader that polls now, after an answer it delivered
+//! (docs/performance.md, "A short spin").
 //!
 //! No timer is armed per request: the watch checks every [`WATCH`] for
 //! [`LINGER`] after the last job and then sleeps until the next job wakes
@@ -105,8 +106,6 @@ pub(super) struct Duty {
     queue: mpsc::Sender<Queued>,
     events: IpcSender<Event>,
     shared: Arc<Shared>,
-    /// How long the executor polls for the next command after an answer.
-    spin: Duration,
 }
 
 /// The executor's side: the duty and the jobs queued for it.
@@ -143,7 +142,6 @@ impl Duty {
             queue,
             events,
             shared,
-            spin: spin_from_env(),
         });
         let inbox = Inbox {
             duty: Arc::clone(&duty),
@@ -305,21 +303,16 @@ impl Inbox {
                 Ok(Queued::Resume) => continue,
                 Err(_) => {}
             }
-            let (mine, just_busy) = {
+            let mine = {
                 let mut state = duty.state();
-                let was = state.busy_since.take().is_some();
-                if was {
+                if state.busy_since.take().is_some() {
                     state.last_busy = Instant::now();
                 }
-                (state.reader == Reader::Executor, was)
+                state.reader == Reader::Executor
             };
             if mine {
                 let commands = duty.commands.lock().unwrap_or_else(|e| e.into_inner());
-                let spin = if just_busy { duty.spin } else { Duration::ZERO };
-                let read = match poll_for(&commands, spin) {
-                    Some(read) => read,
-                    None => commands.recv(),
-                };
+                let read = commands.recv();
                 drop(commands);
                 match read {
                     Ok(command) => {
@@ -440,32 +433,4 @@ impl Jobs for Inbox {
             }
         }
     }
-}
-
-/// The next command if one comes within `spin` (polled, never blocking),
-/// else `None`: the executor then blocks. Measured on the 2-vCPU VM: a
-/// worker that blocks the moment it has answered lets its vCPU halt, and
-/// the caller's next request, a few microseconds later, pays the wake-up
-/// through the hypervisor (docs/performance.md, "A short spin").
-fn poll_for(commands: &IpcReceiver<Command>, spin: Duration) -> Option<Result<Command, IpcError>> {
-    if spin.is_zero() {
-        return None;
-    }
-    let started = Instant::now();
-    while started.elapsed() < spin {
-        match commands.try_recv() {
-            Ok(command) => return Some(Ok(command)),
-            Err(TryRecvError::Empty) => std::hint::spin_loop(),
-            Err(TryRecvError::IpcError(e)) => return Some(Err(e)),
-        }
-    }
-    None
-}
-
-/// The poll after an answer the supervisor asked for (`ENV_ANSWER_SPIN`).
-fn spin_from_env() -> Duration {
-    std::env::var(berth_protocol::ENV_ANSWER_SPIN)
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(Duration::ZERO, |us| Duration::from_micros(us.min(1_000)))
 }

@@ -146,6 +146,7 @@ impl WorkerHandle {
             pongs: pong_tx,
             max_response,
             process: Arc::clone(&process),
+            answer_spin,
         };
         match events {
             Events::Ipc(receiver) => {
