@@ -95,6 +95,26 @@ class FrameBytesTests(unittest.TestCase):
         with self.assertRaises(TypeError):
             encode_frame({"type": "done", "id": 1, "body": object()})
 
+    def test_a_failed_encode_leaves_nothing_behind(self) -> None:
+        # The encoder is made once per thread; a failure inside a container
+        # must not leave that container marked as being encoded.
+        body = {"list": [1, 2]}
+        body["list"].append(body)
+        with self.assertRaises(ValueError):
+            encode_frame({"type": "done", "id": 1, "body": body})
+        inner = {"a": [float("nan")]}
+        with self.assertRaises(ValueError):
+            encode_frame({"type": "done", "id": 2, "body": inner})
+        inner["a"] = [1.5]
+        self.assertIn(b'{"a":[1.5]}', encode_frame({"type": "done", "id": 3, "body": inner}))
+
+    def test_each_thread_encodes_alike(self) -> None:
+        frames = []
+        worker = threading.Thread(target=lambda: frames.append(encode_frame({"type": "pong", "seq": 1})))
+        worker.start()
+        worker.join()
+        self.assertEqual(frames, [encode_frame({"type": "pong", "seq": 1})])
+
     def test_a_frame_longer_than_64_mib_is_refused(self) -> None:
         with self.assertRaises(wire.FrameTooLarge):
             encode_frame({"type": "done", "id": 1, "body": "x" * (64 * MIB)})
@@ -143,6 +163,12 @@ class DecodingLimitTests(unittest.TestCase):
     def test_header_not_json(self) -> None:
         self.refused(struct.pack("<II", 7, 3) + b"{x}", "not JSON")
         self.refused(struct.pack("<II", 7, 3) + b"NaN", "not JSON")
+        self.refused(struct.pack("<II", 4 + 22, 22) + b'{"type":"x","n":NaN}  ', "not JSON")
+        self.refused(struct.pack("<II", 4 + 14, 14) + b'{"type":"x"}{}', "not JSON")
+
+    def test_header_with_whitespace_around_it(self) -> None:
+        raw = b' \n{ "type" : "x" }\t '
+        self.assertEqual(self.read_raw(struct.pack("<II", 4 + len(raw), len(raw)) + raw).header, {"type": "x"})
 
     def test_undeclared_payload(self) -> None:
         self.refused(pack({"type": "request", "id": 1}, b"abc"), "does not declare")
