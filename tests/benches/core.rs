@@ -7,7 +7,8 @@
 //! percentile spread):
 //! - an `echo` round trip through berth vs a bare `ipc-channel` round trip
 //!   between this process and a peer process that echoes (this bench,
-//!   started again as the peer);
+//!   started again as the peer), with rounds that start from idle and
+//!   rounds that start back to back (`bench::STARTS`);
 //! - a 64 MiB payload through the worker in shared memory and inside the
 //!   message vs two plain `memcpy`s of 64 MiB (in and out);
 //! - spawn → ready for `echo` vs spawning and reaping `true`.
@@ -18,11 +19,11 @@
 //! Without a baseline, for scale: the echo backend called in-process. The
 //! unload of 1 GiB against the kernel's own is the `unload` bench.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use berth::{Body, Bulk, ModelSpec, Supervisor};
 use berth_protocol::LoadSpec;
-use berth_tests::bench::{Rounds, echo_config, machine, median, runtime};
+use berth_tests::bench::{Rounds, STARTS, echo_config, machine, median, runtime};
 use berth_worker::{LoadContext, Registry, RequestContext};
 use ipc_channel::ipc::{self, IpcOneShotServer, IpcReceiver, IpcSender, IpcSharedMemory};
 
@@ -81,9 +82,14 @@ impl Drop for BarePeer {
     }
 }
 
-/// Median seconds of `n` round trips of `f`.
-async fn per_call<F: std::future::Future>(n: usize, mut f: impl FnMut() -> F) -> f64 {
+/// Median seconds of `n` round trips of `f`, after `pause`.
+async fn per_call<F: std::future::Future>(
+    n: usize,
+    pause: Duration,
+    mut f: impl FnMut() -> F,
+) -> f64 {
     let mut v = Vec::with_capacity(n);
+    std::thread::sleep(pause);
     for _ in 0..n {
         let t = Instant::now();
         std::hint::black_box(f().await);
@@ -104,39 +110,41 @@ async fn round_trips(sup: &Supervisor) {
     let through_handle = || async { worker.call(Body::json(text)).await.unwrap() };
     let bare = || async { peer.round_trip(text) };
     for _ in 0..3 {
-        per_call(PER_ROUND, through_request).await;
-        per_call(PER_ROUND, through_handle).await;
-        per_call(PER_ROUND, bare).await;
+        per_call(PER_ROUND, Duration::ZERO, through_request).await;
+        per_call(PER_ROUND, Duration::ZERO, through_handle).await;
+        per_call(PER_ROUND, Duration::ZERO, bare).await;
     }
-    let (mut requests, mut calls) = (Rounds::new(), Rounds::new());
-    for round in 0..ROUNDS {
-        // Three sides: each takes each place in turn.
-        let mut times = [0.0; 3];
-        for k in 0..3 {
-            let side = (round + k) % 3;
-            times[side] = match side {
-                0 => per_call(PER_ROUND, through_request).await,
-                1 => per_call(PER_ROUND, through_handle).await,
-                _ => per_call(PER_ROUND, bare).await,
-            };
+    for (start, pause) in STARTS {
+        let (mut requests, mut calls) = (Rounds::new(), Rounds::new());
+        for round in 0..ROUNDS {
+            // Three sides: each takes each place in turn.
+            let mut times = [0.0; 3];
+            for k in 0..3 {
+                let side = (round + k) % 3;
+                times[side] = match side {
+                    0 => per_call(PER_ROUND, pause, through_request).await,
+                    1 => per_call(PER_ROUND, pause, through_handle).await,
+                    _ => per_call(PER_ROUND, pause, bare).await,
+                };
+            }
+            requests.push(times[0], times[2]);
+            calls.push(times[1], times[2]);
         }
-        requests.push(times[0], times[2]);
-        calls.push(times[1], times[2]);
+        requests.print(
+            &format!("echo round trip, {start}"),
+            "`Supervisor::request`",
+            "bare `ipc-channel`",
+            "µs",
+            1e6,
+        );
+        calls.print(
+            &format!("echo round trip, {start}"),
+            "the worker's handle (`call`)",
+            "bare `ipc-channel`",
+            "µs",
+            1e6,
+        );
     }
-    requests.print(
-        "echo round trip",
-        "`Supervisor::request`",
-        "bare `ipc-channel`",
-        "µs",
-        1e6,
-    );
-    calls.print(
-        "echo round trip",
-        "the worker's handle (`call`)",
-        "bare `ipc-channel`",
-        "µs",
-        1e6,
-    );
     sup.unload("echo").await.unwrap();
     drop(peer);
 
@@ -150,7 +158,7 @@ async fn round_trips(sup: &Supervisor) {
         .load(&spec, &LoadContext::standalone())
         .unwrap();
     let ctx = RequestContext::standalone();
-    let local = per_call(5000, || {
+    let local = per_call(5000, Duration::ZERO, || {
         let reply = backend.handle(Body::json(text), &ctx).unwrap();
         async move { reply }
     })

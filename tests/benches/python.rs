@@ -5,7 +5,8 @@
 //! `cargo build --release --workspace --bins && cargo bench -p berth-tests --bench python`
 //!
 //! - echo round trip through berth to `python3 -m berth_worker` vs a bare
-//!   Python echo over the same kind of socket and framing;
+//!   Python echo over the same kind of socket and framing, with rounds that
+//!   start from idle and rounds that start back to back (`bench::STARTS`);
 //! - 64 MiB of bulk bytes through the Python echo (a sealed memfd each way)
 //!   vs two plain memcpys of 64 MiB;
 //! - spawn to ready for a Python worker vs `python3 -c pass`.
@@ -21,7 +22,7 @@ use std::os::unix::process::CommandExt;
 use std::time::Instant;
 
 use berth::{Body, Bulk, ModelSpec, Supervisor};
-use berth_tests::bench::{Rounds, echo_config, machine, median, timed};
+use berth_tests::bench::{Rounds, STARTS, echo_config, machine, median, timed};
 use berth_tests::python::{python_worker_command, repo_root, test_python};
 
 /// The bare baseline: `bare_echo.py` on one end of a socket pair.
@@ -81,26 +82,30 @@ async fn round_trips(sup: &Supervisor) {
         worker.call(body()).await.unwrap();
         bare.round_trip(&frame, &mut buf);
     }
-    let mut rounds = Rounds::new();
-    for _ in 0..30 {
-        let mut v = Vec::with_capacity(200);
-        for _ in 0..200 {
-            let t = Instant::now();
-            worker.call(body()).await.unwrap();
-            v.push(t.elapsed().as_secs_f64());
+    for (start, pause) in STARTS {
+        let mut rounds = Rounds::new();
+        for _ in 0..30 {
+            let mut v = Vec::with_capacity(200);
+            std::thread::sleep(pause);
+            for _ in 0..200 {
+                let t = Instant::now();
+                worker.call(body()).await.unwrap();
+                v.push(t.elapsed().as_secs_f64());
+            }
+            rounds.a.push(median(&mut v));
+            std::thread::sleep(pause);
+            rounds
+                .b
+                .push(timed(200, || bare.round_trip(&frame, &mut buf)));
         }
-        rounds.a.push(median(&mut v));
-        rounds
-            .b
-            .push(timed(200, || bare.round_trip(&frame, &mut buf)));
+        rounds.print(
+            &format!("echo round trip, {start}"),
+            "berth → Python worker",
+            "bare Python socket",
+            "µs",
+            1e6,
+        );
     }
-    rounds.print(
-        "echo round trip",
-        "berth → Python worker",
-        "bare Python socket",
-        "µs",
-        1e6,
-    );
 
     const BULK: usize = 64 << 20;
     let bytes: Vec<u8> = (0..BULK).map(|i| (i % 251) as u8).collect();

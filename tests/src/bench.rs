@@ -80,6 +80,19 @@ pub fn alternate(rounds: usize, mut a: impl FnMut() -> f64, mut b: impl FnMut() 
     out
 }
 
+/// How a round of quick round trips starts, each a row of its own: after
+/// a pause of 100 ms (from an idle machine, as a request at low load does),
+/// or at once after the last round (back to back). The two differ on a
+/// small VM: the scheduler's view of the last round (which threads were
+/// busy, on which vCPU) decides where the next round's threads wake. Back
+/// to back, the same bare echo read 11 or 45 µs depending on what ran
+/// before it; a fault that only showed from idle (a worker woken behind the
+/// caller's spin) went unseen while only back-to-back rounds were run.
+pub const STARTS: [(&str, Duration); 2] = [
+    ("from idle", Duration::from_millis(100)),
+    ("back to back", Duration::ZERO),
+];
+
 /// Times `n` calls of `f`, returns the median in seconds.
 pub fn timed(n: usize, mut f: impl FnMut()) -> f64 {
     let mut v: Vec<f64> = (0..n)
