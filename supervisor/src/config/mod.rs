@@ -459,9 +459,10 @@ pub struct SupervisorConfig {
     /// within this keeps polling for the answer before it parks (default
     /// 100 µs; zero never spins; a longer one is held to 1 ms). See
     /// docs/performance.md, "Core": it trades that much CPU per quick
-    /// request for the wake-up a parked caller's idle vCPU costs. A worker
-    /// that has just answered polls a quarter of it for its next command
-    /// before it blocks, for the same reason.
+    /// request for the wake-up a parked caller's idle vCPU costs; the
+    /// caller yields its CPU between polls. The thread that reads a Rust
+    /// worker's answers polls half of it after each answer before it
+    /// blocks, for the same reason.
     pub answer_spin: Duration,
 }
 
