@@ -87,7 +87,7 @@ impl Supervisor {
         // The weights are measured on disk before the state lock is taken.
         let registered = self.lock().catalogue.get(model).map(|e| e.spec.clone());
         let disk = match &registered {
-            Some(spec) => super::admission::disk_footprint(spec).await,
+            Some(spec) => super::footprint::disk_footprint(spec).await,
             None => 0,
         };
         let (spec, need) = {
@@ -418,7 +418,7 @@ impl Supervisor {
             }
             this.inner.notify_changed();
         };
-        let disk = super::admission::disk_footprint(&spec).await;
+        let disk = super::footprint::disk_footprint(&spec).await;
         let need = {
             let state = self.lock();
             Need::new(&spec, state.catalogue.get(&model), true, disk)

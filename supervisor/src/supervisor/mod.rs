@@ -33,6 +33,7 @@ mod catalogue;
 mod counters;
 mod crashes;
 mod events;
+mod footprint;
 mod history;
 mod keep_alive;
 mod lifecycle;
@@ -54,7 +55,7 @@ pub use types::{
     BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport,
 };
 
-use admission::Need;
+use footprint::Need;
 use slot::{Entry, Slot};
 
 /// Default per-model concurrency and queue bounds.

@@ -314,7 +314,7 @@ impl Supervisor {
             return Ok(None);
         }
         let _gate = self.inner.load_gate.lock().await;
-        let disk = super::admission::disk_footprint(spec).await;
+        let disk = super::footprint::disk_footprint(spec).await;
         let need = {
             let state = self.lock();
             Need {
