@@ -6,8 +6,10 @@ berth_worker), the way a third language would. `ROGUE_MODE` picks the
 offence; it behaves until the first request, then commits it (modes that
 break the handshake do so at once). One mode breaks no rule but is a fault
 all the same: `deaf` stops reading for a second at its first request, then
-echoes every request in order (the supervisor must queue what the socket
-does not take, without blocking its callers, and deliver it whole).
+reads slowly, in small pieces, and answers each request with its body, the order it came in and the number
+of descriptors that came with it (the supervisor must queue what the
+socket does not take, without blocking its callers, and deliver it whole
+and in order).
 """
 
 import array
@@ -16,10 +18,12 @@ import os
 import socket
 import struct
 import sys
+import time
 
 MODE = os.environ.get("ROGUE_MODE", "")
 SOCK = socket.socket(fileno=int(os.environ["BERTH_FD"]))
 DEAF_DONE = []
+FDS = []
 
 
 def frame(header, payload=b""):
@@ -38,9 +42,22 @@ def send(header, payload=b"", fds=()):
 
 
 def recv_exact(n):
+    """Exactly n bytes; descriptors that came with them go to FDS (a frame
+    is read in exact pieces, so they came with the frame being read)."""
     buf = b""
     while len(buf) < n:
-        got = SOCK.recv(n - len(buf))
+        want = n - len(buf)
+        if MODE == "deaf" and DEAF_DONE:
+            # Hard of hearing after: reads in small pieces, slowly, so that
+            # the supervisor still has frames queued when more are sent.
+            want = min(want, 65536)
+            time.sleep(0.0005)
+        got, ancillary, _, _ = SOCK.recvmsg(want, socket.CMSG_SPACE(16))
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                FDS.extend(fds)
         if not got:
             sys.exit(0)
         buf += got
@@ -135,11 +152,14 @@ def main():
                             "requests_done": 0, "in_flight": 0}})
         elif kind == "request" and MODE == "deaf":
             if not DEAF_DONE:
-                import time
-
                 time.sleep(1.0)
-                DEAF_DONE.append(True)
-            send({"type": "done", "id": msg["id"], "body": msg.get("body")})
+            DEAF_DONE.append(True)
+            fds = len(FDS)
+            for fd in FDS:
+                os.close(fd)
+            FDS.clear()
+            body = {"seen": len(DEAF_DONE), "fds": fds, "body": msg.get("body")}
+            send({"type": "done", "id": msg["id"], "body": body})
         elif kind == "request":
             offend(msg["id"])
         elif kind == "shutdown":

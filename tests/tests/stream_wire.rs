@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use berth::{Body, ModelSpec};
+use berth::{Body, Bulk, ModelSpec};
 use berth_tests::python::{python_worker_command, rogue_worker};
 use berth_tests::*;
 
@@ -273,54 +273,74 @@ async fn a_refused_worker_reads_why_before_it_is_stopped() {
 }
 
 /// A worker that stops reading: what the socket does not take waits in the
-/// supervisor's queue (the first frame partly written by its caller, the
-/// rest behind it), no caller blocks meanwhile, and once the worker reads
-/// again every frame arrives whole and in order.
+/// supervisor's queue (the first large frame partly written by its caller,
+/// the rest behind it), no caller blocks meanwhile, and once the worker
+/// reads again (slowly) every frame arrives whole and in the order it was
+/// sent, a memfd with the frame that declares it, those sent while the
+/// queue drains included (a caller writing past the queue would cut into
+/// the frame being drained).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_stops_reading_gets_every_frame_whole_and_in_order() {
-    let sup = std::sync::Arc::new(supervisor());
+    let sup = supervisor();
     sup.load(ModelSpec::new("bystander", "echo")).await.unwrap();
     sup.load(rogue("deaf", "deaf")).await.unwrap();
-    // The first request makes it deaf for a second; the next ones, far
-    // larger than the socket's buffer together, are sent meanwhile.
-    let first = {
-        let sup = std::sync::Arc::clone(&sup);
-        tokio::spawn(async move { sup.request("deaf", Body::json(r#"{"first":true}"#)).await })
+    let worker = sup.worker("deaf").unwrap();
+    // 1 MiB of JSON each; the fourth also carries bulk bytes, which go in
+    // a memfd.
+    let body = |k: u8| {
+        let json = format!(
+            r#"{{"k":{k},"pad":"{}"}}"#,
+            char::from(b'a' + k % 26).to_string().repeat(1 << 20)
+        );
+        let bulk = if k == 3 {
+            Bulk::Inline(vec![7; 100_000])
+        } else {
+            Bulk::None
+        };
+        Body { json, bulk }
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let bodies: Vec<String> = (0..6)
-        .map(|k| {
-            format!(
-                r#"{{"k":{k},"pad":"{}"}}"#,
-                char::from(b'a' + k as u8).to_string().repeat(300_000)
-            )
-        })
-        .collect();
-    let pending: Vec<_> = bodies
-        .iter()
-        .map(|body| {
-            let sup = std::sync::Arc::clone(&sup);
-            let body = body.clone();
-            tokio::spawn(async move { sup.request("deaf", Body::json(body)).await })
-        })
-        .collect();
-    // No caller is stuck in a write: the runtime's two threads still serve
-    // another model while the deaf one's frames wait.
+    // The first request makes it deaf for a second.
+    let mut first = worker.call_stream(Body::json(r#"{"first":true}"#)).unwrap();
+    let first = tokio::spawn(async move { first.next().await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Six sent while it is deaf, in this order, by calls that return once
+    // the frame is written or queued: far more than a socket buffer.
+    let mut sent = Vec::new();
+    let mut streams = Vec::new();
+    for k in 0..6 {
+        let b = body(k);
+        sent.push(serde_json::from_str::<serde_json::Value>(&b.json).unwrap());
+        streams.push(worker.call_stream(b).unwrap());
+    }
+    // The runtime's two threads still serve another model meanwhile.
     let answer = sup
         .request("bystander", Body::json(r#"{"still":"here"}"#))
         .await
         .unwrap();
     assert_eq!(answer.json.replace(' ', ""), r#"{"still":"here"}"#);
     assert!(
-        pending.iter().all(|p| !p.is_finished()) && !first.is_finished(),
+        !first.is_finished(),
         "the deaf worker answered before it read again"
     );
-    first.await.unwrap().unwrap();
-    for (body, handle) in bodies.iter().zip(pending) {
-        let got = handle.await.unwrap().unwrap();
+    assert!(matches!(
+        first.await.unwrap(),
+        Some(Ok(berth::Piece::Done(_)))
+    ));
+    // Six more while it reads the queue, slowly: each must wait its turn.
+    for k in 6..12 {
+        let b = body(k);
+        sent.push(serde_json::from_str::<serde_json::Value>(&b.json).unwrap());
+        streams.push(worker.call_stream(b).unwrap());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for (k, (mut stream, sent)) in streams.into_iter().zip(sent).enumerate() {
+        let Some(Ok(berth::Piece::Done(got))) = stream.next().await else {
+            panic!("request {k} was not answered");
+        };
         let got: serde_json::Value = serde_json::from_str(&got.json).unwrap();
-        let sent: serde_json::Value = serde_json::from_str(body).unwrap();
-        assert_eq!(got, sent, "an answer came back changed");
+        assert_eq!(got["seen"], k + 2, "request {k} arrived out of order");
+        assert_eq!(got["fds"], u64::from(k == 3), "request {k}'s descriptors");
+        assert_eq!(got["body"], sent, "request {k} arrived changed");
     }
     sup.shutdown().await;
 }

@@ -178,9 +178,24 @@ fn write_some(socket: &AsyncFd<OwnedFd>, frame: &mut OutFrame) -> std::io::Resul
     }
 }
 
+/// Marks the outbox broken when the writer task ends, whichever way (a
+/// failed write, the senders gone, or the task dropped with the runtime
+/// mid-frame): a sender must then hear `Closed`, not queue for nobody.
+struct WriterGone(Arc<Outbox>);
+
+impl Drop for WriterGone {
+    fn drop(&mut self) {
+        let mut state = self.0.state();
+        state.broken = true;
+        state.writing = false;
+        state.queue.clear();
+    }
+}
+
 /// The writer task: writes the queued frames in order as the socket takes
 /// them.
 async fn write_queued(outbox: Arc<Outbox>) {
+    let _gone = WriterGone(Arc::clone(&outbox));
     loop {
         let next = {
             let mut state = outbox.state();
@@ -206,10 +221,6 @@ async fn write_queued(outbox: Arc<Outbox>) {
             // The worker is gone (EPIPE) or its socket broke; its death, or
             // the reader's end of file, is what the requests hear.
             tracing::debug!("stream writer stopped: {e}");
-            let mut state = outbox.state();
-            state.broken = true;
-            state.writing = false;
-            state.queue.clear();
             return;
         }
     }
@@ -249,6 +260,9 @@ impl StreamWriter {
                 Err(e) => {
                     tracing::debug!("stream writer stopped: {e}");
                     state.broken = true;
+                    drop(state);
+                    // The writer task ends rather than wait for frames.
+                    outbox.queued.notify_one();
                     return Err(SendError::Closed);
                 }
             }
