@@ -281,9 +281,10 @@ pub(super) struct Dispatch {
     pub(super) pongs: watch::Sender<Option<(u64, WorkerStats)>>,
     pub(super) max_response: u64,
     pub(super) process: Arc<ProcessWatch>,
-    /// The callers' `answer_spin`: after an answer, the `ipc-channel` reader
-    /// polls for the next event for half of it (see `read_ipc`).
-    pub(super) answer_spin: std::time::Duration,
+    /// How quickly the worker answers: after an answer from a worker whose
+    /// callers spin, the `ipc-channel` reader polls for the next event for
+    /// half the spin (see `read_ipc`).
+    pub(super) answer_time: Arc<crate::child::handle::spin::AnswerTime>,
 }
 
 impl Dispatch {
@@ -375,19 +376,20 @@ impl Dispatch {
     /// answers and heartbeats, and an error it reads ends that reader for
     /// all of them. One thread each keeps a worker's faults its own.
     ///
-    /// After delivering an answer it polls (yielding its CPU) for half of
-    /// `answer_spin` before it blocks again: the next answer, when
+    /// After delivering an answer from a worker whose answers come within
+    /// `answer_spin` (the callers spin for them), it polls (yielding its
+    /// CPU) for half of that before it blocks again: the next answer, when
     /// a caller sends its next request at once, then finds this thread
     /// awake. Measured from an idle 2-vCPU VM, this thread otherwise slept
     /// between answers on a vCPU of its own that halted, and each answer
     /// paid the hypervisor's wake-up (~20 µs) on its way to the caller
-    /// (docs/performance.md, "A short spin"). Pongs, chunks and an idle
-    /// worker never make it poll.
+    /// (docs/performance.md, "A short spin"). Pongs, chunks, an idle
+    /// worker and a model whose answers take longer never make it poll.
     pub(super) fn read_ipc(&self, events: &ipc_channel::ipc::IpcReceiver<Event>) {
-        let poll = (self.answer_spin.min(crate::config::MAX_ANSWER_SPIN)) / 2;
         let mut answered = false;
         loop {
-            let next = match answered.then(|| poll_ipc(events, poll)).flatten() {
+            let poll = answered.then(|| self.answer_time.spin()).flatten();
+            let next = match poll.and_then(|spin| poll_ipc(events, spin / 2)) {
                 Some(next) => next,
                 None => events.recv(),
             };

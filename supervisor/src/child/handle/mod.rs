@@ -17,7 +17,7 @@
 mod in_flight;
 mod memory;
 mod response;
-mod spin;
+pub(crate) mod spin;
 
 use in_flight::InFlight;
 pub(crate) use in_flight::InFlightToken;
@@ -119,7 +119,7 @@ struct Wiring {
     control: mpsc::UnboundedReceiver<Event>,
     pongs: watch::Receiver<Option<(u64, WorkerStats)>>,
     reader_done: watch::Receiver<bool>,
-    answer_spin: Duration,
+    answer_time: Arc<spin::AnswerTime>,
     upstream: Option<Arc<Upstream>>,
 }
 
@@ -138,6 +138,7 @@ impl WorkerHandle {
         let (control_tx, control_rx) = mpsc::unbounded_channel();
         let (pong_tx, pongs) = watch::channel(None);
         let (done_tx, reader_done) = watch::channel(false);
+        let answer_time = Arc::new(spin::AnswerTime::new(answer_spin));
         let dispatch = Dispatch {
             model: model.to_string(),
             routes: Arc::clone(&routes),
@@ -146,7 +147,7 @@ impl WorkerHandle {
             pongs: pong_tx,
             max_response,
             process: Arc::clone(&process),
-            answer_spin,
+            answer_time: Arc::clone(&answer_time),
         };
         match events {
             Events::Ipc(receiver) => {
@@ -181,7 +182,7 @@ impl WorkerHandle {
                 control: control_rx,
                 pongs,
                 reader_done,
-                answer_spin,
+                answer_time,
                 upstream: None,
             },
         ))
@@ -208,7 +209,7 @@ impl WorkerHandle {
                 control,
                 pongs,
                 reader_done: watch::channel(true).1,
-                answer_spin: Duration::ZERO,
+                answer_time: Arc::new(spin::AnswerTime::new(Duration::ZERO)),
                 upstream: Some(upstream),
             },
         )
@@ -237,7 +238,7 @@ impl WorkerHandle {
             started_at,
             requests: AtomicU64::new(0),
             in_flight: Arc::default(),
-            answer_time: Arc::new(spin::AnswerTime::new(w.answer_spin)),
+            answer_time: w.answer_time,
             memory: Mutex::default(),
             tree_seen: Mutex::default(),
             load_info: Mutex::default(),

@@ -34,7 +34,7 @@ use tokio::sync::mpsc;
 /// to its final piece (errors are not answers a model computed, and do not
 /// count), and the spin (`answer_spin`, zero for none).
 #[derive(Debug)]
-pub(super) struct AnswerTime {
+pub(crate) struct AnswerTime {
     /// Microseconds; `u64::MAX` before the first answer.
     last: AtomicU64,
     spin: Duration,
@@ -57,7 +57,7 @@ impl AnswerTime {
 
     /// How long to spin for the next answer: the spin, if the last answer
     /// came within it.
-    pub(super) fn spin(&self) -> Option<Duration> {
+    pub(crate) fn spin(&self) -> Option<Duration> {
         let window = u64::try_from(self.spin.as_micros()).unwrap_or(u64::MAX);
         let quick = self.last.load(Ordering::Relaxed) <= window;
         (quick && !self.spin.is_zero()).then_some(self.spin)
@@ -68,13 +68,21 @@ impl AnswerTime {
 /// up to `spin` before it parks the task.
 pub(super) async fn spin_recv<T>(rx: &mut mpsc::UnboundedReceiver<T>, spin: Duration) -> Option<T> {
     let started = Instant::now();
+    // On a current-thread runtime the answer may need this very thread (a
+    // stream worker's reader is a task here), and the runtime looks at its
+    // sockets only every few dozen polls: a `sched_yield` per poll would
+    // stretch that wait, so there the spin only yields to the runtime.
+    let yield_cpu = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread);
     std::future::poll_fn(|cx| match rx.poll_recv(cx) {
         Poll::Ready(v) => Poll::Ready(v),
         Poll::Pending => {
             if started.elapsed() < spin {
                 // Give the CPU to whatever waits for it here: quite often
                 // the very worker whose answer we wait for (see above).
-                std::thread::yield_now();
+                if yield_cpu {
+                    std::thread::yield_now();
+                }
                 cx.waker().wake_by_ref();
             }
             Poll::Pending
