@@ -140,7 +140,9 @@ def encode_header(header: Dict[str, Any]) -> bytes:
     cannot carry (an object that is not JSON, NaN, a lone surrogate).
     """
     local = _THREAD_ENCODER
-    if local is None:
+    if local is None or local.markers:
+        # No C encoder, or this thread is inside an encode already (a
+        # finalizer or a container's own code sending a frame): a fresh one.
         return _ENCODER.encode(header).encode("utf-8")
     try:
         chunks = local.encode(header, 0)
