@@ -109,6 +109,19 @@ fn killed_workers_fail_requests_at_once_and_are_restarted() {
     assert_eq!(status, 200, "serving after both restarts");
 }
 
+/// The types of the events kept so far, oldest first.
+async fn event_types(sup: &Supervisor) -> Vec<String> {
+    let mut follow = sup.events(0);
+    let mut kinds = Vec::new();
+    while !follow.caught_up() {
+        if let berth::Followed::Event(e) = follow.next().await {
+            let e = serde_json::to_value(&e).unwrap();
+            kinds.push(e["type"].as_str().unwrap().to_string());
+        }
+    }
+    kinds
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_crashing_on_every_load_fails_and_comes_back_by_hand() {
     let sup = supervisor();
@@ -146,6 +159,17 @@ async fn a_model_crashing_on_every_load_fails_and_comes_back_by_hand() {
         err.to_string().contains("more than 2 crashes") && err.to_string().contains("by hand"),
         "{err}"
     );
+
+    // Unloading it clears the failure, and the event stream says so.
+    let err = sup.unload("flaky").await.unwrap_err();
+    assert_eq!(err.kind(), "not_loaded", "{err}");
+    let kinds = event_types(&sup).await;
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("failure_cleared"),
+        "{kinds:?}"
+    );
+    assert!(kinds.iter().any(|k| k == "failed"), "{kinds:?}");
 
     // Fixed: a load by hand brings it back.
     std::fs::remove_file(&marker).unwrap();
@@ -502,6 +526,15 @@ async fn unloading_a_model_in_crash_backoff_cancels_its_restart() {
     // Now in a 1.6 s backoff: unload cancels the restart, and it stays unloaded.
     let err = sup.unload("looping").await.unwrap_err();
     assert_eq!(err.kind(), "not_loaded", "{err}");
+    // The event stream closes the story: a restart was announced, and its
+    // cancellation is the last word on the model.
+    let kinds = event_types(&sup).await;
+    assert!(kinds.iter().any(|k| k == "restarting"), "{kinds:?}");
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("restart_cancelled"),
+        "{kinds:?}"
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(
         sup.stats().is_empty(),

@@ -151,6 +151,14 @@ pub enum EventKind {
         model: String,
         reason: String,
     },
+    /// Unloaded while waiting out a crash's backoff: no restart comes.
+    RestartCancelled {
+        model: String,
+    },
+    /// A failed model unloaded: its failure is cleared, nothing ran.
+    FailureCleared {
+        model: String,
+    },
 }
 
 /// The event log: the recent history and the followers' ring.

@@ -297,14 +297,22 @@ impl Supervisor {
             };
             match slot.begin_unload() {
                 Unload::Drain(worker) => worker,
-                Unload::CancelRestart | Unload::ClearFailure => {
+                cancelled @ (Unload::CancelRestart | Unload::ClearFailure) => {
                     // Nothing runs: a crash backoff is cancelled (the restart
                     // task finds its slot gone and stops), or a failure cleared.
                     state.slots.remove(model);
+                    drop(state);
                     self.inner.notify_changed();
-                    return Err(Error::NotLoaded {
-                        model: model.into(),
+                    let model = model.to_string();
+                    self.emit(match cancelled {
+                        Unload::CancelRestart => EventKind::RestartCancelled {
+                            model: model.clone(),
+                        },
+                        _ => EventKind::FailureCleared {
+                            model: model.clone(),
+                        },
                     });
+                    return Err(Error::NotLoaded { model });
                 }
                 Unload::Busy(reason) => {
                     return Err(Error::Busy {

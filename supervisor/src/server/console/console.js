@@ -183,7 +183,7 @@ function handleMessage(text) {
   addEvent(value);
   if (value.type === "unloaded") addReport(value);
   if (value.type === "crashed") addStderr(value);
-  if (["loaded", "unloaded", "crashed", "registered", "deregistered", "swap_completed", "recycled", "failed"].includes(value.type)) {
+  if (["loaded", "unloaded", "crashed", "registered", "deregistered", "swap_completed", "recycled", "failed", "restart_cancelled", "failure_cleared"].includes(value.type)) {
     soon("models", refreshModels);
   }
   soon("charts", drawCharts);
