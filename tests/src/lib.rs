@@ -6,6 +6,7 @@ pub mod browser;
 pub mod chaos;
 pub mod chart;
 pub mod conformance;
+pub mod daemon;
 pub mod fake_gpu;
 pub mod infinity;
 pub mod python;
