@@ -383,7 +383,7 @@ impl Dispatch {
     /// awake. Measured from an idle 2-vCPU VM, this thread otherwise slept
     /// between answers on a vCPU of its own that halted, and each answer
     /// paid the hypervisor's wake-up (~20 µs) on its way to the caller
-    /// (docs/performance.md, "A short spin"). Pongs, chunks, an idle
+    /// (docs/performance.md, "From an idle machine"). Pongs, chunks, an idle
     /// worker and a model whose answers take longer never make it poll.
     pub(super) fn read_ipc(&self, events: &ipc_channel::ipc::IpcReceiver<Event>) {
         let mut answered = false;

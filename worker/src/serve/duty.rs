@@ -23,7 +23,7 @@
 //! that a caller's next request found it awake; from an idle machine that
 //! poll kept the caller, woken on the same vCPU, from running, and it is
 //! the supervisor's reader that polls now, after an answer it delivered
-//! (docs/performance.md, "A short spin").
+//! (docs/performance.md, "From an idle machine").
 //!
 //! No timer is armed per request: the watch checks every [`WATCH`] for
 //! [`LINGER`] after the last job and then sleeps until the next job wakes

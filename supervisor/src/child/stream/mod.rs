@@ -10,7 +10,7 @@
 //! never blocks a caller (its frames wait in the queue, which admission
 //! bounds). Handing every frame to the writer task instead cost a thread
 //! wake-up per request, and on a 2-vCPU host that wake could land behind
-//! the caller's own answer spin (docs/performance.md, "Workers in Python").
+//! the caller's own answer spin (docs/performance.md, "From an idle machine").
 
 pub(crate) mod io;
 
