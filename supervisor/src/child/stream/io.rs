@@ -40,6 +40,10 @@ pub(crate) fn socket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
 /// Most descriptors one `recvmsg` takes; more is a violation.
 const MAX_FDS_PER_READ: usize = 4;
 
+/// Room for the control message of [`receive`] or [`send`] (CMSG_SPACE of
+/// four descriptors is 32 bytes on Linux), in u64 words.
+const CONTROL_WORDS: usize = 8;
+
 /// What one `recvmsg` brought.
 pub(crate) struct Received {
     pub bytes: usize,
@@ -52,8 +56,10 @@ pub(crate) struct Received {
 pub(crate) fn receive(fd: RawFd, buf: &mut [u8]) -> io::Result<Received> {
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE((MAX_FDS_PER_READ * size_of::<RawFd>()) as u32) };
-    // u64 elements keep the control buffer aligned for `cmsghdr`.
-    let mut control = vec![0u64; (space as usize).div_ceil(8)];
+    // On the stack (each answer is read through here); u64 elements keep
+    // it aligned for `cmsghdr`.
+    let mut control = [0u64; CONTROL_WORDS];
+    let space = (space as usize).min(CONTROL_WORDS * 8);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -63,7 +69,7 @@ pub(crate) fn receive(fd: RawFd, buf: &mut [u8]) -> io::Result<Received> {
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = control.len() * 8;
+    msg.msg_controllen = space;
     // SAFETY: `msg` points at live buffers of the sizes it states.
     let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
     if n < 0 {
@@ -107,7 +113,12 @@ pub(crate) fn send(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize
     let payload = std::mem::size_of_val(fds) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(payload) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
+    // On the stack: each request is sent through here.
+    let mut control = [0u64; CONTROL_WORDS];
+    assert!(
+        space <= CONTROL_WORDS * 8,
+        "MAX_SENT_FDS fits the control buffer"
+    );
     // SAFETY: as in `receive`; the control buffer holds exactly one cmsghdr
     // with `fds.len()` descriptors, written through the CMSG_* macros.
     unsafe {
