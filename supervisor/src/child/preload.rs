@@ -410,13 +410,7 @@ impl Preloader {
     /// moment ago is a zombie until its reaper task runs, and a fork asked
     /// of it then would find its socket broken and start the worker cold.
     pub(crate) fn is_alive(&self) -> bool {
-        if self.process.try_exit().is_some() {
-            return false;
-        }
-        match procfs::process::Process::new(self.pid() as i32).and_then(|p| p.stat()) {
-            Ok(stat) => stat.state != 'Z' && stat.state != 'X',
-            Err(_) => false,
-        }
+        self.process.try_exit().is_none() && crate::orphans::is_live(self.pid())
     }
 
     /// Stops it (it holds nothing to save: its whole group is killed) and
