@@ -9,9 +9,9 @@
 //! So, for a worker berth places on GPUs:
 //!
 //! - with the model's `vram` declared, it gets `BERTH_VRAM_BYTES` and
-//!   `XLA_CLIENT_MEM_FRACTION` (and the older `XLA_PYTHON_CLIENT_MEM_FRACTION`)
-//!   set to that share of the card, rounded down: JAX preallocates exactly
-//!   its share, which placement has reserved within `gpu_memory_budget`;
+//!   `XLA_PYTHON_CLIENT_MEM_FRACTION` set to that share of the card, rounded
+//!   down: JAX preallocates exactly its share, which placement has reserved
+//!   within `gpu_memory_budget`;
 //! - without it, `XLA_PYTHON_CLIENT_PREALLOCATE=false`: JAX allocates as it
 //!   goes, berth measures what the worker really holds (and places the
 //!   model by that next time), and with a `gpu_memory_budget` the fraction
@@ -21,9 +21,17 @@
 //! left as it is: their word wins. It decides on figures it is given and
 //! reads nothing itself.
 
-/// The variables JAX reads for the share of each card it may take: the
-/// current name and the one it replaced, which older releases read.
-const FRACTION: [&str; 2] = ["XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"];
+/// The variable berth sets for the share of each card JAX may take. JAX has
+/// two names for it, and exactly one may be set: JAX 0.11's CUDA plugin
+/// refuses the pair ("XLA_CLIENT_MEM_FRACTION is specified together with
+/// XLA_PYTHON_CLIENT_MEM_FRACTION. Remove the latter one, it is
+/// deprecated.") and JAX then runs on the CPU alone, silently (measured on
+/// an H100, docs/gpu.md). The older name is the one every release reads,
+/// the newest with a deprecation notice; the newer name only recent ones.
+const FRACTION: &str = "XLA_PYTHON_CLIENT_MEM_FRACTION";
+/// The newer name, which berth never sets but respects when the operator
+/// does.
+const FRACTION_NEW: &str = "XLA_CLIENT_MEM_FRACTION";
 const PREALLOCATE: &str = "XLA_PYTHON_CLIENT_PREALLOCATE";
 /// The share berth reserved for the worker on each of its GPUs, in bytes,
 /// for any framework (or backend) to read.
@@ -50,11 +58,11 @@ pub fn framework_env(
         (Some(cap), Some(total)) if total > 0 => Some(fraction_of(cap, total)),
         _ => None,
     };
-    let operator_fraction = FRACTION.iter().any(|name| operator(name));
+    // The operator's either name stands for both: setting the other beside
+    // it would put JAX on the CPU.
+    let operator_fraction = operator(FRACTION) || operator(FRACTION_NEW);
     if let Some(fraction) = fraction.as_ref().filter(|_| !operator_fraction) {
-        for name in FRACTION {
-            env.push((name.to_string(), fraction.clone()));
-        }
+        env.push((FRACTION.to_string(), fraction.clone()));
     }
     // Preallocating is right only for a share berth told it: else JAX's
     // default (75% of the card) is no one's to take.
@@ -62,6 +70,22 @@ pub fn framework_env(
         env.push((PREALLOCATE.to_string(), "false".into()));
     }
     env
+}
+
+/// Why an environment that sets both of JAX's fraction names cannot work
+/// (`names`: the variables it sets); `None` when it sets at most one.
+pub fn fraction_conflict<'a>(mut names: impl Iterator<Item = &'a str>) -> Option<String> {
+    let (mut new, mut old) = (false, false);
+    for name in names.by_ref() {
+        new |= name == FRACTION_NEW;
+        old |= name == FRACTION;
+    }
+    (new && old).then(|| {
+        format!(
+            "env sets both `{FRACTION_NEW}` and `{FRACTION}`: JAX 0.11 refuses the pair and \
+             runs on the CPU alone; keep one of them"
+        )
+    })
 }
 
 /// The card size a fraction is worked out against, for a worker on cards of
@@ -96,8 +120,9 @@ mod tests {
     #[test]
     fn a_declared_share_becomes_jax_s_fraction_of_the_card() {
         let env = framework_env(Some(20 * GIB), Some(60 * GIB), Some(80 * GIB), &[]);
-        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), Some("0.250"));
         assert_eq!(get(&env, "XLA_PYTHON_CLIENT_MEM_FRACTION"), Some("0.250"));
+        // Never both names: JAX 0.11 refuses the pair and runs on the CPU.
+        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), None);
         assert_eq!(get(&env, VRAM_BYTES), Some("21474836480"));
         // JAX preallocates its share: no growth on demand.
         assert_eq!(get(&env, PREALLOCATE), None);
@@ -111,14 +136,14 @@ mod tests {
     fn without_a_share_jax_grows_on_demand_within_the_budget() {
         let env = framework_env(None, Some(40 * GIB), Some(80 * GIB), &[]);
         assert_eq!(get(&env, PREALLOCATE), Some("false"));
-        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), Some("0.500"));
+        assert_eq!(get(&env, "XLA_PYTHON_CLIENT_MEM_FRACTION"), Some("0.500"));
         assert_eq!(get(&env, VRAM_BYTES), None);
         let env = framework_env(None, None, Some(80 * GIB), &[]);
         assert_eq!(env, [(PREALLOCATE.to_string(), "false".to_string())]);
         // NVML could not give the card's size: no fraction is made up, and
         // JAX must not take its default 75% either.
         let env = framework_env(Some(GIB), None, None, &[]);
-        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), None);
+        assert_eq!(get(&env, "XLA_PYTHON_CLIENT_MEM_FRACTION"), None);
         assert_eq!(get(&env, VRAM_BYTES), Some("1073741824"));
         assert_eq!(get(&env, PREALLOCATE), Some("false"));
     }
@@ -130,8 +155,21 @@ mod tests {
         let base = fraction_base(&[Some(24 * GIB), Some(80 * GIB)]);
         assert_eq!(base, Some(80 * GIB));
         let env = framework_env(Some(12 * GIB), None, base, &[]);
-        assert_eq!(get(&env, "XLA_CLIENT_MEM_FRACTION"), Some("0.150"));
+        assert_eq!(get(&env, "XLA_PYTHON_CLIENT_MEM_FRACTION"), Some("0.150"));
         assert_eq!(fraction_base(&[Some(80 * GIB), None]), None);
+    }
+
+    #[test]
+    fn both_fraction_names_together_are_refused() {
+        let both = [
+            "PATH",
+            "XLA_CLIENT_MEM_FRACTION",
+            "XLA_PYTHON_CLIENT_MEM_FRACTION",
+        ];
+        let why = fraction_conflict(both.into_iter()).unwrap();
+        assert!(why.contains("runs on the CPU"), "{why}");
+        assert_eq!(fraction_conflict(both[..2].iter().copied()), None);
+        assert_eq!(fraction_conflict(both[2..].iter().copied()), None);
     }
 
     #[test]
@@ -147,5 +185,10 @@ mod tests {
         assert!(env.is_empty(), "{env:?}");
         let env = framework_env(Some(20 * GIB), None, Some(80 * GIB), &set);
         assert_eq!(env, [(VRAM_BYTES.to_string(), (20 * GIB).to_string())]);
+        // The operator's newer name alone: berth adds not the older one,
+        // which would make the pair JAX refuses.
+        let set = [("XLA_CLIENT_MEM_FRACTION".to_string(), "0.3".to_string())];
+        let env = framework_env(Some(20 * GIB), None, Some(80 * GIB), &set);
+        assert_eq!(get(&env, "XLA_PYTHON_CLIENT_MEM_FRACTION"), None, "{env:?}");
     }
 }

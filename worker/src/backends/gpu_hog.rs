@@ -8,6 +8,8 @@
 //! context is created, because creating one without it panics.
 //!
 //! Options: `alloc_mib` (default 0), `leak_mib_per_request` (default 0),
+//! `request_ms` (each request works this long, advancing its progress: a
+//! model that is busy, default 0),
 //! `device` (an index among the worker's visible devices, default 0),
 //! `on_oom`: `error` (default: the request fails, the worker serves on) or
 //! `abort` (the error goes to stderr and the process aborts, as a framework
@@ -17,7 +19,12 @@
 //! device's memory, `XLA_CLIENT_MEM_FRACTION` or
 //! `XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 when neither is set; nothing with
 //! `XLA_PYTHON_CLIENT_PREALLOCATE=false`), so that berth's settings for JAX
-//! workers are tested on a machine with no JAX for CUDA.
+//! workers are tested on a machine with no JAX for CUDA. As JAX 0.11 does,
+//! it refuses the two fraction variables together: it says so on stderr
+//! and runs "on the CPU", holding no device memory at all (JAX 0.11.2's
+//! CUDA plugin, measured on an H100: "XLA_CLIENT_MEM_FRACTION is specified
+//! together with XLA_PYTHON_CLIENT_MEM_FRACTION. Remove the latter one, it
+//! is deprecated.", then the CPU backend alone).
 
 use std::sync::Arc;
 
@@ -27,9 +34,11 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use crate::{Backend, LoadContext, RequestContext};
 
 struct GpuHog {
-    stream: Arc<CudaStream>,
+    /// `None`: it fell back to the CPU as JAX does (see the module doc).
+    stream: Option<Arc<CudaStream>>,
     held: Vec<CudaSlice<u8>>,
     leak_bytes: usize,
+    request_ms: u64,
     device: usize,
     abort_on_oom: bool,
 }
@@ -63,16 +72,29 @@ fn describe_error(e: &DriverError, bytes: usize, device: usize) -> String {
 pub const OPTIONS: &[&str] = &[
     "alloc_mib",
     "leak_mib_per_request",
+    "request_ms",
     "device",
     "on_oom",
     "preallocate",
 ];
 
+/// What JAX's CUDA plugin says, and does, when both fraction variables are
+/// set: it does not start, and JAX carries on with the CPU alone.
+const XLA_BOTH_FRACTIONS: &str = "XLA_CLIENT_MEM_FRACTION is specified together with \
+     XLA_PYTHON_CLIENT_MEM_FRACTION. Remove the latter one, it is deprecated.";
+
 /// What XLA's client preallocates on a device of `total` bytes, from the
-/// variables JAX reads (`env` looks one up).
-fn xla_preallocation(total: usize, env: impl Fn(&str) -> Option<String>) -> Result<usize, String> {
+/// variables JAX reads (`env` looks one up); `Ok(None)`: the CUDA plugin
+/// refused the variables and JAX runs on the CPU.
+fn xla_preallocation(
+    total: usize,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Option<usize>, String> {
+    if env("XLA_CLIENT_MEM_FRACTION").is_some() && env("XLA_PYTHON_CLIENT_MEM_FRACTION").is_some() {
+        return Ok(None);
+    }
     if env("XLA_PYTHON_CLIENT_PREALLOCATE").is_some_and(|v| v == "false" || v == "0") {
-        return Ok(0);
+        return Ok(Some(0));
     }
     let fraction =
         match env("XLA_CLIENT_MEM_FRACTION").or_else(|| env("XLA_PYTHON_CLIENT_MEM_FRACTION")) {
@@ -86,7 +108,7 @@ fn xla_preallocation(total: usize, env: impl Fn(&str) -> Option<String>) -> Resu
                 }
             },
         };
-    Ok((total as f64 * fraction) as usize)
+    Ok(Some((total as f64 * fraction) as usize))
 }
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
@@ -107,6 +129,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     };
     let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
     let leak_mib: usize = opts.get_or("leak_mib_per_request", 0)?;
+    let request_ms: u64 = opts.get_or("request_ms", 0)?;
     let device: usize = opts.get_or("device", 0)?;
     let fail = |message: String| {
         WireError::new(
@@ -120,6 +143,27 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
                 .into(),
         ));
     }
+    let xla = match opts.str("preallocate") {
+        None => false,
+        Some("xla") => true,
+        Some(other) => return Err(fail(format!("preallocate `{other}` is not `xla`"))),
+    };
+    // JAX reads its variables before it touches a device.
+    if xla
+        && xla_preallocation(0, |name| std::env::var(name).ok())
+            .map_err(fail)?
+            .is_none()
+    {
+        eprintln!("gpu-hog: {XLA_BOTH_FRACTIONS} Falling back to the CPU.");
+        return Ok(Box::new(GpuHog {
+            stream: None,
+            held: Vec::new(),
+            leak_bytes: 0,
+            request_ms,
+            device,
+            abort_on_oom,
+        }));
+    }
     let context = CudaContext::new(device).map_err(|e| {
         fail(format!(
             "cannot create a CUDA context on device {device}: {e}"
@@ -128,22 +172,20 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     ctx.progress().advance();
     let stream = context.default_stream();
     let mut held = Vec::new();
-    match opts.str("preallocate") {
-        None => {}
-        Some("xla") => {
-            let total = context
-                .total_mem()
-                .map_err(|e| fail(format!("cannot read device {device}'s memory: {e}")))?;
-            let bytes = xla_preallocation(total, |name| std::env::var(name).ok()).map_err(fail)?;
-            if bytes > 0 {
-                held.push(
-                    stream
-                        .alloc_zeros::<u8>(bytes)
-                        .map_err(|e| fail(describe_error(&e, bytes, device)))?,
-                );
-            }
+    if xla {
+        let total = context
+            .total_mem()
+            .map_err(|e| fail(format!("cannot read device {device}'s memory: {e}")))?;
+        let bytes = xla_preallocation(total, |name| std::env::var(name).ok())
+            .map_err(fail)?
+            .unwrap_or(0);
+        if bytes > 0 {
+            held.push(
+                stream
+                    .alloc_zeros::<u8>(bytes)
+                    .map_err(|e| fail(describe_error(&e, bytes, device)))?,
+            );
         }
-        Some(other) => return Err(fail(format!("preallocate `{other}` is not `xla`"))),
     }
     // A zero-byte allocation is an error on devices without memory pools.
     if alloc_mib > 0 {
@@ -158,9 +200,10 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         .map_err(|e| fail(describe_error(&e, alloc_mib << 20, device)))?;
     ctx.progress().advance();
     Ok(Box::new(GpuHog {
-        stream,
+        stream: Some(stream),
         held,
         leak_bytes: leak_mib << 20,
+        request_ms,
         device,
         abort_on_oom,
     }))
@@ -174,29 +217,31 @@ impl GpuHog {
 
 impl Backend for GpuHog {
     fn handle(&mut self, _request: Body, ctx: &RequestContext) -> Result<Body, WireError> {
-        if self.leak_bytes > 0 {
-            let leaked = self
-                .stream
-                .alloc_zeros::<u8>(self.leak_bytes)
-                .map_err(|e| {
-                    let message = describe_error(&e, self.leak_bytes, self.device);
-                    if self.abort_on_oom {
-                        eprintln!("gpu-hog: {message}");
-                        std::process::abort();
-                    }
-                    WireError::new(ErrorKind::Backend, message)
-                })?;
+        for _ in 0..self.request_ms / 10 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            ctx.progress().advance();
+        }
+        if let Some(stream) = self.stream.as_ref().filter(|_| self.leak_bytes > 0) {
+            let leaked = stream.alloc_zeros::<u8>(self.leak_bytes).map_err(|e| {
+                let message = describe_error(&e, self.leak_bytes, self.device);
+                if self.abort_on_oom {
+                    eprintln!("gpu-hog: {message}");
+                    std::process::abort();
+                }
+                WireError::new(ErrorKind::Backend, message)
+            })?;
             self.held.push(leaked);
         }
         ctx.progress().advance();
-        Ok(Body::json(
-            serde_json::json!({ "held_bytes": self.held_bytes(), "device": self.device })
-                .to_string(),
-        ))
+        Ok(Body::json(self.describe().to_string()))
     }
 
     fn describe(&self) -> serde_json::Value {
-        serde_json::json!({ "held_bytes": self.held_bytes(), "device": self.device })
+        serde_json::json!({
+            "held_bytes": self.held_bytes(),
+            "device": self.device,
+            "platform": if self.stream.is_some() { "cuda" } else { "cpu" },
+        })
     }
 }
 
@@ -215,11 +260,17 @@ mod tests {
                     .map(|(_, v)| v.to_string())
             }
         };
-        assert_eq!(xla_preallocation(80 * gib, env(&[])), Ok(60 * gib));
+        assert_eq!(xla_preallocation(80 * gib, env(&[])), Ok(Some(60 * gib)));
         assert_eq!(
             xla_preallocation(80 * gib, env(&[("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.25")])),
-            Ok(20 * gib)
+            Ok(Some(20 * gib))
         );
+        assert_eq!(
+            xla_preallocation(80 * gib, env(&[("XLA_CLIENT_MEM_FRACTION", "0.5")])),
+            Ok(Some(40 * gib))
+        );
+        // Both names: JAX 0.11's CUDA plugin refuses them, and JAX runs on
+        // the CPU.
         assert_eq!(
             xla_preallocation(
                 80 * gib,
@@ -228,11 +279,11 @@ mod tests {
                     ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.25")
                 ])
             ),
-            Ok(40 * gib)
+            Ok(None)
         );
         assert_eq!(
             xla_preallocation(80 * gib, env(&[("XLA_PYTHON_CLIENT_PREALLOCATE", "false")])),
-            Ok(0)
+            Ok(Some(0))
         );
         assert!(xla_preallocation(80 * gib, env(&[("XLA_CLIENT_MEM_FRACTION", "lots")])).is_err());
     }
