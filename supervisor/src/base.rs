@@ -148,12 +148,22 @@ impl KillCause {
     pub(crate) fn from_stderr(tail: &[String]) -> Option<KillCause> {
         tail.iter()
             .rev()
-            .find(|l| {
-                let l = l.to_ascii_lowercase();
-                l.contains("out of memory") && (l.contains("cuda") || l.contains("gpu"))
-            })
+            .find(|l| is_gpu_oom(l))
             .map(|line| KillCause::GpuOutOfMemory { line: line.clone() })
     }
+}
+
+/// Whether a line is a framework saying it ran out of device memory:
+/// PyTorch's "CUDA out of memory. Tried to allocate ...", the driver's
+/// `CUDA_ERROR_OUT_OF_MEMORY`, cuBLAS's "CUBLAS_STATUS_ALLOC_FAILED", and
+/// XLA's (JAX's) "RESOURCE_EXHAUSTED: Out of memory while trying to
+/// allocate ..." (which names no device: a worker on the CPU never says it
+/// of host memory, where the kernel's OOM killer or `MemoryError` speaks).
+pub(crate) fn is_gpu_oom(line: &str) -> bool {
+    let l = line.to_ascii_lowercase();
+    (l.contains("out of memory") || l.contains("out_of_memory"))
+        && (l.contains("cuda") || l.contains("gpu") || l.contains("resource_exhausted"))
+        || l.contains("cublas_status_alloc_failed")
 }
 
 impl std::fmt::Display for KillCause {
@@ -184,6 +194,34 @@ impl std::fmt::Display for KillCause {
             KillCause::ProtocolViolation { sent } => {
                 write!(f, "killed for breaking the wire (it sent {sent})")
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_gpu_oom;
+
+    /// The frameworks' own words, as they print them.
+    #[test]
+    fn gpu_out_of_memory_is_recognised_in_each_framework_s_words() {
+        for line in [
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; \
+             79.19 GiB total capacity)",
+            "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while \
+             trying to allocate 384.00MiB.",
+            "gpu-hog: CUDA out of memory allocating 120000 MiB on device 0",
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+            "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate",
+        ] {
+            assert!(is_gpu_oom(line), "{line}");
+        }
+        for line in [
+            "MemoryError",
+            "model `m`: out of memory reading the weights",
+            "ValueError: a GPU is required",
+        ] {
+            assert!(!is_gpu_oom(line), "{line}");
         }
     }
 }

@@ -158,6 +158,30 @@ pub enum Error {
         reason: String,
     },
 
+    #[error(
+        "model `{model}`: worker pid {pid} was placed on GPU {gpus} but holds no GPU memory once \
+         loaded (is it running on the CPU?), and `require_gpu_memory` is set, so it was stopped; \
+         {}",
+        crate::report::CHECK_THE_FRAMEWORK
+    )]
+    GpuUnused {
+        model: String,
+        pid: u32,
+        /// `0` or `0,1`.
+        gpus: String,
+    },
+
+    /// A framework ran out of device memory while the model loaded.
+    #[error("model `{model}`: out of GPU memory while loading ({line}); {room}")]
+    GpuOutOfMemory {
+        model: String,
+        /// The framework's own words.
+        line: String,
+        /// What the model had: its share, or the cards' free memory, and
+        /// what to try.
+        room: String,
+    },
+
     #[error("model `{model}` is busy: {reason}")]
     Busy { model: String, reason: String },
 
@@ -338,6 +362,8 @@ impl Error {
             Error::QueueFull { .. } => "queue_full",
             Error::BudgetExceeded { .. } => "memory_budget_exceeded",
             Error::GpuBudgetExceeded { .. } => "gpu_memory_budget_exceeded",
+            Error::GpuUnused { .. } => "gpu_unused",
+            Error::GpuOutOfMemory { .. } => "gpu_out_of_memory",
             Error::Busy { .. } => "busy",
             Error::ModelFailed { .. } => "model_failed",
             Error::Restarting { .. } => "restarting",
@@ -358,7 +384,9 @@ impl Error {
             | Error::ServerFailed { .. }
             | Error::ProtocolMismatch { .. }
             | Error::UnexpectedMessage { .. }
-            | Error::MemoryLimitExceeded { .. } => ErrorClass::WorkerFailed,
+            | Error::MemoryLimitExceeded { .. }
+            | Error::GpuUnused { .. }
+            | Error::GpuOutOfMemory { .. } => ErrorClass::WorkerFailed,
             Error::LoadTimeout { .. } | Error::DeadlineExceeded { .. } => ErrorClass::TimedOut,
             Error::LoadFailed { source, .. } | Error::Request { source, .. } => {
                 wire_class(source.kind)

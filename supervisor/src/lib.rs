@@ -36,7 +36,7 @@ pub use berth_protocol::{Body, Bulk};
 pub use child::handle::{Piece, ResponseStream, WorkerHandle};
 pub use config::{HttpSpec, ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
-pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport, WorkerStart};
+pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport, Warning, WorkerStart};
 pub use supervisor::{
     BatchingStatus, CatalogueEntry, EVENT_HISTORY, Event, EventKind, Follow, Followed, HostSample,
     Lease, MemoryHistory, ModelCounters, ModelSample, ModelState, ModelStatus, PreloaderStatus,

@@ -58,6 +58,53 @@ pub struct LoadReport {
     /// preloaded interpreter.
     #[serde(default)]
     pub start: WorkerStart,
+    /// What looked wrong about the load without failing it (a worker placed
+    /// on a GPU that holds no GPU memory).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<Warning>,
+}
+
+/// Something that looks wrong about a loaded model without failing it: in
+/// its load report, in `ps` while it holds, and as a `warning` event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Warning {
+    /// A stable code for programs: `gpu_unused`.
+    pub code: String,
+    pub message: String,
+}
+
+/// `0,1`.
+pub(crate) fn gpu_list(gpus: &[u32]) -> String {
+    gpus.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// What to check when a worker on a GPU holds no GPU memory.
+pub(crate) const CHECK_THE_FRAMEWORK: &str = "check that its framework sees the GPU (JAX: \
+     `jax.devices()`, PyTorch: `torch.cuda.is_available()`, berth's own models: a worker built \
+     with CUDA)";
+
+impl Warning {
+    /// A worker placed on GPUs whose processes hold no device memory
+    /// (`vram`, as NVML counts it): a framework that fell back to the CPU
+    /// serves slowly while berth would otherwise say "GPU 0". `None` when
+    /// it holds some, or was not placed on a GPU.
+    pub fn gpu_unused(gpus: Option<&[u32]>, vram: Option<u64>) -> Option<Warning> {
+        let gpus = gpus.filter(|g| !g.is_empty())?;
+        if vram.unwrap_or(0) > 0 {
+            return None;
+        }
+        Some(Warning {
+            code: "gpu_unused".into(),
+            message: format!(
+                "placed on GPU {} but holds no GPU memory: is it running on the CPU? \
+                 {CHECK_THE_FRAMEWORK}; `require_gpu_memory = true` makes this a load failure",
+                gpu_list(gpus)
+            ),
+        })
+    }
 }
 
 /// How a worker process began.
@@ -173,9 +220,11 @@ impl fmt::Display for LoadReport {
         if self.gpus.is_some() || self.vram_bytes.is_some() {
             write!(f, "\n  gpu: vram {}", mib(self.vram_bytes.unwrap_or(0)))?;
             if let Some(gpus) = &self.gpus {
-                let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
-                write!(f, " on GPU {}", list.join(","))?;
+                write!(f, " on GPU {}", gpu_list(gpus))?;
             }
+        }
+        for warning in &self.warnings {
+            write!(f, "\n  warning: {}", warning.message)?;
         }
         Ok(())
     }

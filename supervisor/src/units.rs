@@ -54,6 +54,11 @@ pub fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
+/// Bytes as GiB with one decimal, for device memory (`20.0 GiB`).
+pub fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
 /// Serde for `Option<Duration>` as a human string (or a number of seconds).
 pub(crate) mod duration_opt {
     use std::time::Duration;

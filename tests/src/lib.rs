@@ -71,6 +71,14 @@ pub fn supervisor() -> Supervisor {
 }
 
 /// Polls `condition` every 10 ms until it holds or `timeout` passes.
+/// The data lines of a finished server-sent-events body.
+pub fn sse_events(body: &str) -> Vec<serde_json::Value> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
 pub fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
@@ -470,6 +478,13 @@ impl Server {
             serde_json::from_str(stdout.trim()).unwrap_or(serde_json::Value::String(stdout)),
             String::from_utf8_lossy(&out.stderr).to_string(),
         )
+    }
+
+    /// The events kept so far (`/api/events?follow=false`).
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        let reply = self.raw("GET", "/api/events?follow=false", &[], None);
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        sse_events(&reply.text())
     }
 
     /// `/api/ps`'s models.

@@ -91,14 +91,6 @@ fn types(events: &[Value]) -> Vec<String> {
         .collect()
 }
 
-/// The data lines of a finished SSE body.
-fn sse_events(body: &str) -> Vec<Value> {
-    body.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
-}
-
 #[test]
 fn lifecycle_events_arrive_typed_in_order_with_the_apis_pids_and_reports() {
     let mut server = Server::start(CONFIG);

@@ -22,6 +22,9 @@ Other options:
   are surely in flight when it dies);
 - ``crash_on_load_if_exists``: crashes at load while this file exists (a
   model broken until someone fixes it);
+- ``fail_load_with``: the load raises ``RuntimeError`` with this message,
+  after ``load_delay_ms`` (a framework's exception at load, in its own
+  words: JAX's ``RESOURCE_EXHAUSTED: Out of memory ...``);
 - ``spawn_grandchild``: at load, starts a process that ignores SIGTERM (a
   helper that would outlive the worker); ``describe()`` gives its pid;
 - ``stderr_bytes``: each request first writes this many bytes to stderr as
@@ -63,6 +66,7 @@ OPTIONS = (
     "crash_on",
     "crash_delay_ms",
     "crash_on_load_if_exists",
+    "fail_load_with",
     "spawn_grandchild",
     "stderr_bytes",
     "response_bytes",
@@ -130,6 +134,9 @@ class Fault(Backend):
         for _ in range(delay_ms // 10):
             time.sleep(0.010)
             ctx.progress()
+        failure = opts.str("fail_load_with")
+        if failure is not None:
+            raise RuntimeError(failure)
         if mode == "crash-on-load":
             crash()
         if mode == "hang-on-load":

@@ -21,7 +21,8 @@ use crate::child::{health, stop, stream, upstream};
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
-use crate::report::LoadReport;
+use crate::report::{LoadReport, Warning};
+use crate::units::gib;
 
 /// The end a new worker connects to, by wire.
 enum Listening {
@@ -39,8 +40,33 @@ fn ms(d: Duration) -> f64 {
 
 /// Starts a worker for `spec` and loads the model in it, on `gpus` (chosen
 /// by the supervisor's placement) when the model asks for GPUs. `spawned`
-/// hears the worker's pid as soon as it runs.
+/// hears the worker's pid as soon as it runs. A worker placed on GPUs that
+/// holds no device memory once loaded is warned about in its report (or
+/// stopped, with `require_gpu_memory`).
 pub(crate) async fn launch(
+    spec: &ModelSpec,
+    config: &SupervisorConfig,
+    gpus: Option<Vec<u32>>,
+    spawned: &(dyn Fn(u32) + Send + Sync),
+    start: Start,
+) -> Result<(Arc<WorkerHandle>, LoadReport)> {
+    let (handle, mut report) = start_and_load(spec, config, gpus, spawned, start).await?;
+    if let Some(warning) = Warning::gpu_unused(report.gpus.as_deref(), report.vram_bytes) {
+        if spec.require_gpu_memory {
+            stop::stop(&handle, config.stop_graces).await;
+            return Err(Error::GpuUnused {
+                model: spec.name.clone(),
+                pid: report.pid,
+                gpus: crate::report::gpu_list(report.gpus.as_deref().unwrap_or_default()),
+            });
+        }
+        tracing::warn!(model = spec.name, pid = report.pid, "{}", warning.message);
+        report.warnings.push(warning);
+    }
+    Ok((handle, report))
+}
+
+async fn start_and_load(
     spec: &ModelSpec,
     config: &SupervisorConfig,
     gpus: Option<Vec<u32>>,
@@ -188,7 +214,8 @@ pub(crate) async fn launch(
         LoadOutcome::Loaded(info) => info,
         LoadOutcome::Failed(e) => {
             stop::stop(&handle, config.stop_graces).await;
-            return Err(e);
+            // Read once it is gone: what the card has without it.
+            return Err(gpu_oom_at_load(spec, gpus.as_deref(), e));
         }
         LoadOutcome::TimedOut => {
             kill_and_reap(&process).await;
@@ -229,7 +256,7 @@ pub(crate) async fn launch(
         memory_cap: process.cap().map(|c| c.mechanism),
         gpus,
         vram_bytes: match gpu::inventory() {
-            Inventory::Devices(devices) => gpu::process_vram(&devices, &[pid]),
+            Inventory::Devices(devices) => gpu::process_vram(&devices, &handle.pids()),
             Inventory::NoGpu(_) => None,
         },
         system_available_bytes: system_memory().available_bytes,
@@ -238,6 +265,7 @@ pub(crate) async fn launch(
         private_bytes: memory.private_bytes,
         shared_bytes: memory.shared_bytes,
         start: process.start_kind().clone(),
+        warnings: Vec::new(),
     };
     Ok((handle, report))
 }
@@ -381,8 +409,63 @@ async fn launch_server(
         private_bytes: memory.private_bytes,
         shared_bytes: memory.shared_bytes,
         start: process.start_kind().clone(),
+        warnings: Vec::new(),
     };
     Ok((handle, report))
+}
+
+/// A load that failed for want of device memory (the framework's own words
+/// in its error) is `gpu_out_of_memory`, saying what the model had and what
+/// to try; any other failure is returned as it is. Called once the worker
+/// is gone, so the cards' free memory is what it had to work with.
+fn gpu_oom_at_load(spec: &ModelSpec, gpus: Option<&[u32]>, error: Error) -> Error {
+    let Error::LoadFailed { source, .. } = &error else {
+        return error;
+    };
+    let Some(line) = source
+        .message
+        .lines()
+        .rev()
+        .find(|l| crate::base::is_gpu_oom(l))
+    else {
+        return error;
+    };
+    let line: String = line.trim().chars().take(400).collect();
+    let smaller = "or load it smaller (a lower precision, batch or context)";
+    let room = match (spec.vram, gpus) {
+        (Some(share), _) => format!(
+            "its share is {} on each of its GPUs (`vram`): give it a larger share, {smaller}",
+            gib(share)
+        ),
+        (None, Some(gpus)) => {
+            let free: Vec<String> = match gpu::inventory() {
+                Inventory::Devices(devices) => devices
+                    .iter()
+                    .filter(|d| gpus.contains(&d.index))
+                    .map(|d| format!("GPU {} has {} free", d.index, gib(d.free_bytes)))
+                    .collect(),
+                Inventory::NoGpu(_) => Vec::new(),
+            };
+            let free = if free.is_empty() {
+                String::new()
+            } else {
+                format!("{}: ", free.join(", "))
+            };
+            format!(
+                "{free}free the card (`berth gpus` names what holds it), declare the model's \
+                 `vram` so placement makes room for it, {smaller}"
+            )
+        }
+        (None, None) => format!(
+            "berth did not place it (no `gpus`), so nothing made room for it: give it `gpus` \
+             and `vram`, {smaller}"
+        ),
+    };
+    Error::GpuOutOfMemory {
+        model: spec.name.clone(),
+        line,
+        room,
+    }
 }
 
 async fn kill_and_reap(process: &ProcessWatch) {

@@ -158,7 +158,7 @@ fn line_for(event: &Value) -> String {
         ),
         "evicted" => match event["for_model"].as_str() {
             Some(other) => format!("to make room for `{other}`"),
-            None => "loaded models passed the memory budget".to_string(),
+            None => "loaded models passed the memory or GPU budget".to_string(),
         },
         "swap_completed" => {
             let r = &event["report"];
@@ -174,6 +174,12 @@ fn line_for(event: &Value) -> String {
             event["error"].as_str().unwrap_or("").to_string()
         }
         "failed" => event["reason"].as_str().unwrap_or("").to_string(),
+        "warning" => format!(
+            "pid {}: {}",
+            event["pid"],
+            event["message"].as_str().unwrap_or("")
+        ),
+        "gpu_budget_overrun" => event["message"].as_str().unwrap_or("").to_string(),
         "server_started" => format!(
             "berth {} on {}",
             event["version"].as_str().unwrap_or("?"),

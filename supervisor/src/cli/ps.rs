@@ -45,7 +45,13 @@ pub fn run(remote: Remote) -> ExitCode {
                 "{header} {:>9} {:>9} {:>9} {:>6} {:>15}  UNTIL",
                 "UPTIME", "REQUESTS", "IN FLIGHT", "BATCH", "QUEUE/COMPUTE"
             );
+            let mut warnings = Vec::new();
             for m in models {
+                warnings.extend(
+                    m.warnings
+                        .iter()
+                        .map(|w| format!("{}: {}", m.name, w.message)),
+                );
                 let until = match m.keep_alive_left_s {
                     None => "forever".to_string(),
                     Some(s) => format!(
@@ -94,6 +100,9 @@ pub fn run(remote: Remote) -> ExitCode {
                     m.requests,
                     m.in_flight,
                 );
+            }
+            for warning in warnings {
+                println!("warning: {warning}");
             }
             print_preloaders(&preloaders);
             ExitCode::SUCCESS

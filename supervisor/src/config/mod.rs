@@ -114,11 +114,16 @@ pub struct ModelSpec {
     /// The device memory the model takes on each of its GPUs (`20GiB`):
     /// placement reserves it within `gpu_memory_budget`, and the worker is
     /// told its share (`BERTH_VRAM_BYTES`, and JAX's
-    /// `XLA_CLIENT_MEM_FRACTION`), so frameworks that preallocate take that
+    /// `XLA_PYTHON_CLIENT_MEM_FRACTION`), so frameworks that preallocate take that
     /// much and no more. Without it, a model is placed by what it last
     /// measured (or its weights' size) and JAX is told not to preallocate.
     #[serde(default, with = "crate::units::bytes_opt")]
     pub vram: Option<u64>,
+    /// On `gpus`: a worker whose processes hold no device memory once
+    /// loaded (a framework that fell back to the CPU) fails its load
+    /// instead of serving with a warning.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub require_gpu_memory: bool,
     /// Requests sent to the worker at once (default 8).
     #[serde(default)]
     pub max_concurrency: Option<usize>,
@@ -154,6 +159,7 @@ impl ModelSpec {
             stall_timeout: None,
             gpus: None,
             vram: None,
+            require_gpu_memory: false,
             max_rss: None,
             max_requests: None,
             max_restarts: None,
@@ -266,6 +272,13 @@ impl ModelSpec {
                 );
             }
             _ => {}
+        }
+        if self.require_gpu_memory && self.gpus.is_none() {
+            return invalid(
+                "require_gpu_memory checks a model placed on GPUs: set `gpus` too \
+                 (`gpus = \"auto\"`)"
+                    .into(),
+            );
         }
         if let Some(n) = self.max_concurrency
             && !(1..=MAX_CONCURRENCY).contains(&n)
@@ -382,13 +395,26 @@ impl ModelSpec {
                 reason: "no backend given".into(),
             });
         }
-        if let Some(declared) = self.worker.as_ref().and_then(|k| config.workers.get(k)) {
+        let declared = self.worker.as_ref().and_then(|k| config.workers.get(k));
+        if let Some(declared) = declared {
             declared
                 .check(self.worker.as_deref().unwrap_or_default())
                 .map_err(|reason| Error::InvalidSpec {
                     model: self.name.clone(),
                     reason,
                 })?;
+        }
+        // The worker gets its kind's environment and the model's together.
+        let names = self.env.iter().map(|(k, _)| k.as_str()).chain(
+            declared
+                .into_iter()
+                .flat_map(|d| d.env.keys().map(String::as_str)),
+        );
+        if let Some(reason) = crate::gpu::fraction_conflict(names) {
+            return Err(Error::InvalidSpec {
+                model: self.name.clone(),
+                reason,
+            });
         }
         if let Some(kind) = &self.worker
             && !config.workers.contains_key(kind)
@@ -563,5 +589,24 @@ mod tests {
             .workers
             .insert("python".into(), WorkerKind::binary("/bin/true"));
         assert!(spec.validate_for(&config).is_ok());
+    }
+
+    #[test]
+    fn jax_s_two_fraction_names_are_refused_together_across_kind_and_model() {
+        let mut config = SupervisorConfig::default();
+        let mut kind = WorkerKind::binary("/bin/true");
+        kind.env
+            .insert("XLA_CLIENT_MEM_FRACTION".into(), "0.5".into());
+        config.workers.insert("jax".into(), kind);
+        let mut spec = ModelSpec::new("m", "echo");
+        spec.worker = Some("jax".into());
+        assert!(spec.validate_for(&config).is_ok());
+        spec.env
+            .push(("XLA_PYTHON_CLIENT_MEM_FRACTION".into(), "0.25".into()));
+        let err = spec.validate_for(&config).unwrap_err().to_string();
+        assert!(
+            err.contains("model `m`") && err.contains("keep one"),
+            "{err}"
+        );
     }
 }

@@ -6,15 +6,18 @@
 //!
 //! One concern per file: `nvml` reads the devices, `status` is what
 //! `/api/gpus`, `berth gpus` and the metrics show, `placement` decides
-//! which devices a model's worker goes on within the VRAM budget, and
+//! which devices a model's worker goes on within the VRAM budget, `budget`
+//! says which GPU is past that budget once loads are measured, and
 //! `frameworks` tells the worker's frameworks (JAX) its share of a card.
 
+mod budget;
 mod frameworks;
 mod nvml;
 mod placement;
 mod status;
 
-pub use frameworks::{VRAM_BYTES, fraction_base, framework_env};
+pub use budget::{Overrun, overrun};
+pub use frameworks::{VRAM_BYTES, fraction_base, fraction_conflict, framework_env};
 pub use nvml::{DeviceReading, Inventory, inventory, process_vram, total_bytes, uuid};
 pub use placement::{AutoWord, GpuRequest, Holder, Plan, plan, worker_env};
 pub use status::{DeviceStatus, GpuProcess, GpuStatus};

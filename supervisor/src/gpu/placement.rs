@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::nvml::DeviceReading;
+use crate::units::gib;
 
 /// Which GPUs a model asks for: `gpus = [0, 1]` or `gpus = "auto"`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,10 +44,6 @@ pub fn worker_env(gpus: &[u32], uuid_of: impl Fn(u32) -> Option<String>) -> Vec<
         ("CUDA_VISIBLE_DEVICES".into(), visible.join(",")),
         (berth_protocol::ENV_GPUS.into(), indices.join(",")),
     ]
-}
-
-fn gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 /// One of berth's workers as placement sees it: where it runs, and whether
@@ -86,7 +83,7 @@ pub enum Plan {
 
 /// What `holder` has on `device`: NVML's reading for its pid, or its
 /// reservation if that is more (a load still allocating).
-fn held_on(device: &DeviceReading, holder: &Holder) -> u64 {
+pub(super) fn held_on(device: &DeviceReading, holder: &Holder) -> u64 {
     let seen = seen_on(device, holder);
     if holder.gpus.contains(&device.index) {
         seen.max(holder.reserved_bytes)

@@ -338,6 +338,24 @@ mod tests {
                 "gpu_memory_budget_exceeded",
             ),
             (
+                Error::GpuOutOfMemory {
+                    model: M.into(),
+                    line: "RESOURCE_EXHAUSTED: Out of memory".into(),
+                    room: "its share is 1.0 GiB".into(),
+                },
+                502,
+                "gpu_out_of_memory",
+            ),
+            (
+                Error::GpuUnused {
+                    model: M.into(),
+                    pid: 7,
+                    gpus: "0".into(),
+                },
+                502,
+                "gpu_unused",
+            ),
+            (
                 Error::Busy {
                     model: M.into(),
                     reason: "swapping".into(),
@@ -411,7 +429,7 @@ mod tests {
             | "restarting" => 503,
             "load_timeout" => 504,
             "worker_died" | "gpu_out_of_memory" | "handshake_failed" | "protocol_mismatch"
-            | "unexpected_message" => 502,
+            | "unexpected_message" | "gpu_unused" => 502,
             "cancelled" => 408,
             "deadline_exceeded" | "stalled" => 504,
             "quarantined" => 422,

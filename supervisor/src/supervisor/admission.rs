@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::footprint::Need;
 use super::slot::Slot;
-use super::{EventKind, ModelState, State, Supervisor};
+use super::{ModelState, State, Supervisor};
 use crate::error::{Error, Result};
 use crate::gpu;
 use crate::units::mib;
@@ -241,16 +241,7 @@ impl Supervisor {
                         victim,
                         "evicting the least recently used idle model to make room"
                     );
-                    match self.unload(&victim).await {
-                        Ok(report) => {
-                            tracing::info!("{report}");
-                            self.emit(EventKind::Evicted {
-                                model: victim.clone(),
-                                for_model: Some(model.into()),
-                            });
-                        }
-                        Err(e) => tracing::warn!(victim, "eviction failed: {e}"),
-                    }
+                    self.evict(&victim, Some(model)).await;
                 }
             }
         }

@@ -47,16 +47,7 @@ pub(super) async fn budget_watch(inner: Weak<Inner>, budget: u64) {
                     mib(room.used),
                     mib(budget)
                 );
-                match supervisor.unload(&victim).await {
-                    Ok(report) => {
-                        tracing::info!("{report}");
-                        supervisor.emit(super::EventKind::Evicted {
-                            model: victim.clone(),
-                            for_model: None,
-                        });
-                    }
-                    Err(e) => tracing::debug!(victim, "eviction skipped: {e}"),
-                }
+                supervisor.evict(&victim, None).await;
             }
             None if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) => {
                 warned = Some(Instant::now());

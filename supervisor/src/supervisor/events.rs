@@ -159,6 +159,24 @@ pub enum EventKind {
     FailureCleared {
         model: String,
     },
+    /// Something looks wrong about a loaded worker without failing it
+    /// (`code` `gpu_unused`: placed on a GPU, it holds no GPU memory).
+    Warning {
+        model: String,
+        pid: u32,
+        #[serde(flatten)]
+        warning: crate::report::Warning,
+    },
+    /// Idle models could not be evicted for GPU memory: berth's workers hold
+    /// more than the per-GPU budget (a model grew, or a first load was
+    /// larger than expected), and every model there is busy. Said at most
+    /// once a minute while it lasts.
+    GpuBudgetOverrun {
+        gpu: u32,
+        held_bytes: u64,
+        budget_bytes: u64,
+        message: String,
+    },
 }
 
 /// The event log: the recent history and the followers' ring.

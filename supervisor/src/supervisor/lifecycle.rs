@@ -68,11 +68,25 @@ impl Supervisor {
         .await?;
         report.load_ms += chose_ms;
         report.spawn_ms += chose_ms;
+        // Measured: within the per-GPU budget before it takes a request.
+        if let Some(gpus) = report.gpus.clone()
+            && let Err(e) = self.fit_measured(spec, &worker, &gpus).await
+        {
+            stop::stop(&worker, self.inner.config.stop_graces).await;
+            return Err(e);
+        }
         let installed = install(&mut self.lock(), &worker, &report);
         self.inner.notify_changed();
         match installed {
             Some(value) => {
                 self.watch_worker(model, &worker);
+                for warning in &report.warnings {
+                    self.emit(EventKind::Warning {
+                        model: model.into(),
+                        pid: report.pid,
+                        warning: warning.clone(),
+                    });
+                }
                 Ok(Some((worker, report, value)))
             }
             None => {

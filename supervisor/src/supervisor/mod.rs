@@ -8,7 +8,8 @@
 //! - memory budget and `max_loaded`: before a load, idle models are evicted
 //!   least recently used first; a model with work in flight never is; and
 //!   after loads, when models grow past the budget, idle ones are evicted
-//!   too (`budget.rs`);
+//!   too (`budget.rs`); the per-GPU VRAM budget likewise, once NVML shows
+//!   what a load really took (`gpu_budget.rs`);
 //! - per-model concurrency with a bounded queue;
 //! - swap: the new worker is ready before routing switches, and the old one
 //!   drains before it stops.
@@ -34,6 +35,7 @@ mod counters;
 mod crashes;
 mod events;
 mod footprint;
+mod gpu_budget;
 mod history;
 mod keep_alive;
 mod lifecycle;
@@ -174,6 +176,9 @@ impl Supervisor {
             runtime.spawn(history::sampler(Arc::downgrade(&inner)));
             if let Some(budget) = inner.config.memory_budget {
                 runtime.spawn(budget::budget_watch(Arc::downgrade(&inner), budget));
+            }
+            if let Some(budget) = inner.config.gpu_memory_budget {
+                runtime.spawn(gpu_budget::gpu_budget_watch(Arc::downgrade(&inner), budget));
             }
         }
         Supervisor { inner }

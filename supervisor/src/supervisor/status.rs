@@ -65,6 +65,7 @@ impl Supervisor {
                             .map(|e| BatchingStatus::of(&e.counters))
                             .unwrap_or_default(),
                         stderr_tail: Vec::new(),
+                        warnings: Vec::new(),
                     };
                     (status, worker)
                 })
@@ -89,6 +90,14 @@ impl Supervisor {
                     status.rss_growth_per_request_bytes = w.rss_growth_per_request();
                     status.vram_bytes = crate::gpu::process_vram(devices, &w.pids());
                     status.stderr_tail = w.process().stderr_lines();
+                    // Read from the same NVML reading: it clears once the
+                    // worker allocates (a framework that starts lazily).
+                    if status.state == super::ModelState::Ready && !devices.is_empty() {
+                        status.warnings.extend(crate::report::Warning::gpu_unused(
+                            Some(&status.gpus),
+                            status.vram_bytes,
+                        ));
+                    }
                 }
                 status
             })

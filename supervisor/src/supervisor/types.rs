@@ -91,6 +91,10 @@ pub struct ModelStatus {
     /// them for its death report.
     #[serde(default)]
     pub stderr_tail: Vec<String>,
+    /// What looks wrong about it now (a worker on a GPU holding no GPU
+    /// memory).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<crate::report::Warning>,
 }
 
 /// Batch sizes and where requests' time went, as a model's workers reported

@@ -17,6 +17,9 @@
 //!   that long (so requests sent after it are surely in flight when it dies);
 //! - `crash_on_load_if_exists`: crashes at load while this file exists (a
 //!   model broken until someone fixes it);
+//! - `fail_load_with`: the load fails with this message, after
+//!   `load_delay_ms` (a framework's exception at load, in its own words:
+//!   JAX's `RESOURCE_EXHAUSTED: Out of memory ...`);
 //! - `spawn_grandchild`: at load, starts a process that ignores SIGTERM (a
 //!   worker's helper that would outlive it);
 //! - `escape_mib`: at load, starts a process that leaves the worker's
@@ -110,6 +113,7 @@ pub const OPTIONS: &[&str] = &[
     "crash_on",
     "crash_delay_ms",
     "crash_on_load_if_exists",
+    "fail_load_with",
     "spawn_grandchild",
     "escape_mib",
     "escape_clear_mark",
@@ -145,6 +149,9 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     for _ in 0..delay_ms / 10 {
         std::thread::sleep(Duration::from_millis(10));
         ctx.progress().advance();
+    }
+    if let Some(message) = opts.str("fail_load_with") {
+        return Err(WireError::new(ErrorKind::LoadFailed, message.to_string()));
     }
     match mode {
         Mode::CrashOnLoad => crash(),

@@ -200,7 +200,7 @@ function describe(e) {
     case "unloaded": return `pid ${r.pid}: reclaimed ${mib(r.reclaimed_bytes)} of RSS ${mib(r.rss_at_stop_bytes)}, ${r.leftover_processes} processes left over`;
     case "crashed": return e.description || "";
     case "memory_limit_exceeded": return `peak ${mib(e.peak_bytes)} over its limit of ${mib(e.limit_bytes)}`;
-    case "evicted": return e.for_model ? `to make room for ${e.for_model}` : "past the memory budget";
+    case "evicted": return e.for_model ? `to make room for ${e.for_model}` : "past the memory or GPU budget";
     case "swap_completed": return `pid ${r.old_pid} → ${r.new_pid}`;
     case "recycled": return `pid ${e.old_pid} → ${e.new_pid}`;
     case "recycling": return e.why || "";
@@ -210,6 +210,7 @@ function describe(e) {
     case "load_failed": case "swap_rolled_back": case "recycle_failed": return e.error || "";
     case "failed": return e.reason || "";
     case "server_started": return `berth ${e.version} on ${e.listen}`;
+    case "warning": case "gpu_budget_overrun": return e.message || "";
     default: return "";
   }
 }
@@ -294,7 +295,8 @@ function drawTable() {
     else actions.append(button("unload", "Unload"), button("swap", "Swap"));
     const batch = m && m.batching && m.batching.mean_batch_size;
     rows.push(el("tr", { "data-model": name, "data-pid": m && m.pid ? String(m.pid) : "", "data-rss": m ? String(m.rss_bytes) : "0" },
-      el("td", {}, name, entry.spec && entry.spec.backend ? el("span", { class: "note" }, " " + entry.spec.backend) : ""),
+      el("td", {}, name, entry.spec && entry.spec.backend ? el("span", { class: "note" }, " " + entry.spec.backend) : "",
+        ...((m && m.warnings) || []).map((w) => el("div", { class: "warning", "data-code": w.code }, "⚠ " + w.message))),
       el("td", { class: "state-" + st }, st),
       el("td", {}, m && m.pid ? m.pid : "–"),
       el("td", { class: "num" }, m ? mib(m.rss_bytes) : "–"),
