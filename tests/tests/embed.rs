@@ -293,6 +293,9 @@ fn berth_run_returns_the_vectors() {
     assert_eq!(vector.len(), 384);
     assert!((vector[0].as_f64().unwrap() - 0.043934).abs() < 1e-5);
     assert_eq!(v["load"]["details"]["dim"], 384);
+    // The load ran one pass (its warm-up): no request waits for a first run.
+    let warmup = &v["load"]["details"]["warmup_ms"];
+    assert!(warmup.as_f64().is_some_and(|ms| ms > 0.0), "{v}");
 }
 
 /// `embed`'s encoder (its own pass for a few rows, candle's operations past

@@ -615,3 +615,50 @@ async fn concurrent_requests_decode_together_and_each_gets_its_own_answer() {
     );
     sup.shutdown().await;
 }
+
+/// `berth-worker --compare-devices`, which the GPU script runs to tell a
+/// CUDA bug from a near-tie, here with the CPU on both sides: the same
+/// logits, every top token agreeing. And a load ran every kernel once
+/// (its warm-up), as a GPU's load does so that no request waits for the
+/// driver.
+#[tokio::test]
+async fn the_device_comparison_and_the_warm_up_run_on_the_real_model() {
+    let out = std::process::Command::new(worker_bin())
+        .arg("--compare-devices")
+        .arg(model_file())
+        .args(["--device", "cpu", "--steps", "6"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["verdict"], "agree", "{report}");
+    assert_eq!(
+        (report["steps"].as_u64(), report["top1_agree"].as_u64()),
+        (Some(6), Some(6))
+    );
+    assert_eq!(report["max_logit_diff"], 0.0, "{report}");
+    assert_eq!(report["cpu_tokens"].as_array().map(Vec::len), Some(6));
+
+    let bad = std::process::Command::new(worker_bin())
+        .args(["--compare-devices", "/nonexistent.gguf", "--device", "cpu"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("cannot read `/nonexistent.gguf`"));
+
+    let sup = Supervisor::new(test_config());
+    let report = load(&sup, "warm", &model_file(), &[]).await;
+    assert!(
+        report.details["warmup_ms"]
+            .as_f64()
+            .is_some_and(|ms| ms > 0.0),
+        "{report}"
+    );
+    let report = load(&sup, "cold", &model_file(), &[("warmup", "false")]).await;
+    assert_eq!(report.details["warmup_ms"], Value::Null, "{report}");
+    sup.shutdown().await;
+}

@@ -264,3 +264,72 @@ fn out_of_gpu_memory_at_load_is_named_with_what_the_model_had() {
     );
     assert!(server.ps().is_empty());
 }
+
+/// A worker built with CUDA (it links the driver's libcuda.so.1) declared
+/// on a machine without the NVIDIA driver: `berth serve` refuses to start,
+/// naming the missing library and what it means, rather than have every
+/// load of its models fail. The stand-in is a program linked against a
+/// libcuda.so.1 that is then taken away, as a built `berth-worker-cuda`
+/// finds it on a CPU machine.
+#[test]
+fn a_cuda_worker_without_the_driver_says_so() {
+    let dir = std::env::temp_dir().join(format!("berth-no-driver-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cc = |args: &[&str]| {
+        let out = std::process::Command::new("cc")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    std::fs::write(dir.join("cuda.c"), "int cuInit(unsigned f) { return 0; }\n").unwrap();
+    std::fs::write(
+        dir.join("worker.c"),
+        "int cuInit(unsigned); int main(void) { return cuInit(0); }\n",
+    )
+    .unwrap();
+    cc(&[
+        "-shared",
+        "-fPIC",
+        "-Wl,-soname,libcuda.so.1",
+        "-o",
+        "libcuda.so",
+        "cuda.c",
+    ]);
+    cc(&["-o", "berth-worker-cuda", "worker.c", "-L.", "-lcuda"]);
+    std::fs::remove_file(dir.join("libcuda.so")).unwrap();
+    let config = dir.join("berth.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[workers.cuda]\nbinary = \"{}\"\n\n[[model]]\nname = \"minilm-gpu\"\n\
+             worker = \"cuda\"\nbackend = \"embed\"\n",
+            dir.join("berth-worker-cuda").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(berth_bin())
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--config",
+        ])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("berth-worker-cuda")
+            && stderr.contains("`libcuda.so.1` it needs is not found")
+            && stderr.contains("starts only where the NVIDIA driver is installed"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -9,6 +9,7 @@
 mod backend;
 pub mod backends;
 mod hygiene;
+mod kernels;
 mod options;
 mod serve;
 mod stats;

@@ -80,7 +80,8 @@ pub(crate) async fn accept(
             Err(_) => HandshakeOutcome::Failed(handshake_error(model, pid, "handshake thread vanished".into())),
         },
         exit = process.exited() => HandshakeOutcome::Failed(handshake_error(model, pid, format!(
-            "{exit} before saying hello; is it a berth worker?{}",
+            "{exit} before saying hello; {}{}",
+            cannot_start(&process.stderr_tail().await).unwrap_or_else(|| "is it a berth worker?".into()),
             process.stderr_suffix().await
         ))),
         () = tokio::time::sleep(timeout) => HandshakeOutcome::TimedOut,
@@ -92,6 +93,41 @@ pub(crate) async fn accept(
         }
     }
     outcome
+}
+
+/// What the dynamic loader said, when a worker program could not start for
+/// want of a shared library ("error while loading shared libraries:
+/// libcuda.so.1: cannot open shared object file"), and what to do about
+/// it: a CUDA worker on a machine without the NVIDIA driver, or without
+/// CUDA's libraries on its path.
+pub(crate) fn cannot_start(stderr: &[String]) -> Option<String> {
+    let line = stderr
+        .iter()
+        .find(|l| l.contains("error while loading shared libraries"))?;
+    let library = line
+        .split("error while loading shared libraries: ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .unwrap_or("a library")
+        .trim();
+    let advice = if library.starts_with("libcuda.so") || library.starts_with("libnvidia-ml") {
+        "that is the NVIDIA driver's: this worker was built with CUDA and starts only where the \
+         NVIDIA driver is installed; on this machine use the stock worker (its models run on \
+         the CPU)"
+    } else if ["libcudart", "libcublas", "libcurand", "libnvrtc"]
+        .iter()
+        .any(|l| library.starts_with(l))
+    {
+        "that is one of CUDA's libraries: put the folder holding it on the worker kind's \
+         LD_LIBRARY_PATH (`[workers.NAME] env`); PyTorch's CUDA wheels carry them in \
+         site-packages/nvidia/cu13/lib (docs/gpu.md)"
+    } else {
+        "install it, or put the folder holding it on the worker kind's LD_LIBRARY_PATH \
+         (`[workers.NAME] env`)"
+    };
+    Some(format!(
+        "it cannot start: the shared library `{library}` it needs is not found; {advice}"
+    ))
 }
 
 fn handshake_error(model: &str, pid: u32, reason: String) -> Error {
@@ -186,8 +222,12 @@ pub(crate) async fn accept_stream(
     let first = tokio::select! {
         first = reader.next() => first,
         exit = process.exited() => return HandshakeOutcome::Failed(handshake_error(model, pid, format!(
-            "{exit} before saying hello; is its `command` a berth worker (one built on the \
-             berth_worker package, or speaking docs/wire.md)?{}",
+            "{exit} before saying hello; {}{}",
+            cannot_start(&process.stderr_tail().await).unwrap_or_else(|| {
+                "is its `command` a berth worker (one built on the berth_worker package, or \
+                 speaking docs/wire.md)?"
+                    .into()
+            }),
             process.stderr_suffix().await
         ))),
         () = tokio::time::sleep(timeout) => return HandshakeOutcome::TimedOut,
@@ -282,4 +322,33 @@ pub(crate) async fn accept_stream(
         backends: hello.backends,
     };
     HandshakeOutcome::Ok((Events::Stream(reader), Link::Stream(writer), info))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cannot_start;
+
+    #[test]
+    fn a_missing_library_is_named_with_what_to_do() {
+        let tail = |line: &str| vec!["something before".to_string(), line.to_string()];
+        let driver = cannot_start(&tail(
+            "/opt/berth-worker-cuda: error while loading shared libraries: libcuda.so.1: \
+             cannot open shared object file: No such file or directory",
+        ))
+        .unwrap();
+        assert!(
+            driver.contains("`libcuda.so.1`") && driver.contains("NVIDIA driver"),
+            "{driver}"
+        );
+        let cublas = cannot_start(&tail(
+            "w: error while loading shared libraries: libcublas.so.13: cannot open shared object \
+             file: No such file or directory",
+        ))
+        .unwrap();
+        assert!(cublas.contains("LD_LIBRARY_PATH") && cublas.contains("nvidia/cu13/lib"));
+        assert_eq!(
+            cannot_start(&tail("Traceback (most recent call last):")),
+            None
+        );
+    }
 }

@@ -138,12 +138,17 @@ impl Supervisor {
         }
         for program in programs {
             if let Err(why) = offered_backends(&program) {
+                let advice = crate::child::handshake::cannot_start(std::slice::from_ref(&why))
+                    .unwrap_or_else(|| {
+                        "a worker program is a berth worker (`berth worker`, `berth-worker`, or \
+                         a binary built on the berth-worker library, a `command` worker built \
+                         on the berth_worker Python package), or a wrapper that execs one \
+                         passing its arguments on"
+                            .into()
+                    });
                 return Err(format!(
                     "worker program `{program}` did not answer `--backends` with its \
-                     backends: {why}; a worker program is a berth worker (`berth worker`, \
-                     `berth-worker`, or a binary built on the berth-worker library, a \
-                     `command` worker built on the berth_worker Python package), or a \
-                     wrapper that execs one passing its arguments on"
+                     backends: {why}; {advice}"
                 ));
             }
         }

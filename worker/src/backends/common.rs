@@ -7,8 +7,9 @@ use serde::de::DeserializeOwned;
 use crate::{Batching, LoadContext, Options};
 
 /// How to build a worker that runs models on NVIDIA GPUs.
-pub const CUDA_BUILD_HINT: &str = "build it with `cargo build --release -p berth-worker --features cuda` \
-     (needs the CUDA toolkit's nvcc)";
+pub const CUDA_BUILD_HINT: &str = "build one with `python3 deploy/cuda/build_worker.py --cuda \
+     X.Y` (the driver's CUDA version; no toolkit needed) and declare it as a worker kind \
+     (docs/gpu.md)";
 
 /// Where a model's tensors live. The `device` option names it (`cpu`,
 /// `cuda` or `cuda:N`); without it, a worker the supervisor placed on GPUs
@@ -50,6 +51,38 @@ pub fn device_name(device: &Device) -> String {
         candle_core::DeviceLocation::Cpu => "cpu".into(),
         candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
         candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// Runs `work` once at load, so that no request waits for what a first
+/// run costs (on a GPU, the driver loading, or compiling, the kernels it
+/// uses); its time in milliseconds, or `None` when the `warmup` option
+/// turned it off.
+pub fn warm_up(
+    spec: &LoadSpec,
+    opts: &Options<'_>,
+    work: impl FnOnce() -> Result<(), String>,
+) -> Result<Option<f64>, WireError> {
+    if !opts.get_or("warmup", true)? {
+        return Ok(None);
+    }
+    let started = std::time::Instant::now();
+    work().map_err(|e| {
+        WireError::new(
+            ErrorKind::LoadFailed,
+            format!("model `{}`: its warm-up run failed: {e}", spec.name),
+        )
+    })?;
+    Ok(Some(started.elapsed().as_secs_f64() * 1e3))
+}
+
+/// What load details say of a device: its name, and on a GPU how candle's
+/// kernel modules were loaded (machine code, or PTX the driver compiled).
+pub fn device_details(device: &Device) -> serde_json::Value {
+    if device.is_cuda() {
+        serde_json::json!({ "device": device_name(device), "cuda_modules": crate::kernels::loaded() })
+    } else {
+        serde_json::json!({ "device": device_name(device) })
     }
 }
 

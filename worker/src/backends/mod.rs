@@ -14,5 +14,6 @@ pub mod gpu_hog;
 pub mod hog;
 
 pub use common::{
-    CUDA_BUILD_HINT, LoadMode, choose_device, configure_threads, device_name, parse_request,
+    CUDA_BUILD_HINT, LoadMode, choose_device, configure_threads, device_details, device_name,
+    parse_request, warm_up,
 };

@@ -45,12 +45,21 @@ pub fn serve(registry: Registry) -> ! {
 /// worker in one of its roles (`berth worker`), which passes what follows
 /// the role's name.
 pub fn serve_with_args(registry: Registry, args: impl IntoIterator<Item = String>) -> ! {
+    crate::kernels::keep_loader();
     let mut args = args.into_iter();
     match args.next().as_deref() {
         None => {}
         Some("--version") => {
+            let cuda = if cfg!(feature = "cuda") {
+                format!(
+                    "; CUDA, {} of candle's kernel modules as machine code",
+                    crate::kernels::fat_binaries().len()
+                )
+            } else {
+                String::new()
+            };
             println!(
-                "berth-worker {} (protocol {PROTOCOL_VERSION})",
+                "berth-worker {} (protocol {PROTOCOL_VERSION}{cuda})",
                 env!("CARGO_PKG_VERSION")
             );
             std::process::exit(0);
@@ -59,10 +68,11 @@ pub fn serve_with_args(registry: Registry, args: impl IntoIterator<Item = String
             println!("{}", registry.backends_lines());
             std::process::exit(0);
         }
+        Some("--compare-devices") => std::process::exit(compare_devices(args)),
         Some(other) => {
             eprintln!(
-                "berth-worker: unknown argument `{other}` (it takes --version or --backends; \
-                 otherwise it is started by the berth supervisor)"
+                "berth-worker: unknown argument `{other}` (it takes --version, --backends or \
+                 --compare-devices; otherwise it is started by the berth supervisor)"
             );
             std::process::exit(2);
         }
@@ -79,6 +89,60 @@ pub fn serve_with_args(registry: Registry, args: impl IntoIterator<Item = String
         Err(msg) => {
             eprintln!("berth-worker: {msg}");
             std::process::exit(1);
+        }
+    }
+}
+
+/// `--compare-devices FILE [--device cuda:N] [--steps N] [--prompt TEXT]`:
+/// `generate`'s logits on the CPU against another device's on a GGUF file,
+/// as JSON (`backends/generate/compare.rs`). The exit status.
+fn compare_devices(mut args: impl Iterator<Item = String>) -> i32 {
+    let usage = "usage: berth-worker --compare-devices FILE.gguf [--device cuda:N] [--steps N] \
+                 [--prompt TEXT]";
+    let Some(file) = args.next() else {
+        eprintln!("{usage}");
+        return 2;
+    };
+    let (mut device, mut steps, mut prompt) = ("cuda:0".to_string(), 32usize, None);
+    while let Some(flag) = args.next() {
+        let value = args.next();
+        match (flag.as_str(), value) {
+            ("--device", Some(v)) => device = v,
+            ("--steps", Some(v)) if v.parse::<usize>().is_ok() => steps = v.parse().unwrap_or(32),
+            ("--prompt", Some(v)) => prompt = Some(v),
+            _ => {
+                eprintln!("{usage}");
+                return 2;
+            }
+        }
+    }
+    let other = match device.as_str() {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        d => d
+            .strip_prefix("cuda")
+            .map(|n| n.strip_prefix(':').unwrap_or("0"))
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(|| format!("device `{d}` is not `cpu` or `cuda:N`"))
+            .and_then(|n| {
+                candle_core::Device::new_cuda(n).map_err(|e| format!("cannot open `{d}`: {e}"))
+            }),
+    };
+    let prompt = prompt.unwrap_or_else(|| "Write a short story about a lighthouse keeper.".into());
+    match other.and_then(|other| {
+        crate::backends::generate::compare_devices(
+            std::path::Path::new(&file),
+            &prompt,
+            steps,
+            &other,
+        )
+    }) {
+        Ok(report) => {
+            println!("{report}");
+            0
+        }
+        Err(e) => {
+            eprintln!("berth-worker: {e}");
+            1
         }
     }
 }

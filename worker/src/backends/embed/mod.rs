@@ -19,7 +19,9 @@
 //! `max_length` (tokens per text, default 256, the model's training length);
 //! `device` = `cpu` | `cuda` | `cuda:N` (default: the GPU the supervisor
 //! placed the worker on, else the CPU; CUDA needs a worker built with the
-//! `cuda` feature).
+//! `cuda` feature); `warmup` (default true: a two-text pass at load runs
+//! the kernels a request will, so none waits for a GPU's first run;
+//! `warmup_ms` in the load details).
 //! Request: `{"input": "text"}` or `{"input": ["text", ...]}`, and
 //! optionally `"encoding": "f32"`.
 //! Response: `{"embeddings": [[...], ...], "dim": 384, "tokens": N}`; with
@@ -36,7 +38,9 @@ use candle_transformers::models::bert::Config;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 use crate::backends::files::{FileError, ModelFile, open_in};
-use crate::backends::{LoadMode, choose_device, configure_threads, device_name, parse_request};
+use crate::backends::{
+    LoadMode, choose_device, configure_threads, device_details, parse_request, warm_up,
+};
 use crate::{Backend, Batching, LoadContext, RequestContext};
 
 mod bert;
@@ -55,6 +59,8 @@ struct Embed {
     max_length: usize,
     threads: usize,
     device: Device,
+    /// The warm-up pass at load, in milliseconds (`None`: turned off).
+    warmup_ms: Option<f64>,
 }
 
 fn load_error(spec: &LoadSpec, message: String) -> WireError {
@@ -79,7 +85,7 @@ fn read_text(spec: &LoadSpec, dir: &Path, name: &str) -> Result<String, WireErro
 }
 
 /// The options this backend takes.
-pub const OPTIONS: &[&str] = &["load_mode", "threads", "max_length", "device"];
+pub const OPTIONS: &[&str] = &["load_mode", "threads", "max_length", "device", "warmup"];
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
@@ -189,7 +195,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     };
     let model = Bert::load(vb, &config).map_err(bad_weights)?;
     ctx.progress().advance();
-    Ok(Box::new(Embed {
+    let mut embed = Embed {
         model,
         tokenizer,
         dim: config.hidden_size,
@@ -198,7 +204,19 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         max_length,
         threads,
         device,
-    }))
+        warmup_ms: None,
+    };
+    // Two texts of different lengths: padding and the mask run too.
+    embed.warmup_ms = warm_up(spec, &opts, || {
+        embed
+            .embed(&[
+                "warm-up".into(),
+                "a second, longer text to warm up on".into(),
+            ])
+            .map(drop)
+    })?;
+    ctx.progress().advance();
+    Ok(Box::new(embed))
 }
 
 /// `{"input": "text"}` or `{"input": ["a", "b"]}`, and `"encoding"`.
@@ -433,13 +451,19 @@ impl Backend for Embed {
     }
 
     fn describe(&self) -> serde_json::Value {
-        serde_json::json!({
+        let mut details = serde_json::json!({
             "dim": self.dim,
             "dir": self.dir.display().to_string(),
             "load_mode": self.load_mode.as_str(),
             "max_length": self.max_length,
             "threads": self.threads,
-            "device": device_name(&self.device),
-        })
+            "warmup_ms": self.warmup_ms,
+        });
+        if let (Some(out), serde_json::Value::Object(device)) =
+            (details.as_object_mut(), device_details(&self.device))
+        {
+            out.extend(device);
+        }
+        details
     }
 }

@@ -22,6 +22,9 @@
 //!   is newer than the source. With AVX2 the Q4_1 weights run on berth's
 //!   own kernel (`q4_1.rs`) and are the faster of the two; `q8_0` is for
 //!   CPUs without it, where candle's Q8_0 kernel is the only SIMD one;
+//! - `warmup` (default true): at load, a short prefill and a batched decode
+//!   step run every kernel a request will, so that no request waits for
+//!   a GPU's first run (`warmup_ms` in the load details);
 //! - defaults for requests: `max_tokens` (256), `temperature` (0 = greedy),
 //!   `top_p` (none), `seed` (none: a fresh seed per request, so sampled
 //!   answers vary unless a seed is given; greedy ignores it).
@@ -50,6 +53,8 @@
 //!   KV cache its own, so that a decode step runs several sequences;
 //! - `q4_1.rs`: Q4_1 matrix products with AVX2 (candle's are scalar), to
 //!   the bit what candle's compute;
+//! - `compare.rs`: the CPU's logits against another device's on the same
+//!   file (`berth-worker --compare-devices`);
 //! - `decode.rs`: each request's prefill, then the batch's decode steps,
 //!   sampling and streamed deltas per request;
 //! - this file: the options, `load` and the `Backend` glue.
@@ -63,6 +68,7 @@
 //! while a batch decodes joins it between two steps (continuous batching,
 //! the worker library's `Stepping`), prefilled alone first.
 
+mod compare;
 mod decode;
 mod gguf;
 mod model;
@@ -80,9 +86,12 @@ use candle_core::quantized::gguf_file::Value;
 use serde_json::json;
 use tokenizers::Tokenizer;
 
-use crate::backends::{LoadMode, choose_device, configure_threads, device_name};
+use crate::backends::{
+    LoadMode, choose_device, configure_threads, device_details, device_name, warm_up,
+};
 use crate::{Backend, Batching, LoadContext, RequestContext, Stepping};
 
+pub use compare::compare_devices;
 pub use gguf::tokenizer_from_gguf;
 #[doc(hidden)]
 pub use model::{Agreement, agreement_with_candle};
@@ -105,6 +114,7 @@ pub const OPTIONS: &[&str] = &[
     "temperature",
     "top_p",
     "seed",
+    "warmup",
 ];
 const DEFAULT_MAX_TOKENS: usize = 256;
 const DEFAULT_MAX_BATCH: usize = 8;
@@ -265,6 +275,18 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         .map_err(|e| fail(format!("cannot build the model from `{file}`: {e}")))?;
     drop(data);
     progress.advance();
+    let mut details = details;
+    let warmup = tokenizer
+        .encode(format!("{IM_START}user\nwarm up{IM_END}"), false)
+        .map_err(|e| {
+            fail(format!(
+                "`{file}`: its tokenizer fails on the warm-up text: {e}"
+            ))
+        })?;
+    details["warmup_ms"] = json!(warm_up(spec, &opts, || {
+        model.warm_up(warmup.get_ids()).map_err(|e| e.to_string())
+    })?);
+    progress.advance();
     Ok(Box::new(Generate {
         name: spec.name.clone(),
         model,
@@ -378,6 +400,12 @@ impl Backend for Generate {
     }
 
     fn describe(&self) -> serde_json::Value {
-        self.details.clone()
+        let mut details = self.details.clone();
+        if let (Some(out), serde_json::Value::Object(device)) =
+            (details.as_object_mut(), device_details(self.model.device()))
+        {
+            out.extend(device);
+        }
+        details
     }
 }

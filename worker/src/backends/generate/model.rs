@@ -159,6 +159,25 @@ impl Llama {
         })
     }
 
+    pub(super) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Runs every kernel a request will: a prefill of `tokens` (the mask,
+    /// several rows), then one decode step of two sequences together (a
+    /// batched step), so no request waits for what a first run costs.
+    pub(super) fn warm_up(&self, tokens: &[u32]) -> Result<()> {
+        let (mut a, mut b) = (Sequence::default(), Sequence::default());
+        let first = self
+            .prefill(&mut a, tokens)?
+            .argmax(0)?
+            .to_scalar::<u32>()?;
+        self.prefill(&mut b, &tokens[..1])?;
+        self.step(&mut [&mut a, &mut b], &[first, first])?
+            .to_vec2::<f32>()
+            .map(drop)
+    }
+
     /// Feeds `tokens` (a prompt, or a chunk of one) to `seq`; the logits
     /// after its last token, `[vocab]`.
     pub(super) fn prefill(&self, seq: &mut Sequence, tokens: &[u32]) -> Result<Tensor> {
