@@ -153,7 +153,7 @@ mod hook {
 
     /// Keeps this file's `cuModuleLoadData` in the executable.
     pub fn linked() -> usize {
-        std::hint::black_box(cuModuleLoadData as usize)
+        std::hint::black_box(cuModuleLoadData as *const () as usize)
     }
 }
 

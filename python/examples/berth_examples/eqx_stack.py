@@ -192,4 +192,7 @@ class EqxStack(Backend):
             "parameter_bytes": self.parameter_bytes,
             "init_ms": round(self.init_ms, 1),
             "framework": "jax {} / equinox {}".format(jax.__version__, eqx.__version__),
+            # Where JAX runs: a CUDA plugin that refused its settings runs on
+            # the CPU without a word (docs/gpu.md).
+            "devices": [str(d) for d in jax.devices()],
         }

@@ -23,7 +23,7 @@
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::base::CapMechanism;
 
@@ -95,17 +95,45 @@ fn enable_memory_below(base: &Path) -> std::io::Result<()> {
     match write(&control, "+memory") {
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
             let leaf = base.join("supervisor");
-            std::fs::create_dir_all(&leaf)?;
-            // "0": the writing process, all its threads.
-            write(&leaf.join("cgroup.procs"), "0")?;
-            tracing::info!(
-                "moved berth into {} so that its workers' cgroups can have memory caps",
-                leaf.display()
-            );
+            let own = own_cgroup_v2();
+            if must_move(own.as_deref(), &leaf) {
+                std::fs::create_dir_all(&leaf)?;
+                // "0": the writing process, all its threads.
+                write(&leaf.join("cgroup.procs"), "0")?;
+                if first_time(&MOVE_SAID) {
+                    tracing::info!(
+                        "moved berth into {} so that its workers' cgroups can have memory caps",
+                        leaf.display()
+                    );
+                }
+            }
             write(&control, "+memory")
         }
         other => other,
     }
+}
+
+/// Whether the move into the leaf was said already: it is a fact about
+/// the process, said once, however many loads meet a busy controller.
+static MOVE_SAID: AtomicBool = AtomicBool::new(false);
+
+/// True the first time it is asked of `said`, false after.
+fn first_time(said: &AtomicBool) -> bool {
+    !said.swap(true, Ordering::Relaxed)
+}
+
+/// Whether berth, in cgroup `own` (`None`: unknown), must move itself into
+/// `leaf`: not when it is there already (a later load meeting the
+/// controller busy for another reason moves nothing and says nothing).
+fn must_move(own: Option<&Path>, leaf: &Path) -> bool {
+    own != Some(leaf)
+}
+
+/// This process's cgroup v2 folder, from `/proc/self/cgroup`.
+fn own_cgroup_v2() -> Option<PathBuf> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+    Some(Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/')))
 }
 
 /// Whether the operator turned cgroups off (`BERTH_NO_CGROUPS=1`).
@@ -328,5 +356,26 @@ impl Drop for Cgroup {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         tracing::warn!(dir = %self.dir.display(), "could not remove a worker cgroup");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a GPU machine's cgroup v2 every load logged "moved berth into
+    /// .../supervisor" again (13 times in one short run): a one-time fact
+    /// is said once, and a berth already in its leaf is not moved again.
+    #[test]
+    fn the_move_into_the_leaf_is_done_and_said_once() {
+        let leaf = Path::new("/sys/fs/cgroup/system.slice/berth.service/supervisor");
+        let base = leaf.parent().unwrap();
+        assert!(must_move(Some(base), leaf));
+        assert!(must_move(None, leaf));
+        assert!(!must_move(Some(leaf), leaf));
+        let said = AtomicBool::new(false);
+        assert!(first_time(&said));
+        assert!(!first_time(&said));
+        assert!(!first_time(&said));
     }
 }
