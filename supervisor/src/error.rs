@@ -209,6 +209,16 @@ pub enum Error {
         last_exit: String,
     },
 
+    #[error(
+        "model `{model}` failed to load ({last_error}); requests start the next attempt in \
+         {in_s:.1} s, retry then, or load it by hand (`berth load {model}`) to try now"
+    )]
+    LoadBackoff {
+        model: String,
+        in_s: f64,
+        last_error: String,
+    },
+
     /// A load another caller started failed; every caller waiting on it gets
     /// this copy (errors are not `Clone`): the original's code, class and message.
     #[error("{message}")]
@@ -367,6 +377,7 @@ impl Error {
             Error::Busy { .. } => "busy",
             Error::ModelFailed { .. } => "model_failed",
             Error::Restarting { .. } => "restarting",
+            Error::LoadBackoff { .. } => "load_backoff",
             Error::Quarantined { .. } => "quarantined",
             Error::DeadlineExceeded { .. } => "deadline_exceeded",
             Error::SharedLoad { kind, .. } => kind,
@@ -412,7 +423,8 @@ impl Error {
             | Error::BudgetExceeded { .. }
             | Error::GpuBudgetExceeded { .. }
             | Error::ModelFailed { .. }
-            | Error::Restarting { .. } => ErrorClass::Unavailable,
+            | Error::Restarting { .. }
+            | Error::LoadBackoff { .. } => ErrorClass::Unavailable,
             Error::Quarantined { .. } => ErrorClass::Refused,
             Error::SharedLoad { class, .. } => *class,
         }

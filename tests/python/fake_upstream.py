@@ -9,7 +9,9 @@ Routes: GET /health, GET /v1/models, POST /v1/chat/completions (with
 each carrying the time it was sent), and any other POST under /v1/, which
 answers what it received: the body, the path and the headers. A body's
 "status" field sets the answer's status; its "plain" field makes the answer
-that text, as text/plain; its "delay_ms" delays the answer.
+that text, as text/plain; its "delay_ms" delays the answer; its
+"answer_headers" (an object) are added to the answer's headers; its
+"switch": true answers `101 Switching Protocols` and closes.
 
 Modes:
   never-ready        /health answers 503 for ever
@@ -109,6 +111,23 @@ class Handler(BaseHTTPRequestHandler):
         if isinstance(body, dict) and body.get("delay_ms"):
             time.sleep(float(body["delay_ms"]) / 1000)
         status = body.get("status", 200) if isinstance(body, dict) else 200
+        if isinstance(body, dict) and body.get("switch"):
+            self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                             b"Connection: Upgrade\r\n\r\n")
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        if isinstance(body, dict) and isinstance(body.get("answer_headers"), dict):
+            value = {"path": self.path, "received": body}
+            data = json.dumps(value).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in body["answer_headers"].items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+            return
         if isinstance(body, dict) and "plain" in body:
             text = body["plain"].encode()
             self.send_response(status)

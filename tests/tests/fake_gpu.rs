@@ -148,16 +148,25 @@ fn auto_placement_avoids_a_busy_gpu_and_the_budget_evicts_idle_models() {
     );
 
     // A model whose size is not known yet is placed on what is free (the
-    // budget cannot see an allocation before it happens); once measured, a
-    // model larger than the budget is refused up front, naming the GPU and
-    // the budget, and nothing is evicted for nothing.
+    // budget cannot see an allocation before it happens); measured at the
+    // end of its load past the budget on its own, it is stopped, and
+    // nothing is evicted for nothing. Its next load is refused up front,
+    // naming the GPU and the budget.
     let (status, body) = server.put(
         "/api/models/huge",
         json!({ "backend": "gpu-hog", "gpus": [1], "options": { "alloc_mib": 30720 } }),
     );
     assert_eq!(status, 201, "{body}");
-    load(&server, "huge");
-    unload(&server, "huge");
+    let (status, body) = server.post("/api/models/huge/load", json!({}));
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("measured once loaded"),
+        "{body}"
+    );
+    assert_eq!(server.ps().len(), 2, "b and c are still loaded");
     let (status, body) = server.post("/api/models/huge/load", json!({}));
     assert_eq!(status, 503, "{body}");
     assert_eq!(

@@ -157,7 +157,7 @@ fn the_vram_budget_holds_once_loads_are_measured() {
         message.contains("model `d`")
             && message.contains("measured once loaded")
             && message.contains("past the per-GPU budget of 48.0 GiB")
-            && message.contains("no idle model there can be evicted"),
+            && message.contains("even with every idle model there evicted"),
         "{message}"
     );
     assert_eq!(loaded(&server), ["a", "b"]);

@@ -311,3 +311,84 @@ fn a_preloader_that_dies_before_it_is_ready_is_tried_again_only_after_a_wait() {
     let (status, body) = server.post("/api/models/b/infer", json!({}));
     assert_eq!(status, 200, "{body}");
 }
+
+/// A preloaded module that starts a helper in its own session and stops
+/// reaping children: the preloader fails at its first fork (the load
+/// starts cold, as it must), and the helper, listed nowhere, used to run
+/// until berth stopped. What a preloader started goes when it ends, as
+/// what a worker started does at its unload.
+#[test]
+fn what_a_dead_preloader_started_goes_with_it() {
+    let pid_file = std::env::temp_dir().join(format!("berth-helper-{}", free_port()));
+    let config = format!(
+        "[workers.py]\ncommand = {:?}\nenv = {{ PYTHONPATH = {:?}, BERTH_TEST_PID_FILE = {:?} }}\n\
+         preload = [\"preload_leaves_a_helper\"]\n\n\
+         [[model]]\nname = \"a\"\nbackend = \"hog\"\nworker = \"py\"\n",
+        python_worker_command(),
+        repo_root().join("python/tests").display().to_string(),
+        pid_file.display().to_string(),
+    );
+    let (server, _log) = serve(&config);
+    let a = load(&server, "a");
+    assert_eq!(a["start"]["kind"], "cold_fallback", "{a}");
+    let helper: u32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        wait_for(Duration::from_secs(10), || !alive(helper)),
+        "the helper pid {helper} outlived its preloader"
+    );
+    let (status, body) = server.post("/api/models/a/infer", json!({}));
+    assert_eq!(status, 200, "{body}");
+    let _ = std::fs::remove_file(&pid_file);
+}
+
+/// A worker kind with a relative `cwd` (as python/examples/serve.toml has)
+/// forks its workers into that folder, resolved against berth's own once
+/// (the preloader is already in it); and a forked worker that dies before
+/// its hello, after a fork that worked, is started again cold: no load
+/// fails for a preloader's sake.
+#[test]
+fn a_relative_cwd_works_forked_and_a_failed_fork_falls_back_cold() {
+    let root = std::env::temp_dir().join(format!("berth-cwd-{}", free_port()));
+    std::fs::create_dir_all(root.join("models/here")).unwrap();
+    let kind = |name: &str, modules: &[&str]| {
+        format!(
+            "[workers.{name}]\ncommand = {:?}\ncwd = \"models/here\"\nenv = {{ PYTHONPATH = {:?} }}\n\
+             preload = {modules:?}\n\n[[model]]\nname = \"{name}-a\"\nbackend = \"hog\"\nworker = \"{name}\"\n\n\
+             [[model]]\nname = \"{name}-b\"\nbackend = \"hog\"\nworker = \"{name}\"\n\n",
+            python_worker_command(),
+            repo_root().join("python/tests").display().to_string(),
+        )
+    };
+    let config = root.join("berth.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "{}{}",
+            kind("warm", &["json"]),
+            kind("dies", &["forked_worker_dies"])
+        ),
+    )
+    .unwrap();
+    let server = Server::start_file(&config, Some(&root), &[], &[]);
+    for model in ["warm-a", "warm-b"] {
+        let report = load(&server, model);
+        preloader_pid(&report);
+        let pid = report["pid"].as_u64().unwrap();
+        let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).unwrap();
+        assert_eq!(cwd, root.join("models/here").canonicalize().unwrap());
+    }
+    let report = load(&server, "dies-a");
+    assert_eq!(report["start"]["kind"], "cold_fallback", "{report}");
+    let reason = report["start"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("forked from the preloaded interpreter failed"),
+        "{reason}"
+    );
+    let (status, body) = server.post("/api/models/dies-a/infer", json!({}));
+    assert_eq!(status, 200, "{body}");
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -297,3 +297,47 @@ async fn a_host_leases_a_server_and_talks_to_it() {
     assert_eq!(err.kind(), "bad_request", "{err}");
     sup.shutdown().await;
 }
+
+/// A relayed answer is served from berth's origin: the server's cookies
+/// and CORS grants do not pass, `nosniff` is added; a server that switches
+/// protocols gets the client a 502 that says so, not a bare 101 and a
+/// dead connection.
+#[test]
+fn a_server_s_cookies_cors_and_protocol_switches_stop_at_berth() {
+    let server = Server::start(&config("", "", ""));
+    let reply = server.raw(
+        "POST",
+        "/v1/anything",
+        &[("Content-Type", "application/json")],
+        Some(
+            json!({
+                "model": "fake",
+                "answer_headers": {
+                    "Set-Cookie": "session=stolen",
+                    "Access-Control-Allow-Origin": "*",
+                    "Access-Control-Allow-Credentials": "true",
+                    "X-Served-By": "fake"
+                }
+            })
+            .to_string()
+            .as_bytes(),
+        ),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-served-by"),
+        Some("fake"),
+        "its own headers pass"
+    );
+    assert_eq!(reply.header("set-cookie"), None);
+    assert_eq!(reply.header("access-control-allow-origin"), None);
+    assert_eq!(reply.header("access-control-allow-credentials"), None);
+    assert_eq!(reply.header("x-content-type-options"), Some("nosniff"));
+
+    let (status, reply) = server.post("/v1/anything", json!({ "model": "fake", "switch": true }));
+    assert_eq!(status, 502, "{reply}");
+    assert_eq!(reply["error"]["code"], "upstream_bad_answer", "{reply}");
+    // The server serves on.
+    let (status, _) = server.post("/v1/anything", json!({ "model": "fake" }));
+    assert_eq!(status, 200);
+}

@@ -21,7 +21,7 @@ use crate::child::{health, stop, stream, upstream};
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
-use crate::report::{LoadReport, Warning};
+use crate::report::{LoadReport, Warning, WorkerStart};
 use crate::units::gib;
 
 /// The end a new worker connects to, by wire.
@@ -126,16 +126,19 @@ async fn start_and_load(
     };
     let mut listening = listen()?;
     let mut start = start;
-    let process = loop {
-        let connect = match &listening {
-            Listening::Ipc(_, name) => Connect::Ipc(name),
-            Listening::Stream(_, theirs) => Connect::Stream(theirs.as_raw_fd()),
-        };
-        match start_process(
+    let program_line = program.to_string();
+    // A forked worker that fails before its hello (its setup in the fork:
+    // a folder, a cgroup) is started again cold: no load fails for a
+    // preloader's sake.
+    let (process, accepted) = loop {
+        let process = match start_process(
             spec,
             &program.path,
             &program.args,
-            connect,
+            match &listening {
+                Listening::Ipc(_, name) => Connect::Ipc(name),
+                Listening::Stream(_, theirs) => Connect::Stream(theirs.as_raw_fd()),
+            },
             program.cwd.as_deref(),
             &env,
             spawned,
@@ -143,47 +146,64 @@ async fn start_and_load(
         )
         .await?
         {
-            Started::Process(process) => break process,
+            Started::Process(process) => process,
             // A preloader that never answered may still fork a worker
             // holding that socket: a cold start gets a socket of its own.
             Started::Again(why) => {
                 listening = listen()?;
                 start = Start::ColdBecause(why);
+                continue;
+            }
+        };
+        let pid = process.pid();
+        tracing::debug!(model, pid, program = %program, start = %process.start_kind(), "worker started");
+        let forked = matches!(process.start_kind(), WorkerStart::Forked { .. });
+        let outcome = match listening {
+            Listening::Ipc(server, name) => {
+                handshake::accept(model, &program_line, pid, server, &name, &process, left()).await
+            }
+            Listening::Stream(ours, theirs) => {
+                drop(theirs);
+                let (reader, writer) =
+                    stream::connect(ours).map_err(io_error("cannot watch the worker's socket"))?;
+                handshake::accept_stream(
+                    model,
+                    &program_line,
+                    pid,
+                    reader,
+                    writer,
+                    &process,
+                    left(),
+                )
+                .await
+            }
+        };
+        match outcome {
+            HandshakeOutcome::Ok(accepted) => break (process, accepted),
+            // Started cold next: `forked` is false then.
+            HandshakeOutcome::Failed(e) if forked => {
+                kill_and_reap(&process).await;
+                let why = format!("the worker forked from the preloaded interpreter failed: {e}");
+                tracing::warn!(model, "{why}; starting it cold");
+                start = Start::ColdBecause(why);
+                listening = listen()?;
+            }
+            HandshakeOutcome::Failed(e) => {
+                kill_and_reap(&process).await;
+                return Err(e);
+            }
+            HandshakeOutcome::TimedOut => {
+                kill_and_reap(&process).await;
+                return Err(Error::LoadTimeout {
+                    model: model.into(),
+                    pid,
+                    timeout,
+                    phase: "handshake",
+                });
             }
         }
     };
     let pid = process.pid();
-    tracing::debug!(model, pid, program = %program, start = %process.start_kind(), "worker started");
-
-    let program_line = program.to_string();
-    let outcome = match listening {
-        Listening::Ipc(server, name) => {
-            handshake::accept(model, &program_line, pid, server, &name, &process, left()).await
-        }
-        Listening::Stream(ours, theirs) => {
-            drop(theirs);
-            let (reader, writer) =
-                stream::connect(ours).map_err(io_error("cannot watch the worker's socket"))?;
-            handshake::accept_stream(model, &program_line, pid, reader, writer, &process, left())
-                .await
-        }
-    };
-    let accepted = match outcome {
-        HandshakeOutcome::Ok(accepted) => accepted,
-        HandshakeOutcome::Failed(e) => {
-            kill_and_reap(&process).await;
-            return Err(e);
-        }
-        HandshakeOutcome::TimedOut => {
-            kill_and_reap(&process).await;
-            return Err(Error::LoadTimeout {
-                model: model.into(),
-                pid,
-                timeout,
-                phase: "handshake",
-            });
-        }
-    };
     let spawn_ms = ms(started.elapsed());
     let backends = accepted.2.backends.clone();
     let handle = WorkerHandle::new(

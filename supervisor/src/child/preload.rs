@@ -259,6 +259,22 @@ impl Preloader {
                         open_files.join(", ")
                     );
                 }
+                // Whatever it started goes with it, however it ends (a
+                // crash, a stop): its group, and what left the group (its
+                // cgroup, its mark), as for a worker.
+                let watched = Arc::clone(&process);
+                tokio::spawn(async move {
+                    watched.exited().await;
+                    let swept = crate::child::sweep::sweep_all(&watched).await;
+                    if swept.found > 0 {
+                        tracing::warn!(
+                            pid = watched.pid(),
+                            "the preloaded interpreter ended; {} processes it started were \
+                             killed",
+                            swept.found
+                        );
+                    }
+                });
                 Ok(Preloader {
                     kind: kind.to_string(),
                     process,

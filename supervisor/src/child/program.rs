@@ -99,7 +99,14 @@ pub(crate) fn worker_program(spec: &ModelSpec, config: &SupervisorConfig) -> Res
         .map(|k| k.env.clone().into_iter().collect())
         .unwrap_or_default();
     program.env.extend(spec.env.iter().cloned());
-    program.cwd = spec.cwd.clone().or(kind.and_then(|k| k.cwd.clone()));
+    // A relative folder is the supervisor's own folder's, once: the same
+    // path for a spawn and for a fork from a preloaded interpreter, which
+    // is already in that folder itself.
+    program.cwd = spec
+        .cwd
+        .clone()
+        .or(kind.and_then(|k| k.cwd.clone()))
+        .map(|dir| std::path::absolute(&dir).unwrap_or(dir));
     Ok(program)
 }
 

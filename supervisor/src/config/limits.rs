@@ -11,6 +11,12 @@ pub const MAX_NAME_LEN: usize = 128;
 pub const MAX_OPTIONS: usize = 64;
 pub const MAX_OPTION_NAME: usize = 64;
 pub const MAX_OPTION_VALUE: usize = 4096;
+/// Other names one model may have (llama-swap's `aliases`): a real config
+/// gives a few; the bound keeps what one registration can make the
+/// supervisor hold, and check, small.
+pub const MAX_ALIASES: usize = 64;
+/// GPUs one model may name.
+pub const MAX_GPUS: usize = 64;
 /// Models registered at once, by default.
 pub const DEFAULT_MAX_MODELS: usize = 1024;
 /// Longest duration accepted anywhere (keep-alive, timeouts, windows): a

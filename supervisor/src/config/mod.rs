@@ -224,7 +224,27 @@ impl ModelSpec {
                  and does not start with `.`"
             ));
         }
-        for alias in &self.aliases {
+        if self.aliases.len() > MAX_ALIASES {
+            return invalid(format!(
+                "{} aliases; a model has at most {MAX_ALIASES}",
+                self.aliases.len()
+            ));
+        }
+        if let Some(crate::gpu::GpuRequest::Devices(gpus)) = &self.gpus {
+            let mut seen = gpus.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            if gpus.len() > MAX_GPUS || seen.len() != gpus.len() {
+                return invalid(format!(
+                    "`gpus` lists {} devices; give each at most once, at most {MAX_GPUS}",
+                    gpus.len()
+                ));
+            }
+        }
+        for (i, alias) in self.aliases.iter().enumerate() {
+            if alias == &self.name || self.aliases[..i].contains(alias) {
+                return invalid(format!("alias `{alias}` is given twice"));
+            }
             if alias.is_empty()
                 || alias.len() > MAX_NAME_LEN
                 || alias.chars().any(|c| c.is_control() || c.is_whitespace())

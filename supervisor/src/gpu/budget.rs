@@ -22,6 +22,9 @@ pub struct Overrun {
     /// The least recently used idle model holding memory there: the one to
     /// evict first. `None`: nothing there may be evicted.
     pub victim: Option<String>,
+    /// Whether evicting every idle model there would bring it within the
+    /// budget.
+    pub evicting_helps: bool,
     /// Each of berth's models there with what it holds, for the message.
     pub holders: Vec<String>,
 }
@@ -63,10 +66,16 @@ pub fn overrun(
                 .map(|h| (h, held_on(device, h)))
                 .filter(|(_, bytes)| *bytes > 0)
                 .collect();
+            let idle: u64 = here
+                .iter()
+                .filter(|(h, _)| h.evictable)
+                .map(|(_, b)| b)
+                .sum();
             Overrun {
                 device: device.index,
                 held,
                 budget,
+                evicting_helps: held - idle <= budget,
                 victim: here
                     .iter()
                     .filter(|(h, _)| h.evictable)
@@ -131,6 +140,7 @@ mod tests {
         let over = overrun(&devices, 48 * GIB, &holders, Some(&[0])).unwrap();
         assert_eq!((over.device, over.held), (0, 61 * GIB));
         assert_eq!(over.victim.as_deref(), Some("b"));
+        assert!(over.evicting_helps);
         let text = over.describe();
         assert!(
             text.contains("61.0 GiB, past the per-GPU budget of 48.0 GiB")
@@ -157,6 +167,16 @@ mod tests {
         assert_eq!(overrun(&devices, 40 * GIB, &holders, None), None);
         let over = overrun(&devices, 39 * GIB, &holders, None).unwrap();
         assert_eq!(over.victim, None, "both are busy");
+        assert!(!over.evicting_helps);
+        // A newcomer larger than the budget alone: evicting its idle
+        // neighbour would not make it fit, so nothing is evicted for it.
+        let holders = [
+            holder("idle", 1, 0, true, 1),
+            holder("huge", 777, 0, false, 9),
+        ];
+        let over = overrun(&devices, 25 * GIB, &holders, None).unwrap();
+        assert_eq!(over.victim.as_deref(), Some("idle"));
+        assert!(!over.evicting_helps, "{over:?}");
     }
 
     #[test]

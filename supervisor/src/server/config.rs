@@ -46,6 +46,9 @@ pub const DEFAULT_MAX_INPUTS: usize = 2048;
 /// Largest answer a worker may send through the sidecar.
 pub const DEFAULT_MAX_RESPONSE: u64 = 64 << 20;
 pub const DEFAULT_MAX_BODY: u64 = 16 << 20;
+/// Request bodies held at once, all connections together: past it a new
+/// body is answered 503 at once rather than read.
+pub const DEFAULT_MAX_BODY_TOTAL: u64 = 256 << 20;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -72,6 +75,10 @@ pub struct ServeConfig {
     /// Largest request body accepted (default 16 MiB).
     #[serde(default, with = "crate::units::bytes_opt")]
     pub max_body: Option<u64>,
+    /// Request bodies held at once, all together (default 256 MiB, at
+    /// least `max_body`).
+    #[serde(default, with = "crate::units::bytes_opt")]
+    pub max_body_total: Option<u64>,
     /// Where the supervisor records its workers, so the next one can stop
     /// what it leaves if it is killed (default: under `~/.cache/berth/run/`).
     #[serde(default)]
@@ -212,6 +219,14 @@ impl ServeConfig {
                 "max_body {b} bytes is out of range: 1 KiB to 1 GiB"
             ));
         }
+        let max_body = self.max_body.unwrap_or(DEFAULT_MAX_BODY);
+        if let Some(total) = self.max_body_total
+            && !(max_body..=(64 << 30)).contains(&total)
+        {
+            return Err(format!(
+                "max_body_total {total} bytes is out of range: max_body ({max_body}) to 64 GiB"
+            ));
+        }
         if let Some(n) = self.max_connections
             && !(1..=MAX_CONNECTIONS_LIMIT).contains(&n)
         {
@@ -258,6 +273,10 @@ impl ServeConfig {
         let mut options = ServeOptions::new(listen);
         options.token = token;
         options.max_body = self.max_body.unwrap_or(DEFAULT_MAX_BODY) as usize;
+        options.max_body_total = self
+            .max_body_total
+            .unwrap_or(DEFAULT_MAX_BODY_TOTAL)
+            .max(options.max_body as u64) as usize;
         options.body_timeout = self.body_timeout.unwrap_or(options.body_timeout);
         options.max_inputs = self.max_inputs.unwrap_or(options.max_inputs);
         options.allowed_hosts = self.allowed_hosts.clone();
@@ -442,6 +461,7 @@ mod tests {
             ("memory_budget", false),
             ("gpu_memory_budget", false),
             ("max_response", false),
+            ("max_body_total", false),
             ("answer_spin", true),
         ];
         let units = [

@@ -70,7 +70,9 @@ impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         let (status, code) = status_and_code(&e);
         let retry_after = match &e {
-            Error::Restarting { in_s, .. } => Some(in_s.ceil().max(1.0) as u64),
+            Error::Restarting { in_s, .. } | Error::LoadBackoff { in_s, .. } => {
+                Some(in_s.ceil().max(1.0) as u64)
+            }
             Error::QueueFull { .. } => Some(1),
             _ => None,
         };
@@ -389,6 +391,15 @@ mod tests {
                 503,
                 "restarting",
             ),
+            (
+                Error::LoadBackoff {
+                    model: M.into(),
+                    in_s: 2.5,
+                    last_error: "it failed".into(),
+                },
+                503,
+                "load_backoff",
+            ),
         ];
         for kind in WIRE_KINDS {
             let (status, code) = wire_expected(kind);
@@ -426,7 +437,8 @@ mod tests {
             | "gpu_memory_budget_exceeded"
             | "shutting_down"
             | "model_failed"
-            | "restarting" => 503,
+            | "restarting"
+            | "load_backoff" => 503,
             "load_timeout" => 504,
             "worker_died" | "gpu_out_of_memory" | "handshake_failed" | "protocol_mismatch"
             | "unexpected_message" | "gpu_unused" => 502,
@@ -487,7 +499,10 @@ mod tests {
         });
         assert_eq!(full.retry_after, Some(1));
         for (error, ..) in table() {
-            if !matches!(error, Error::Restarting { .. } | Error::QueueFull { .. }) {
+            if !matches!(
+                error,
+                Error::Restarting { .. } | Error::QueueFull { .. } | Error::LoadBackoff { .. }
+            ) {
                 assert_eq!(ApiError::from(error).retry_after, None);
             }
         }

@@ -95,11 +95,12 @@ const IGNORED_MODEL: &[(&str, &str)] = &[
 /// Reads a llama-swap `config.yaml` from its text. `env` looks up the
 /// variables `${env.VAR}` names.
 pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migrated, String> {
-    let text = expand_env(text, env)?;
+    check_shape(text)?;
     let mut root: Value =
-        yaml_serde::from_str(&text).map_err(|e| format!("not a YAML file: {e}"))?;
+        yaml_serde::from_str(text).map_err(|e| format!("not a YAML file: {e}"))?;
     root.apply_merge()
         .map_err(|e| format!("cannot apply its `<<` merge keys: {e}"))?;
+    let root = expand_env(&root, env)?;
     let Value::Mapping(root) = root else {
         return Err("the file is not a mapping of keys".into());
     };
@@ -124,37 +125,121 @@ pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migra
     let Some(Value::Mapping(models)) = root.get("models") else {
         return Err("no `models` mapping".into());
     };
+    // One rule for every model: one that cannot be served is left out,
+    // saying why, and the rest are served.
     for (id, model) in models {
-        let Some(id) = id.as_str() else {
-            return Err("a model's ID is not a string".into());
-        };
-        let Value::Mapping(model) = model else {
-            return Err(format!("model `{id}` is not a mapping"));
-        };
-        let mut all = global_macros.clone();
-        for (name, value) in macros(model.get("macros"), &format!("model `{id}`'s macros"))? {
-            all.retain(|(n, _)| *n != name);
-            all.push((name, value));
-        }
-        all.insert(0, ("MODEL_ID".into(), Value::String(id.into())));
-        let expanded = expand(&Value::Mapping(model.clone()), &all);
-        match one_model(
-            id,
-            &expanded,
-            global_ttl,
-            health_timeout,
-            global_unload,
-            &mut out.notes,
-        ) {
-            Ok((kind, spec)) => {
-                out.workers
-                    .insert(spec.worker.clone().expect("named"), kind);
-                out.models.push(spec);
+        let id = match id {
+            Value::String(id) => id.clone(),
+            other => {
+                out.notes.push(format!(
+                    "a model whose ID is not a string ({}) left out",
+                    yaml_serde::to_string(other).unwrap_or_default().trim()
+                ));
+                continue;
             }
+        };
+        match model_of(&id, model, &global_macros) {
+            Ok(expanded) => match one_model(
+                &id,
+                &expanded,
+                global_ttl,
+                health_timeout,
+                global_unload,
+                &mut out.notes,
+            ) {
+                Ok((kind, spec)) => {
+                    if let Err(e) = spec.validate() {
+                        out.notes.push(format!("model `{id}` left out: {e}"));
+                        continue;
+                    }
+                    if let Some(first) = out.models.iter().find(|m| m.name == spec.name) {
+                        out.notes.push(format!(
+                            "model `{id}` left out: its berth name `{}` is already model `{}`'s \
+                             in this file (IDs differing only in characters a berth name \
+                             cannot hold); rename one",
+                            spec.name,
+                            first.aliases.last().unwrap_or(&first.name)
+                        ));
+                        continue;
+                    }
+                    out.workers
+                        .insert(spec.worker.clone().expect("named"), kind);
+                    out.models.push(spec);
+                }
+                Err(why) => out.notes.push(format!("model `{id}` left out: {why}")),
+            },
             Err(why) => out.notes.push(format!("model `{id}` left out: {why}")),
         }
     }
     Ok(out)
+}
+
+/// Model `id`'s entry with its macros (the file's, then its own) expanded.
+fn model_of(id: &str, model: &Value, global: &[(String, Value)]) -> Result<Value, String> {
+    let Value::Mapping(model) = model else {
+        return Err("it is not a mapping".into());
+    };
+    let mut all = global.to_vec();
+    for (name, value) in macros(model.get("macros"), "its macros")? {
+        all.retain(|(n, _)| *n != name);
+        all.push((name, value));
+    }
+    all.insert(0, ("MODEL_ID".into(), Value::String(id.into())));
+    expand(&Value::Mapping(model.clone()), &all)
+}
+
+/// The most bytes a llama-swap file may have, and the deepest it may nest:
+/// a real one is a few KiB, five levels deep. Checked before the YAML is
+/// parsed, so a hostile file costs no parse.
+const MAX_FILE: usize = 1 << 20;
+const MAX_DEPTH: usize = 32;
+/// The longest value a macro may expand to: the kernel's limit on one
+/// argument (`MAX_ARG_STRLEN`), which no command line can pass anyway.
+const MAX_VALUE: usize = 128 << 10;
+
+/// Refuses a file too large, or nested too deep (flow collections `[`/`{`,
+/// or indentation), to be a llama-swap config.
+fn check_shape(text: &str) -> Result<(), String> {
+    if text.len() > MAX_FILE {
+        return Err(format!(
+            "it is {} bytes; a llama-swap config is at most {MAX_FILE}",
+            text.len()
+        ));
+    }
+    let mut depth = 0usize;
+    for line in text.lines() {
+        let indent = line.len() - line.trim_start_matches([' ', '-']).len();
+        if indent > MAX_DEPTH * 8 && !line.trim().is_empty() {
+            return Err(format!(
+                "it is indented {indent} columns deep; a llama-swap config nests a few levels"
+            ));
+        }
+        let (mut quote, mut escaped) = (None, false);
+        for c in line.chars() {
+            match (quote, c) {
+                (None, '#') => break,
+                (None, '\'' | '"') => quote = Some(c),
+                (Some('"'), '\\') if !escaped => {
+                    escaped = true;
+                    continue;
+                }
+                (Some(q), c) if c == q && !escaped => quote = None,
+                (None, '[' | '{') => {
+                    depth += 1;
+                    if depth > MAX_DEPTH {
+                        return Err(format!(
+                            "its brackets nest more than {MAX_DEPTH} deep; a llama-swap config \
+                             nests a few levels"
+                        ));
+                    }
+                }
+                (None, ']' | '}') => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            escaped = false;
+        }
+    }
+    Ok(())
 }
 
 /// A mapping of macros, in order.
@@ -178,47 +263,81 @@ fn macros(value: Option<&Value>, what: &str) -> Result<Vec<(String, Value)>, Str
         .collect()
 }
 
-/// `${env.VAR}` replaced by the variable's value, in the text, before the
-/// YAML is parsed (as llama-swap does; comment lines are left alone).
-fn expand_env(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
-    let mut out = String::with_capacity(text.len());
-    for line in text.split_inclusive('\n') {
-        if line.trim_start().starts_with('#') {
-            out.push_str(line);
-            continue;
-        }
-        let mut rest = line;
-        while let Some(at) = rest.find("${env.") {
-            out.push_str(&rest[..at]);
-            let after = &rest[at + 6..];
-            let end = after
-                .find('}')
-                .ok_or_else(|| format!("an unclosed `${{env.` in: {}", line.trim()))?;
-            let name = &after[..end];
-            let value = env(name).ok_or_else(|| format!("`${{env.{name}}}`: {name} is not set"))?;
-            if value.contains('\n') || value.contains('\0') {
-                return Err(format!("`${{env.{name}}}` holds a newline or NUL"));
+/// `${env.VAR}` replaced by the variable's value in every string of the
+/// parsed file, as llama-swap does; a string that is exactly `${env.VAR}`
+/// takes the value as YAML reads it (a number stays a number). Replaced
+/// after parsing rather than in the text, so a value holding quotes or
+/// colons is the value, wherever it is used.
+fn expand_env(value: &Value, env: &dyn Fn(&str) -> Option<String>) -> Result<Value, String> {
+    Ok(match value {
+        Value::String(text) if text.contains("${env.") => {
+            let mut out = String::with_capacity(text.len());
+            let mut rest = text.as_str();
+            while let Some(at) = rest.find("${env.") {
+                out.push_str(&rest[..at]);
+                let after = &rest[at + 6..];
+                let end = after
+                    .find('}')
+                    .ok_or_else(|| format!("an unclosed `${{env.` in: {text}"))?;
+                let name = &after[..end];
+                let value =
+                    env(name).ok_or_else(|| format!("`${{env.{name}}}`: {name} is not set"))?;
+                if value.contains('\0') {
+                    return Err(format!("`${{env.{name}}}` holds a NUL"));
+                }
+                out.push_str(&value);
+                if out.len() > MAX_VALUE {
+                    return Err(format!(
+                        "`${{env.{name}}}` makes a value longer than {MAX_VALUE} bytes"
+                    ));
+                }
+                rest = &after[end + 1..];
             }
-            out.push_str(&value.replace('\\', "\\\\").replace('"', "\\\""));
-            rest = &after[end + 1..];
+            out.push_str(rest);
+            let whole = text.starts_with("${env.")
+                && text.ends_with('}')
+                && text.matches("${").count() == 1;
+            match yaml_serde::from_str::<Value>(&out) {
+                Ok(v @ (Value::Number(_) | Value::Bool(_))) if whole => v,
+                _ => Value::String(out),
+            }
         }
-        out.push_str(rest);
-    }
-    Ok(out)
+        Value::Sequence(items) => Value::Sequence(
+            items
+                .iter()
+                .map(|v| expand_env(v, env))
+                .collect::<Result<_, _>>()?,
+        ),
+        Value::Mapping(map) => {
+            let mut out = Mapping::new();
+            for (k, v) in map {
+                out.insert(k.clone(), expand_env(v, env)?);
+            }
+            Value::Mapping(out)
+        }
+        other => other.clone(),
+    })
 }
 
 /// `value` with every `${name}` of `macros` replaced, in every string,
 /// recursively; a string that is exactly `${name}` takes the macro's value
-/// as it is (a number stays a number).
-fn expand(value: &Value, macros: &[(String, Value)]) -> Value {
-    match value {
+/// as it is (a number stays a number). Later macros may use earlier ones,
+/// so a value can double at each: past [`MAX_VALUE`] bytes it is refused,
+/// naming the macro.
+fn expand(value: &Value, macros: &[(String, Value)]) -> Result<Value, String> {
+    Ok(match value {
         Value::String(text) => {
+            let mut text = text.clone();
             for (name, with) in macros {
-                if text == &format!("${{{name}}}") {
-                    return with.clone();
+                if text == format!("${{{name}}}") {
+                    match with {
+                        // A string macro may use others: expanded below.
+                        Value::String(s) => text = s.clone(),
+                        _ => return Ok(with.clone()),
+                    }
+                    break;
                 }
             }
-            let mut text = text.clone();
             // Later macros may use earlier ones: the last declared first.
             for (name, with) in macros.iter().rev() {
                 let shown = match with {
@@ -227,22 +346,37 @@ fn expand(value: &Value, macros: &[(String, Value)]) -> Value {
                     Value::Bool(b) => b.to_string(),
                     _ => continue,
                 };
-                text = text.replace(&format!("${{{name}}}"), &shown);
+                let pattern = format!("${{{name}}}");
+                let uses = text.matches(&pattern).count();
+                if uses == 0 {
+                    continue;
+                }
+                let grown = text.len() - uses * pattern.len() + uses * shown.len();
+                if grown > MAX_VALUE {
+                    return Err(format!(
+                        "macro `{name}` expands to more than {MAX_VALUE} bytes (macros that use \
+                         earlier ones double at each step); a command line cannot pass it"
+                    ));
+                }
+                text = text.replace(&pattern, &shown);
             }
             Value::String(text)
         }
-        Value::Sequence(items) => {
-            Value::Sequence(items.iter().map(|v| expand(v, macros)).collect())
-        }
+        Value::Sequence(items) => Value::Sequence(
+            items
+                .iter()
+                .map(|v| expand(v, macros))
+                .collect::<Result<_, _>>()?,
+        ),
         Value::Mapping(map) => {
             let mut out = Mapping::new();
             for (k, v) in map {
-                out.insert(k.clone(), expand(v, macros));
+                out.insert(k.clone(), expand(v, macros)?);
             }
             Value::Mapping(out)
         }
         other => other.clone(),
-    }
+    })
 }
 
 fn one_model(
@@ -552,6 +686,87 @@ models:
         assert_eq!(out.models[0].keep_alive, Some(Duration::from_secs(5)));
         let kind = out.workers.values().next().unwrap();
         assert_eq!(kind.http.as_ref().unwrap().health, "/ready");
+    }
+
+    /// A 1 KB file whose macros double at each step asked for 1.6 GB at
+    /// once; YAML nested 100,000 deep gave no answer in 6 s. Both are
+    /// refused at once, naming what.
+    #[test]
+    fn macros_that_double_and_deep_nesting_are_refused_fast() {
+        let mut text = String::from("macros:\n  a0: \"xxxxxxxx\"\n");
+        for i in 1..=40 {
+            text.push_str(&format!("  a{i}: \"${{a{}}}${{a{}}}\"\n", i - 1, i - 1));
+        }
+        text.push_str("models:\n  m:\n    cmd: srv --port ${PORT} ${a40}\n");
+        let started = std::time::Instant::now();
+        let out = migrate(&text, &|_| None).unwrap();
+        let notes = out.notes.join("\n");
+        assert!(out.models.is_empty());
+        assert!(
+            notes.contains("model `m` left out") && notes.contains("expands to more than"),
+            "{notes}"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+
+        let deep = format!("models: {}{}", "[".repeat(100_000), "]".repeat(100_000));
+        let started = std::time::Instant::now();
+        let err = migrate(&deep, &|_| None).unwrap_err();
+        assert!(err.contains("nest more than 32"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_millis(100));
+        let indented: String = (0..400)
+            .map(|i| format!("{}k{i}:\n", " ".repeat(i)))
+            .collect();
+        assert!(
+            migrate(&indented, &|_| None)
+                .unwrap_err()
+                .contains("indented")
+        );
+        // Brackets inside quotes and comments are not nesting.
+        let quoted = format!(
+            "# {}\nmodels:\n  m:\n    cmd: \"srv --port ${{PORT}} --x '{}'\"\n",
+            "[".repeat(50),
+            "{".repeat(50)
+        );
+        assert_eq!(migrate(&quoted, &|_| None).unwrap().models.len(), 1);
+    }
+
+    /// A `${env.X}` whose value holds quotes is the value, wherever it is
+    /// used; a whole-value one keeps YAML's type.
+    #[test]
+    fn env_values_with_quotes_reach_the_command_as_they_are() {
+        let text = "models:\n  m:\n    cmd: |\n      srv --port ${PORT} --name '${env.NAME}'\n    ttl: ${env.TTL}\n";
+        let env = |k: &str| match k {
+            "NAME" => Some(r#"a "quoted" b\c"#.to_string()),
+            "TTL" => Some("30".to_string()),
+            _ => None,
+        };
+        let out = migrate(text, &env).unwrap();
+        let kind = out.workers.values().next().unwrap();
+        assert_eq!(
+            kind.command.as_ref().unwrap().last().unwrap(),
+            r#"a "quoted" b\c"#
+        );
+        assert_eq!(out.models[0].keep_alive, Some(Duration::from_secs(30)));
+    }
+
+    /// One rule for a model that cannot be served: left out, saying why,
+    /// the rest served. Two IDs that make one berth name are named as both
+    /// being in this file.
+    #[test]
+    fn a_bad_entry_is_left_out_and_the_rest_served() {
+        let text = "models:\n  \"\":\n    cmd: srv --port ${PORT}\n  \"a:b\":\n    cmd: srv --port ${PORT}\n  \"a/b\":\n    cmd: srv --port ${PORT}\n  7:\n    cmd: srv --port ${PORT}\n  ok:\n    cmd: srv --port ${PORT}\n";
+        let out = migrate(text, &|_| None).unwrap();
+        let names: Vec<&str> = out.models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["a-b", "ok"], "{:?}", out.notes);
+        let notes = out.notes.join("\n");
+        assert!(notes.contains("model `` left out"), "{notes}");
+        assert!(
+            notes.contains(
+                "model `a/b` left out: its berth name `a-b` is already model `a:b`'s in this file"
+            ),
+            "{notes}"
+        );
+        assert!(notes.contains("not a string (7) left out"), "{notes}");
     }
 
     #[test]

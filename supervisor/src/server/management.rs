@@ -131,11 +131,27 @@ fn swap_spec_from(name: &str, body: &[u8], registered: &ModelSpec) -> Result<Mod
     Ok(spec)
 }
 
+/// The largest body a registration or a swap takes: a spec at its limits
+/// (64 options of 4 KiB, 64 aliases) is under 300 KiB. Checked before the
+/// body is parsed, so a client cannot make berth parse a 16 MiB spec.
+const MAX_SPEC_BODY: usize = 1 << 20;
+
 fn spec_over(
     name: &str,
     body: &[u8],
     registered: Option<&ModelSpec>,
 ) -> Result<ModelSpec, ApiError> {
+    if body.len() > MAX_SPEC_BODY {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!(
+                "model `{name}`: the spec is {} bytes; a model spec is at most {MAX_SPEC_BODY} \
+                 (64 options, 64 aliases)",
+                body.len()
+            ),
+        ));
+    }
     let mut value: Value = parse(body)?;
     let object = value
         .as_object_mut()

@@ -1,11 +1,12 @@
 //! `berth serve`: the sidecar. HTTP (axum) over one `Supervisor`; the
 //! handlers translate and delegate, and hold no process logic.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{Method, StatusCode, header};
+use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -50,6 +51,8 @@ pub struct ServeOptions {
     pub listen: Listen,
     pub token: Option<String>,
     pub max_body: usize,
+    /// Request bodies held at once, all connections together.
+    pub max_body_total: usize,
     pub body_timeout: Duration,
     pub max_inputs: usize,
     pub allowed_hosts: Vec<String>,
@@ -66,6 +69,7 @@ impl ServeOptions {
             listen,
             token: None,
             max_body: config::DEFAULT_MAX_BODY as usize,
+            max_body_total: config::DEFAULT_MAX_BODY_TOTAL as usize,
             body_timeout: config::DEFAULT_BODY_TIMEOUT,
             max_inputs: config::DEFAULT_MAX_INPUTS,
             allowed_hosts: Vec::new(),
@@ -135,6 +139,8 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
     let body = BodyLimits {
         max: options.max_body,
         timeout: options.body_timeout,
+        held: Arc::new(tokio::sync::Semaphore::new(kib(options.max_body_total))),
+        total: options.max_body_total,
     };
     let api = Router::new()
         .route("/v1/models", get(openai::models))
@@ -173,15 +179,27 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
         .with_state(state)
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct BodyLimits {
     max: usize,
     timeout: Duration,
+    /// The bytes of request bodies held at once, in KiB: each body takes
+    /// its share as it arrives and gives it back when its request is done.
+    held: Arc<tokio::sync::Semaphore>,
+    total: usize,
+}
+
+/// Bytes as KiB, rounded up: the body budget's unit.
+fn kib(bytes: usize) -> usize {
+    bytes.div_ceil(1024)
 }
 
 /// Reads a request's body whole, within `body_timeout` and `max_body`, so a
 /// client that sends its headers and then trickles (or withholds) the body
-/// cannot hold a handler, and with it shutdown, without bound.
+/// cannot hold a handler, and with it shutdown, without bound. The bytes
+/// count against `max_body_total` as they arrive, until the request is
+/// done: past it, the request is answered 503 at once (100 clients each
+/// sending 15 MiB would otherwise have berth hold 1.5 GB).
 async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Next) -> Response {
     if !matches!(
         *request.method(),
@@ -199,31 +217,96 @@ async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Nex
     if let Some(length) = announced
         && length > limits.max as u64
     {
-        return ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
+        return too_large(limits.max, format!("is {length} bytes"));
+    }
+    let full = || {
+        let mut response = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "bodies_full",
             format!(
-                "the request body is {length} bytes, over max_body ({} bytes)",
-                limits.max
+                "berth holds {} of request bodies already (max_body_total); retry shortly",
+                crate::units::mib(limits.total as u64)
             ),
         )
         .into_response();
-    }
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        response
+    };
+    // What was announced is taken at once; a body of unknown length takes
+    // its share chunk by chunk. A body past the budget is still read, and
+    // dropped as it arrives (the client gets its 503, not a broken pipe),
+    // within body_timeout and max_body as any body.
+    let mut permit = match announced {
+        Some(length) => Arc::clone(&limits.held)
+            .try_acquire_many_owned(kib(length as usize) as u32)
+            .ok(),
+        None => None,
+    };
+    let refused = announced.is_some() && permit.is_none();
     let (parts, body) = request.into_parts();
-    let read = tokio::time::timeout(limits.timeout, axum::body::to_bytes(body, limits.max)).await;
-    let bytes = match read {
-        Ok(Ok(bytes)) => bytes,
-        Ok(Err(e)) => {
-            return ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                format!(
-                    "the request body is over max_body ({} bytes), or broke off: {e}",
-                    limits.max
-                ),
-            )
-            .into_response();
+    let mut stream = body.into_data_stream();
+    if refused {
+        let drain = async {
+            use futures_util::StreamExt;
+            let mut seen = 0usize;
+            while let Some(Ok(chunk)) = stream.next().await {
+                seen += chunk.len();
+                if seen > limits.max {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(limits.timeout, drain).await;
+        return full();
+    }
+    /// How a body's reading ended.
+    enum Read {
+        Whole(Vec<u8>),
+        /// Past `max_body_total`: read and dropped.
+        Over,
+        /// Past `max_body`, or broken off: why.
+        TooLarge(String),
+    }
+    let read = async {
+        use futures_util::StreamExt;
+        let (mut bytes, mut seen, mut over) = (Vec::new(), 0usize, false);
+        while let Some(chunk) = stream.next().await {
+            let chunk = match chunk {
+                Ok(chunk) => chunk,
+                Err(e) => return Read::TooLarge(format!("broke off: {e}")),
+            };
+            seen += chunk.len();
+            if seen > limits.max {
+                return Read::TooLarge("is larger".into());
+            }
+            if over {
+                continue; // read and dropped: the answer is 503
+            }
+            bytes.extend_from_slice(&chunk);
+            let owed =
+                kib(bytes.len()).saturating_sub(permit.as_ref().map_or(0, |p| p.num_permits()));
+            if owed > 0 {
+                match Arc::clone(&limits.held).try_acquire_many_owned(owed as u32) {
+                    Ok(more) => match &mut permit {
+                        Some(p) => p.merge(more),
+                        None => permit = Some(more),
+                    },
+                    Err(_) => {
+                        over = true;
+                        bytes = Vec::new();
+                        permit = None;
+                    }
+                }
+            }
         }
+        if over { Read::Over } else { Read::Whole(bytes) }
+    };
+    let bytes = match tokio::time::timeout(limits.timeout, read).await {
+        Ok(Read::Whole(bytes)) => bytes,
+        Ok(Read::TooLarge(what)) => return too_large(limits.max, what),
+        Ok(Read::Over) => return full(),
         Err(_) => {
             return ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
@@ -236,8 +319,25 @@ async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Nex
             .into_response();
         }
     };
-    next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
-        .await
+    let large = bytes.len() as u64 >= crate::heap::LARGE;
+    let response = next
+        .run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+        .await;
+    drop(permit);
+    if large {
+        // As after a large answer: the freed megabytes go back to the kernel.
+        crate::heap::trim_soon();
+    }
+    response
+}
+
+fn too_large(max: usize, what: String) -> Response {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        format!("the request body {what}, over max_body ({max} bytes)"),
+    )
+    .into_response()
 }
 
 /// Turns axum's own plain-text rejections (413 body too large, 405, 415,

@@ -2,7 +2,7 @@
 //! registered, and what a client may learn of them.
 
 use super::slot::{Change, Entry, Slot};
-use super::{CatalogueEntry, EventKind, ModelState, Supervisor};
+use super::{CatalogueEntry, EventKind, ModelState, State, Supervisor};
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
 use crate::report::UnloadReport;
@@ -25,23 +25,22 @@ impl Supervisor {
         }
         let name = spec.name.clone();
         // Names and aliases are one namespace: none may name two models.
-        for other in spec.aliases.iter().chain(std::iter::once(&spec.name)) {
-            let taken = state
-                .catalogue
-                .iter()
-                .find(|(n, e)| *n != &name && (*n == other || e.spec.aliases.contains(other)));
-            if let Some((holder, _)) = taken {
-                return Err(Error::InvalidSpec {
-                    model: name,
-                    reason: format!("the name `{other}` is already model `{holder}`'s"),
-                });
-            }
-        }
+        // Looked up in the index: bounded work under the lock, whatever
+        // the catalogue holds.
+        check_names(&state, &spec)?;
         let max = self.inner.config.max_models;
         if !state.catalogue.contains_key(&name) && state.catalogue.len() >= max {
             return Err(Error::CatalogueFull { model: name, max });
         }
         let old = state.catalogue.remove(&name);
+        index_aliases(
+            &mut state,
+            &name,
+            old.as_ref()
+                .map(|e| e.spec.aliases.as_slice())
+                .unwrap_or_default(),
+            &spec.aliases,
+        );
         let entry = Entry::carry_over(
             old,
             spec,
@@ -165,7 +164,15 @@ impl Supervisor {
             Err(Error::NotLoaded { .. }) => None,
             Err(e) => return Err(e),
         };
-        if self.lock().catalogue.remove(model).is_some() {
+        let removed = {
+            let mut state = self.lock();
+            let removed = state.catalogue.remove(model);
+            if let Some(entry) = &removed {
+                index_aliases(&mut state, model, &entry.spec.aliases, &[]);
+            }
+            removed.is_some()
+        };
+        if removed {
             self.emit(EventKind::Deregistered {
                 model: model.into(),
             });
@@ -188,10 +195,10 @@ impl Supervisor {
             return name.to_string();
         }
         state
-            .catalogue
-            .iter()
-            .find(|(_, e)| e.spec.aliases.iter().any(|a| a == name))
-            .map_or_else(|| name.to_string(), |(n, _)| n.clone())
+            .aliases
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| name.to_string())
     }
 
     /// Whether `model` is registered and served by an HTTP server (its
@@ -224,5 +231,36 @@ impl Supervisor {
     /// The spec a model is registered with.
     pub fn spec(&self, model: &str) -> Option<ModelSpec> {
         self.lock().catalogue.get(model).map(|e| e.spec.clone())
+    }
+}
+
+/// Refuses `spec` if its name or one of its aliases already names another
+/// model (as a name or an alias).
+pub(super) fn check_names(state: &State, spec: &ModelSpec) -> Result<()> {
+    for other in spec.aliases.iter().chain(std::iter::once(&spec.name)) {
+        let holder = if state.catalogue.contains_key(other) {
+            Some(other)
+        } else {
+            state.aliases.get(other)
+        };
+        if let Some(holder) = holder.filter(|h| **h != spec.name) {
+            return Err(Error::InvalidSpec {
+                model: spec.name.clone(),
+                reason: format!("the name `{other}` is already model `{holder}`'s"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The alias index after `model`'s aliases change from `old` to `new`.
+pub(super) fn index_aliases(state: &mut State, model: &str, old: &[String], new: &[String]) {
+    for alias in old {
+        if state.aliases.get(alias).is_some_and(|m| m == model) {
+            state.aliases.remove(alias);
+        }
+    }
+    for alias in new {
+        state.aliases.insert(alias.clone(), model.to_string());
     }
 }

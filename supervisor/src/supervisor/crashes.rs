@@ -41,6 +41,9 @@ pub(super) struct CrashHistory {
     pub last_exit: Option<LastExit>,
     last_in_flight: Vec<u64>,
     quarantine: HashSet<u64>,
+    /// After a failed load: when a request may start the next one, and
+    /// the error it failed with. A load by hand does not wait.
+    pub load_backoff: Option<(Instant, String)>,
 }
 
 impl CrashHistory {
@@ -117,6 +120,43 @@ impl CrashHistory {
             .min(MAX_BACKOFF);
         self.consecutive += 1;
         Some(delay)
+    }
+
+    /// A load failed with `error`: it counts as a crash toward
+    /// `max_restarts` within `restart_window`, and earns the same backoff
+    /// before a request may start another. Returns the backoff, or `None`
+    /// once the cap is passed (the model is then failed until loaded by
+    /// hand).
+    pub(super) fn load_failed(
+        &mut self,
+        error: &str,
+        spec: &ModelSpec,
+        base: Duration,
+    ) -> Option<Duration> {
+        self.last_exit = Some(LastExit {
+            pid: 0,
+            exit: ExitStatus::Code(-1),
+            cause: None,
+            description: format!("its load failed: {error}"),
+            stderr_tail: Vec::new(),
+            at_unix_s: crate::base::unix_ms() / 1000,
+        });
+        let delay = self.next_restart(Duration::ZERO, spec, base);
+        self.load_backoff = delay.map(|d| (Instant::now() + d, error.to_string()));
+        delay
+    }
+
+    /// A load succeeded: requests no longer wait for a backoff.
+    pub(super) fn load_succeeded(&mut self) {
+        self.load_backoff = None;
+    }
+
+    /// When a request may start the next load, and why it waits; `None`
+    /// when it may now.
+    pub(super) fn load_wait(&self) -> Option<(Duration, &str)> {
+        let (at, error) = self.load_backoff.as_ref()?;
+        let left = at.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then_some((left, error.as_str()))
     }
 
     pub(super) fn failure(&self, spec: &ModelSpec) -> String {

@@ -70,19 +70,24 @@ impl Supervisor {
             let Some(over) = gpu::overrun(&devices, budget, &holders, Some(gpus)) else {
                 return Ok(());
             };
-            let Some(victim) = over.victim.clone() else {
-                let measured = gpu::process_vram(&devices, &worker.pids()).unwrap_or(0);
-                self.remember_vram(spec, measured / gpus.len().max(1) as u64);
-                return Err(Error::GpuBudgetExceeded {
-                    model: model.into(),
-                    needed: measured,
-                    reason: format!(
-                        "measured once loaded: {}; no idle model there can be evicted, so it \
-                         was stopped. Unload a model on that GPU, place this one elsewhere \
-                         (`gpus`), or raise gpu_memory_budget",
-                        over.describe()
-                    ),
-                });
+            let victim = match over.victim.clone() {
+                Some(victim) if over.evicting_helps => victim,
+                // Nothing is evicted for nothing: it does not fit even with
+                // every idle model there gone (or none is idle).
+                _ => {
+                    let measured = gpu::process_vram(&devices, &worker.pids()).unwrap_or(0);
+                    self.remember_vram(spec, measured / gpus.len().max(1) as u64);
+                    return Err(Error::GpuBudgetExceeded {
+                        model: model.into(),
+                        needed: measured,
+                        reason: format!(
+                            "measured once loaded: {}; it does not fit even with every idle \
+                             model there evicted, so it was stopped. Unload a model on that \
+                             GPU, place this one elsewhere (`gpus`), or raise gpu_memory_budget",
+                            over.describe()
+                        ),
+                    });
+                }
             };
             tracing::info!(
                 model,

@@ -10,8 +10,21 @@ use super::{EventKind, ModelState, Need, Retiring, State, Supervisor, SwapReport
 use crate::child::handle::WorkerHandle;
 use crate::child::{launch, stop};
 use crate::config::ModelSpec;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorClass, Result};
 use crate::report::{LoadReport, UnloadReport};
+
+/// Whether a failed load is the model's own failure (its worker, weights
+/// or spec), which earns a backoff, and not the supervisor's circumstances
+/// (no room in a budget, a shutdown, a conflict with another operation).
+fn counts_against_the_model(e: &Error) -> bool {
+    matches!(
+        e.class(),
+        ErrorClass::WorkerFailed
+            | ErrorClass::TimedOut
+            | ErrorClass::Internal
+            | ErrorClass::Invalid
+    )
+}
 
 impl Supervisor {
     /// Registers `spec` (replacing an unloaded model of that name) and loads it.
@@ -190,18 +203,60 @@ impl Supervisor {
                 Err(err)
             }
             Err(e) => {
-                self.lock().slots.remove(model);
+                let failed = self.note_load_failure(model, &e);
                 let _ = done.send(Some(Err(Arc::new(e.shared()))));
                 self.inner.notify_changed();
                 self.emit(EventKind::LoadFailed {
                     model: model.into(),
                     error: e.to_string(),
                 });
+                if let Some(reason) = failed {
+                    self.emit(EventKind::Failed {
+                        model: model.into(),
+                        reason,
+                    });
+                }
                 Err(e)
             }
         };
         self.inner.notify_changed();
         result
+    }
+
+    /// A load of `model` failed with `e`: its slot goes, and a failure of
+    /// the model's own (its worker or weights, not a full budget or a
+    /// shutdown) counts as a crash: requests wait out the same backoff
+    /// before they start another load, and past `max_restarts` within
+    /// `restart_window` the model is failed until loaded by hand. Returns
+    /// the failure's reason when it failed the model.
+    fn note_load_failure(&self, model: &str, e: &Error) -> Option<String> {
+        let mut state = self.lock();
+        state.slots.remove(model);
+        if !counts_against_the_model(e) {
+            return None;
+        }
+        let base = self.inner.config.restart_backoff;
+        let entry = state.catalogue.get_mut(model)?;
+        let message = e.to_string();
+        match entry.health.load_failed(&message, &entry.spec, base) {
+            Some(delay) => {
+                tracing::warn!(
+                    model,
+                    "load failed; requests start the next attempt in {}",
+                    humantime::format_duration(delay)
+                );
+                None
+            }
+            None => {
+                let failure = entry.health.failure(&entry.spec);
+                tracing::error!(model, "model failed: {failure}");
+                let (_, signal) = watch::channel(None);
+                let mut slot = Slot::loading(signal, 0, None);
+                slot.fail(failure.clone());
+                state.slots.insert(model.to_string(), slot);
+                Some(failure)
+            }
+        }
     }
 
     /// The worker of a loaded model, loading it first if needed (concurrent
@@ -217,14 +272,25 @@ impl Supervisor {
             let changed = self.inner.changed.notified();
             let next = {
                 let state = self.lock();
-                if !state.catalogue.contains_key(model) {
+                let Some(entry) = state.catalogue.get(model) else {
                     return Err(Error::UnknownModel {
                         model: model.into(),
                         known: state.catalogue.keys().cloned().collect(),
                     });
-                }
+                };
                 match state.slots.get(model) {
-                    None => Next::Load,
+                    // Its last load failed: no request starts another
+                    // before the backoff is over.
+                    None => match entry.health.load_wait() {
+                        Some((left, error)) => {
+                            return Err(Error::LoadBackoff {
+                                model: model.into(),
+                                in_s: left.as_secs_f64(),
+                                last_error: error.to_string(),
+                            });
+                        }
+                        None => Next::Load,
+                    },
                     Some(slot) => match (slot.state(), &slot.worker, &slot.loading) {
                         (ModelState::Ready, Some(worker), _) => return Ok(Arc::clone(worker)),
                         (ModelState::Failed, None, _) => {
@@ -393,6 +459,7 @@ impl Supervisor {
             if !state.catalogue.contains_key(&model) {
                 return Err(self.unknown_locked(&model, &state));
             }
+            super::catalogue::check_names(&state, &spec)?;
             let slot = state
                 .slots
                 .get_mut(&model)
@@ -470,16 +537,12 @@ impl Supervisor {
                     // stopped by shutdown; the new one must not outlive it.
                     return None;
                 }
-                let State {
-                    catalogue,
-                    slots,
-                    retiring,
-                } = state;
-                let slot = slots
+                let slot = state
+                    .slots
                     .get_mut(&model)
                     .expect("a swapping slot is never removed");
                 let (old, old_gpus) = slot.switch_to(new_worker, load);
-                retiring.insert(
+                state.retiring.insert(
                     old.pid(),
                     Retiring {
                         model: model.clone(),
@@ -487,15 +550,36 @@ impl Supervisor {
                         gpus: old_gpus,
                     },
                 );
-                if let Some(entry) = catalogue.remove(&model) {
+                if let Some(entry) = state.catalogue.remove(&model) {
+                    // Aliases were checked when the swap began; one another
+                    // model took since is not taken from it.
+                    let mut spec = spec.clone();
+                    spec.aliases.retain(|a| {
+                        let free = state.aliases.get(a).is_none_or(|m| *m == model)
+                            && !state.catalogue.contains_key(a);
+                        if !free {
+                            tracing::warn!(
+                                model,
+                                alias = a,
+                                "alias taken during the swap; dropped"
+                            );
+                        }
+                        free
+                    });
+                    super::catalogue::index_aliases(
+                        state,
+                        &model,
+                        &entry.spec.aliases,
+                        &spec.aliases,
+                    );
                     let mut entry = Entry::carry_over(
                         Some(entry),
-                        spec.clone(),
+                        spec,
                         self.inner.config.default_keep_alive,
                         Change::Swap,
                     );
                     entry.loaded(load);
-                    catalogue.insert(model.clone(), entry);
+                    state.catalogue.insert(model.clone(), entry);
                 }
                 Some(old)
             })

@@ -67,6 +67,9 @@ pub const DEFAULT_MAX_QUEUE: usize = 64;
 #[derive(Default)]
 struct State {
     catalogue: BTreeMap<String, Entry>,
+    /// Every alias, to the model it names: looked up, never scanned (a
+    /// catalogue of a thousand models with 64 aliases each is 64,000).
+    aliases: HashMap<String, String>,
     slots: HashMap<String, Slot>,
     /// Workers a swap or recycle replaced, by pid, until they have stopped:
     /// their memory still counts, and shutdown waits for them.

@@ -371,6 +371,7 @@ impl Entry {
         self.last_peak_bytes = Some(report.peak_rss_bytes);
         self.last_vram_bytes = vram_per_gpu(report).or(self.last_vram_bytes);
         self.counters.loads.fetch_add(1, Ordering::Relaxed);
+        self.health.load_succeeded();
     }
 }
 

@@ -195,6 +195,21 @@ async fn relay(
         }
     };
     let (mut head, body) = response.into_parts();
+    // No /v1 route upgrades its connection: a server switching protocols
+    // would leave the client a bare 101 and a dead connection.
+    if head.status == StatusCode::SWITCHING_PROTOCOLS || head.status.is_informational() {
+        lease.failed();
+        return ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_bad_answer",
+            format!(
+                "model `{model}`: its HTTP server answered {} (a protocol switch); berth relays \
+                 requests and answers, not upgraded connections",
+                head.status
+            ),
+        )
+        .into_response();
+    }
     let stream = head
         .headers
         .get(header::CONTENT_TYPE)
@@ -209,6 +224,26 @@ async fn relay(
     for name in passed {
         head.headers.remove(name);
     }
+    // The answer is served from berth's origin: a server's cookies and CORS
+    // grants are not berth's to give (defence in depth, with berth's own
+    // Origin and Host checks), and no browser guesses its type.
+    let foreign: Vec<HeaderName> = head
+        .headers
+        .keys()
+        .filter(|n| {
+            *n == header::SET_COOKIE
+                || n.as_str() == "set-cookie2"
+                || n.as_str().starts_with("access-control-")
+        })
+        .cloned()
+        .collect();
+    for name in foreign {
+        head.headers.remove(name);
+    }
+    head.headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::HeaderValue::from_static("nosniff"),
+    );
     // The request's deadline ends the answer too, as the server's death does.
     let model_name = model.to_string();
     let died: Pin<Box<dyn Future<Output = ApiError> + Send>> = match deadline {
