@@ -184,7 +184,10 @@ async fn swap_once(sup: &Arc<Supervisor>, forked: bool) -> (f64, u64) {
         c.await.unwrap();
     }
     assert_eq!(
-        matches!(report.load.start, WorkerStart::Forked { .. }),
+        matches!(
+            report.load.as_ref().map(|l| &l.start),
+            Some(WorkerStart::Forked { .. })
+        ),
         forked
     );
     sup.unload(name).await.unwrap();

@@ -134,3 +134,95 @@ fn a_swap_over_http_keeps_the_operators_program() {
     assert_eq!(status, 403, "{reply}");
     assert_eq!(reply["error"]["code"], "operator_only", "{reply}");
 }
+
+/// `berth swap` of a model that is registered but not loaded changes what
+/// its next load runs, checked as a registration is, and says nothing was
+/// running; `--load` (`"load": true` over HTTP) loads it with the new spec
+/// too; a failed model's swap clears its failure.
+#[test]
+fn swap_of_a_model_that_is_not_loaded_updates_its_spec() {
+    let server = Server::start(
+        r#"
+        test_backends = true
+
+        [[model]]
+        name = "idle"
+        backend = "echo"
+        options = { chunks = 1 }
+
+        [[model]]
+        name = "other"
+        backend = "echo"
+
+        [[model]]
+        name = "broken"
+        backend = "fault"
+        options = { mode = "crash-on-load" }
+        max_restarts = 0
+        "#,
+    );
+    let (ok, swap, stderr) = server.cli(&["swap", "idle", "--option", "chunks=3"]);
+    assert!(ok, "{swap} {stderr}");
+    assert_eq!(swap["old_pid"], Value::Null, "{swap}");
+    assert_eq!(swap["new_pid"], Value::Null, "{swap}");
+    assert!(server.ps().is_empty(), "nothing was loaded");
+    assert_eq!(
+        options_of(&server, "idle"),
+        serde_json::json!({"chunks": "3"})
+    );
+    // The text says what happened.
+    let out = std::process::Command::new(berth_bin())
+        .args(["swap", "idle", "--option", "chunks=2", "--url", &server.url])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("updated `idle`: nothing was running; its next load uses the new spec"),
+        "{text}"
+    );
+    // The next load uses it: 2 chunks streamed.
+    let (ok, load, _) = server.cli(&["load", "idle"]);
+    assert!(ok, "{load}");
+    let reply = server.raw(
+        "POST",
+        "/api/models/idle/infer",
+        &[
+            ("content-type", "application/json"),
+            ("accept", "application/x-ndjson"),
+        ],
+        Some(br#"{"x": 1}"#),
+    );
+    assert_eq!(reply.text().lines().count(), 3, "{}", reply.text());
+
+    // Checked as a registration: a bad option is refused, nothing changes.
+    let (status, reply) = server.post(
+        "/api/models/other/swap",
+        serde_json::json!({ "backend": "echo", "options": { "no_such": 1 } }),
+    );
+    assert_eq!(status, 400, "{reply}");
+    // `--load` / `"load": true`: loaded with the new spec.
+    let (ok, swap, stderr) = server.cli(&["swap", "other", "--option", "chunks=2", "--load"]);
+    assert!(ok, "{swap} {stderr}");
+    let pid = swap["new_pid"].as_u64().expect("loaded");
+    assert_eq!(swap["load"]["pid"].as_u64(), Some(pid), "{swap}");
+    assert!(
+        server
+            .ps()
+            .iter()
+            .any(|m| m["name"] == "other" && m["pid"] == pid)
+    );
+
+    // A failed model: its swap is how it is fixed.
+    let (status, _) = server.post("/api/models/broken/load", serde_json::json!({}));
+    assert!(status >= 500);
+    let (status, reply) = server.post("/api/models/broken/infer", serde_json::json!({}));
+    assert_eq!(reply["error"]["code"], "model_failed", "{status} {reply}");
+    let (status, swap) = server.post(
+        "/api/models/broken/swap",
+        serde_json::json!({ "backend": "fault", "options": { "mode": "ok" }, "load": true }),
+    );
+    assert_eq!(status, 200, "{swap}");
+    let (status, reply) = server.post("/api/models/broken/infer", serde_json::json!({ "y": 2 }));
+    assert_eq!(status, 200, "{reply}");
+}

@@ -228,9 +228,9 @@ async fn a_swap_is_make_before_break(w: Worker) {
         .swap(w.spec("sw", "echo").option("chunks", 1).option("batch", 8))
         .await
         .unwrap();
-    assert_eq!(report.old_pid, old);
-    assert_ne!(report.new_pid, old);
-    assert_eq!(report.unload.leftover_processes, 0);
+    assert_eq!(report.old_pid, Some(old));
+    assert_ne!(report.new_pid, Some(old));
+    assert_eq!(report.unload.as_ref().unwrap().leftover_processes, 0);
     assert_eq!(
         traffic.await.unwrap(),
         0,

@@ -408,7 +408,7 @@ async fn a_swap_at_max_loaded_replaces_the_model_in_place() {
     let first = sup.load(ModelSpec::new("only", "echo")).await.unwrap();
     // The model being replaced does not count against the limit twice.
     let swap = sup.swap(ModelSpec::new("only", "hog")).await.unwrap();
-    assert_eq!(swap.old_pid, first.pid);
+    assert_eq!(swap.old_pid, Some(first.pid));
     assert!(!alive(first.pid));
     assert_eq!(sup.stats().len(), 1);
     assert_eq!(sup.stats()[0].backend, "hog");

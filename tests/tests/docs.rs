@@ -457,3 +457,94 @@ fn links_are_read_outside_code_only() {
         ]
     );
 }
+
+/// The text of `page` from heading `start` to the next heading of its level.
+fn section<'a>(page: &'a str, start: &str) -> &'a str {
+    let at = page
+        .find(&format!("\n{start}\n"))
+        .unwrap_or_else(|| panic!("no `{start}` heading"));
+    let body = &page[at + start.len() + 2..];
+    let level = start.split(' ').next().unwrap_or("##");
+    let end = body.find(&format!("\n{level} ")).unwrap_or(body.len());
+    &body[..end]
+}
+
+/// The figures a text quotes: a number, or a range of two, with its unit
+/// (`0.97–1.06×`, `~80 ms`, `1.2 GiB`, `0.30–0.32%`).
+fn figures(text: &str) -> BTreeSet<String> {
+    const UNITS: &[&str] = &["×", "%", " µs", " ms", " s", " MiB", " GiB", " MB", " GB"];
+    let chars: Vec<char> = text.chars().collect();
+    let mut out = BTreeSet::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let starts = chars[i].is_ascii_digit()
+            || (chars[i] == '~' && chars.get(i + 1).is_some_and(char::is_ascii_digit));
+        let glued = i > 0 && (chars[i - 1].is_alphanumeric() || chars[i - 1] == '.');
+        if !starts || glued {
+            i += 1;
+            continue;
+        }
+        let mut j = i + 1;
+        while j < chars.len() && (chars[j].is_ascii_digit() || ".–~".contains(chars[j])) {
+            j += 1;
+        }
+        let rest: String = chars[j..(j + 6).min(chars.len())].iter().collect();
+        // A unit ends the word (` s` is seconds, ` stays` is not).
+        let whole = |u: &str| {
+            rest.starts_with(u) && !rest[u.len()..].starts_with(|c: char| c.is_alphanumeric())
+        };
+        if let Some(unit) = UNITS.iter().find(|u| whole(u)) {
+            let number: String = chars[i..j].iter().collect();
+            out.insert(format!(
+                "{}{}",
+                number.trim_end_matches('.'),
+                unit.trim_end()
+            ));
+        }
+        i = j;
+    }
+    out
+}
+
+#[test]
+fn figures_are_read_with_their_units() {
+    let found = figures(
+        "at **0.97–1.06×** and ~80 ms, 1.25 s cold, 0.30–0.32% of a core, 1.2 GiB; a 2-vCPU VM, H100, 75 MiB.",
+    );
+    let expected: BTreeSet<String> = [
+        "0.97–1.06×",
+        "~80 ms",
+        "1.25 s",
+        "0.30–0.32%",
+        "1.2 GiB",
+        "75 MiB",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    assert_eq!(found, expected);
+}
+
+/// The README's performance brief quotes only what the summary table of
+/// `docs/performance.md` holds: a reader who stops at the front page or at
+/// the first table leaves with the current figure.
+#[test]
+fn every_figure_in_the_readme_brief_is_in_the_performance_summary() {
+    let root = repo_root();
+    let readme = read(&root.join("README.md"));
+    let brief = section(&readme, "## Performance, in brief");
+    let performance = read(&root.join("docs/performance.md"));
+    let summary = section(&performance, "## Summary");
+    let quoted = figures(brief);
+    assert!(
+        quoted.len() >= 15,
+        "the brief's figures were not found: {quoted:?}"
+    );
+    let held = figures(summary);
+    let missing: Vec<&String> = quoted.iter().filter(|f| !held.contains(*f)).collect();
+    assert!(
+        missing.is_empty(),
+        "README.md's performance brief quotes {missing:?}, which docs/performance.md's summary \
+         table does not hold: put the current figure in the table, and quote that"
+    );
+}

@@ -85,7 +85,7 @@ async fn quarantine_survives_a_swap_of_the_same_model() {
     assert_eq!(err.kind(), "quarantined", "{err}");
     assert_eq!(
         ready_pid(&sup, "p"),
-        Some(swapped.new_pid),
+        swapped.new_pid,
         "the new worker was spared"
     );
 

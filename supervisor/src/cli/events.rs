@@ -162,7 +162,11 @@ fn line_for(event: &Value) -> String {
         },
         "swap_completed" => {
             let r = &event["report"];
-            format!("pid {} -> {}", r["old_pid"], r["new_pid"])
+            if r["old_pid"].is_null() {
+                "spec updated (nothing was running)".to_string()
+            } else {
+                format!("pid {} -> {}", r["old_pid"], r["new_pid"])
+            }
         }
         "recycled" => format!("pid {} -> {}", event["old_pid"], event["new_pid"]),
         "recycling" => event["why"].as_str().unwrap_or("").to_string(),

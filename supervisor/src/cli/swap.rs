@@ -31,6 +31,10 @@ pub struct SwapArgs {
     /// given.
     #[arg(long)]
     replace_options: bool,
+    /// A model that is not loaded is loaded with its new spec too (without
+    /// it, its spec is updated and its next load uses it).
+    #[arg(long)]
+    load: bool,
     #[command(flatten)]
     remote: Remote,
 }
@@ -58,7 +62,10 @@ pub fn run(args: SwapArgs) -> ExitCode {
                     format!("no model `{}` is registered", args.name),
                 )
             })?;
-        let spec = new_spec(current, &args);
+        let mut spec = new_spec(current, &args);
+        if args.load {
+            spec["load"] = json!(true);
+        }
         let _progress = Progress::start(format!("swapping {}", args.name));
         client.post(&format!("/api/models/{}/swap", args.name), Some(spec))
     })();

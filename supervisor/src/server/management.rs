@@ -97,14 +97,30 @@ fn is_unset(value: &Value) -> bool {
 /// A spec in a request body; the name comes from the path. An
 /// operator-only field may appear only unset.
 pub(crate) fn spec_from(name: &str, body: &[u8]) -> Result<ModelSpec, ApiError> {
-    spec_over(name, body, None)
+    spec_over(name, body_value(name, body)?, None)
+}
+
+/// A spec body as JSON, bounded before it is parsed.
+fn body_value(name: &str, body: &[u8]) -> Result<Value, ApiError> {
+    if body.len() > MAX_SPEC_BODY {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!(
+                "model `{name}`: the spec is {} bytes; a model spec is at most {MAX_SPEC_BODY} \
+                 (64 options, 64 aliases)",
+                body.len()
+            ),
+        ));
+    }
+    parse(body)
 }
 
 /// [`spec_from`] for a swap: the operator's fields are `registered`'s. A
 /// body may repeat them as they are (a client that read the spec from
 /// `/api/models` and posts it back changed), or leave them out, but never
 /// change them.
-fn swap_spec_from(name: &str, body: &[u8], registered: &ModelSpec) -> Result<ModelSpec, ApiError> {
+fn swap_spec_from(name: &str, body: Value, registered: &ModelSpec) -> Result<ModelSpec, ApiError> {
     let mut spec = spec_over(name, body, Some(registered))?;
     if spec.worker != registered.worker
         && (registered.command.is_some() || registered.worker_binary.is_some())
@@ -138,21 +154,9 @@ const MAX_SPEC_BODY: usize = 1 << 20;
 
 fn spec_over(
     name: &str,
-    body: &[u8],
+    mut value: Value,
     registered: Option<&ModelSpec>,
 ) -> Result<ModelSpec, ApiError> {
-    if body.len() > MAX_SPEC_BODY {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            format!(
-                "model `{name}`: the spec is {} bytes; a model spec is at most {MAX_SPEC_BODY} \
-                 (64 options, 64 aliases)",
-                body.len()
-            ),
-        ));
-    }
-    let mut value: Value = parse(body)?;
     let object = value
         .as_object_mut()
         .ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
@@ -223,7 +227,8 @@ pub async fn unload(
 /// Swaps a model for the spec in the body. The program, environment and
 /// folder stay the registered model's (see [`swap_spec_from`]); weights
 /// that are the registered ones stay as the operator placed them, new ones
-/// must lie inside `models_dir`.
+/// must lie inside `models_dir`. A model that is not loaded has its spec
+/// updated, and with `"load": true` in the body is loaded with it.
 pub async fn swap(
     State(app): State<AppState>,
     Path(name): Path<String>,
@@ -236,7 +241,18 @@ pub async fn swap(
         .find(|e| e.spec.name == name)
         .map(|e| e.spec)
         .ok_or_else(|| ApiError::from(app.supervisor.unknown(&name)))?;
-    let mut spec = swap_spec_from(&name, &body, &registered)?;
+    let mut body = body_value(&name, &body)?;
+    // `"load": true`: a model not loaded is loaded with its new spec too.
+    let load = match body.as_object_mut().and_then(|o| o.remove("load")) {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(load)) => load,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "model `{name}`: `load` is true or false, not {other}"
+            )));
+        }
+    };
+    let mut spec = swap_spec_from(&name, body, &registered)?;
     // The operator's own test models may be swapped as they are; a client
     // may not turn a model into a test double, nor change one's options,
     // unless test doubles are allowed.
@@ -248,5 +264,5 @@ pub async fn swap(
     } else {
         spec = app.confine(spec)?;
     }
-    Ok(Json(json!(app.supervisor.swap(spec).await?)))
+    Ok(Json(json!(app.supervisor.swap_with(spec, load).await?)))
 }

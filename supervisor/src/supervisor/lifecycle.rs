@@ -450,28 +450,42 @@ impl Supervisor {
     /// a request: the new worker loads while the old one serves, routing
     /// switches atomically, the old one drains and stops. If the new worker
     /// fails to load, the old one keeps serving and the error is returned.
+    ///
+    /// A registered model that is not loaded (or has failed) has nothing to
+    /// replace: its spec is updated, checked as a registration is, and the
+    /// report says nothing was running; its next load uses it.
     pub async fn swap(&self, spec: ModelSpec) -> Result<SwapReport> {
+        self.swap_with(spec, false).await
+    }
+
+    /// [`Supervisor::swap`]; with `load`, a model that was not loaded is
+    /// also loaded with the new spec.
+    pub async fn swap_with(&self, spec: ModelSpec, load: bool) -> Result<SwapReport> {
         let model = spec.name.clone();
         self.check_running(&model)?;
         self.check_spec(&spec)?;
-        {
+        let running = {
             let mut state = self.lock();
             if !state.catalogue.contains_key(&model) {
                 return Err(self.unknown_locked(&model, &state));
             }
             super::catalogue::check_names(&state, &spec)?;
-            let slot = state
-                .slots
-                .get_mut(&model)
-                .ok_or_else(|| Error::NotLoaded {
-                    model: model.clone(),
-                })?;
-            if let Err(now) = slot.begin_swap() {
-                return Err(Error::Busy {
-                    model: model.clone(),
-                    reason: format!("it is {now}"),
-                });
+            match state.slots.get_mut(&model) {
+                None => false,
+                Some(slot) if slot.state == ModelState::Failed && slot.worker.is_none() => false,
+                Some(slot) => {
+                    if let Err(now) = slot.begin_swap() {
+                        return Err(Error::Busy {
+                            model: model.clone(),
+                            reason: format!("it is {now}"),
+                        });
+                    }
+                    true
+                }
             }
+        };
+        if !running {
+            return self.update_spec(spec, load).await;
         }
         self.emit(EventKind::SwapBegun {
             model: model.clone(),
@@ -494,6 +508,45 @@ impl Supervisor {
             swapped
         })
         .await
+    }
+
+    /// A swap of a model with no worker: its spec is registered in place of
+    /// the old (a failed model's failure is cleared with it), and with
+    /// `load` it is loaded.
+    async fn update_spec(&self, spec: ModelSpec, load: bool) -> Result<SwapReport> {
+        let started = Instant::now();
+        let model = spec.name.clone();
+        {
+            let mut state = self.lock();
+            if state
+                .slots
+                .get(&model)
+                .is_some_and(|s| s.state == ModelState::Failed && s.worker.is_none())
+            {
+                state.slots.remove(&model);
+            }
+        }
+        self.register(spec)?;
+        tracing::info!(model, "swapped with nothing running: its spec is updated");
+        let load = if load {
+            Some(self.load_registered(&model).await?)
+        } else {
+            None
+        };
+        let report = SwapReport {
+            model: model.clone(),
+            old_pid: None,
+            new_pid: load.as_ref().map(|l| l.pid),
+            switch_ms: started.elapsed().as_secs_f64() * 1e3,
+            took_ms: started.elapsed().as_secs_f64() * 1e3,
+            load,
+            unload: None,
+        };
+        self.emit(EventKind::SwapCompleted {
+            model,
+            report: Box::new(report.clone()),
+        });
+        Ok(report)
     }
 
     /// The body of a swap (and of a recycle): the slot is already marked
@@ -624,12 +677,12 @@ impl Supervisor {
         self.inner.notify_changed();
         Ok(SwapReport {
             model,
-            old_pid: old.pid(),
-            new_pid: new_worker.pid(),
+            old_pid: Some(old.pid()),
+            new_pid: Some(new_worker.pid()),
             switch_ms,
             took_ms: started.elapsed().as_secs_f64() * 1e3,
-            load,
-            unload,
+            load: Some(load),
+            unload: Some(unload),
         })
     }
 }

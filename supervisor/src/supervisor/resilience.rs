@@ -434,8 +434,9 @@ impl Supervisor {
             supervisor.emit(match &replaced {
                 Ok(report) => EventKind::Recycled {
                     model: model.clone(),
-                    old_pid: report.old_pid,
-                    new_pid: report.new_pid,
+                    // A replacement always has both workers.
+                    old_pid: report.old_pid.unwrap_or_default(),
+                    new_pid: report.new_pid.unwrap_or_default(),
                 },
                 Err(e) => EventKind::RecycleFailed {
                     model: model.clone(),

@@ -144,28 +144,57 @@ pub struct CatalogueEntry {
     pub last_peak_bytes: Option<u64>,
 }
 
-/// What a swap returns: both workers and the old one's unload report.
+/// What a swap returns: both workers and the old one's unload report; for
+/// a model that was not running, that its spec was updated (and, with
+/// `load`, the load report).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SwapReport {
     pub model: String,
-    pub old_pid: u32,
-    pub new_pid: u32,
+    /// The worker replaced; `None`: nothing was running, the spec was
+    /// updated.
+    #[serde(default)]
+    pub old_pid: Option<u32>,
+    /// The worker serving now; `None`: nothing was loaded.
+    #[serde(default)]
+    pub new_pid: Option<u32>,
     /// From the swap call to the new worker taking requests.
     pub switch_ms: f64,
     pub took_ms: f64,
-    pub load: LoadReport,
-    pub unload: UnloadReport,
+    #[serde(default)]
+    pub load: Option<LoadReport>,
+    #[serde(default)]
+    pub unload: Option<UnloadReport>,
 }
 
 impl fmt::Display for SwapReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "swapped `{}`: worker pid {} -> pid {}, serving after {:.1} ms, done after {:.1} ms",
-            self.model, self.old_pid, self.new_pid, self.switch_ms, self.took_ms
-        )?;
-        writeln!(f, "{}", self.load)?;
-        write!(f, "{}", self.unload)
+        match (self.old_pid, self.new_pid) {
+            (Some(old), Some(new)) => writeln!(
+                f,
+                "swapped `{}`: worker pid {old} -> pid {new}, serving after {:.1} ms, done after {:.1} ms",
+                self.model, self.switch_ms, self.took_ms
+            )?,
+            (None, Some(_)) => writeln!(
+                f,
+                "updated `{}`: nothing was running; loaded with the new spec",
+                self.model
+            )?,
+            _ => {
+                return write!(
+                    f,
+                    "updated `{}`: nothing was running; its next load uses the new spec (`--load` \
+                 loads it now)",
+                    self.model
+                );
+            }
+        }
+        if let Some(load) = &self.load {
+            writeln!(f, "{load}")?;
+        }
+        if let Some(unload) = &self.unload {
+            write!(f, "{unload}")?;
+        }
+        Ok(())
     }
 }
 

@@ -201,7 +201,7 @@ function describe(e) {
     case "crashed": return e.description || "";
     case "memory_limit_exceeded": return `peak ${mib(e.peak_bytes)} over its limit of ${mib(e.limit_bytes)}`;
     case "evicted": return e.for_model ? `to make room for ${e.for_model}` : "past the memory or GPU budget";
-    case "swap_completed": return `pid ${r.old_pid} → ${r.new_pid}`;
+    case "swap_completed": return r.old_pid ? `pid ${r.old_pid} → ${r.new_pid}` : "spec updated (nothing was running)";
     case "recycled": return `pid ${e.old_pid} → ${e.new_pid}`;
     case "recycling": return e.why || "";
     case "restarting": return `in ${e.in_ms} ms`;
