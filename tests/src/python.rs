@@ -65,6 +65,18 @@ fn run(what: &str, command: &mut Command) {
 /// `package`, the `berth_worker` package from `python/`; returns its
 /// `python3`.
 pub(crate) fn venv(name: &str, requirements: &[&str], package: bool) -> PathBuf {
+    venv_built(name, requirements, package, &[])
+}
+
+/// [`venv`], with `build` added to pip's environment (what a package built
+/// from source reads) and pip's wheel cache left out, so that a wheel
+/// built otherwise before is not reused.
+pub(crate) fn venv_built(
+    name: &str,
+    requirements: &[&str],
+    package: bool,
+    build: &[(&str, &str)],
+) -> PathBuf {
     let root = repo_root();
     let dir = crate::target_dir().join(name);
     let python = dir.join("bin").join("python3");
@@ -88,6 +100,9 @@ pub(crate) fn venv(name: &str, requirements: &[&str], package: bool) -> PathBuf 
         );
         let mut pip = Command::new(&python);
         pip.args(["-m", "pip", "install", "--disable-pip-version-check", "-q"]);
+        if !build.is_empty() {
+            pip.arg("--no-cache-dir").envs(build.iter().copied());
+        }
         for file in &req_files {
             pip.arg("-r").arg(file);
         }
@@ -180,14 +195,18 @@ pub fn deploy_python() -> PathBuf {
 /// `python3` of llama.cpp's server's environment:
 /// `tests/python/requirements-llamacpp.txt` (`llama-cpp-python[server]`,
 /// built from source by pip the first time, and the OpenAI client).
+/// llama.cpp is built for any x86-64 CPU (`GGML_NATIVE=OFF`): built for
+/// the machine's own (AVX-512 and AMX on an Intel Xeon VM here), its
+/// server died of SIGSEGV at its first request.
 pub fn llamacpp_python() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
     PYTHON
         .get_or_init(|| {
-            venv(
+            venv_built(
                 "python-llamacpp-venv",
                 &["tests/python/requirements-llamacpp.txt"],
                 false,
+                &[("CMAKE_ARGS", "-DGGML_NATIVE=OFF")],
             )
         })
         .clone()
