@@ -61,7 +61,9 @@ class Nvml:
         return sum(procs.get(p, 0) for p in pids)
 
 
-HOLDER = r"""
+# A CUDA context on device 0 and sys.argv[1] bytes allocated in it, with
+# the driver API alone (no framework).
+ALLOCATE = r"""
 import ctypes, sys, time
 cuda = ctypes.CDLL("libcuda.so.1")
 assert cuda.cuInit(0) == 0
@@ -70,6 +72,9 @@ assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
 assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
 assert cuda.cuCtxSetCurrent(ctx) == 0
 assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(sys.argv[1]))) == 0
+"""
+
+HOLDER = ALLOCATE + r"""
 print("ready", flush=True)
 time.sleep(3600)
 """
@@ -104,15 +109,7 @@ def bare_kill(nvml: Nvml, nbytes: int) -> Dict[str, float]:
     return {"held_mib": held / MIB, "pid_gone_ms": gone_ms or -1.0, "memory_back_ms": back_ms or -1.0}
 
 
-POOL = r"""
-import ctypes, sys
-cuda = ctypes.CDLL("libcuda.so.1")
-assert cuda.cuInit(0) == 0
-dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_ulonglong()
-assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
-assert cuda.cuCtxSetCurrent(ctx) == 0
-assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(sys.argv[1]))) == 0
+POOL = ALLOCATE + r"""
 print("loaded", flush=True); sys.stdin.readline()
 print("pooled", flush=True); sys.stdin.readline()
 assert cuda.cuMemFree_v2(ptr) == 0

@@ -263,59 +263,69 @@ fn macros(value: Option<&Value>, what: &str) -> Result<Vec<(String, Value)>, Str
         .collect()
 }
 
+/// `value` with `each` applied to every string in it, at any depth (keys
+/// are left as they are): how macros and `${env.VAR}` are expanded.
+fn map_strings(
+    value: &Value,
+    each: &mut impl FnMut(&str) -> Result<Value, String>,
+) -> Result<Value, String> {
+    Ok(match value {
+        Value::String(text) => each(text)?,
+        Value::Sequence(items) => Value::Sequence(
+            items
+                .iter()
+                .map(|v| map_strings(v, each))
+                .collect::<Result<_, _>>()?,
+        ),
+        Value::Mapping(map) => {
+            let mut out = Mapping::new();
+            for (k, v) in map {
+                out.insert(k.clone(), map_strings(v, each)?);
+            }
+            Value::Mapping(out)
+        }
+        other => other.clone(),
+    })
+}
+
 /// `${env.VAR}` replaced by the variable's value in every string of the
 /// parsed file, as llama-swap does; a string that is exactly `${env.VAR}`
 /// takes the value as YAML reads it (a number stays a number). Replaced
 /// after parsing rather than in the text, so a value holding quotes or
 /// colons is the value, wherever it is used.
 fn expand_env(value: &Value, env: &dyn Fn(&str) -> Option<String>) -> Result<Value, String> {
-    Ok(match value {
-        Value::String(text) if text.contains("${env.") => {
-            let mut out = String::with_capacity(text.len());
-            let mut rest = text.as_str();
-            while let Some(at) = rest.find("${env.") {
-                out.push_str(&rest[..at]);
-                let after = &rest[at + 6..];
-                let end = after
-                    .find('}')
-                    .ok_or_else(|| format!("an unclosed `${{env.` in: {text}"))?;
-                let name = &after[..end];
-                let value =
-                    env(name).ok_or_else(|| format!("`${{env.{name}}}`: {name} is not set"))?;
-                if value.contains('\0') {
-                    return Err(format!("`${{env.{name}}}` holds a NUL"));
-                }
-                out.push_str(&value);
-                if out.len() > MAX_VALUE {
-                    return Err(format!(
-                        "`${{env.{name}}}` makes a value longer than {MAX_VALUE} bytes"
-                    ));
-                }
-                rest = &after[end + 1..];
-            }
-            out.push_str(rest);
-            let whole = text.starts_with("${env.")
-                && text.ends_with('}')
-                && text.matches("${").count() == 1;
-            match yaml_serde::from_str::<Value>(&out) {
-                Ok(v @ (Value::Number(_) | Value::Bool(_))) if whole => v,
-                _ => Value::String(out),
-            }
+    map_strings(value, &mut |text| {
+        if !text.contains("${env.") {
+            return Ok(Value::String(text.to_string()));
         }
-        Value::Sequence(items) => Value::Sequence(
-            items
-                .iter()
-                .map(|v| expand_env(v, env))
-                .collect::<Result<_, _>>()?,
-        ),
-        Value::Mapping(map) => {
-            let mut out = Mapping::new();
-            for (k, v) in map {
-                out.insert(k.clone(), expand_env(v, env)?);
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(at) = rest.find("${env.") {
+            out.push_str(&rest[..at]);
+            let after = &rest[at + 6..];
+            let end = after
+                .find('}')
+                .ok_or_else(|| format!("an unclosed `${{env.` in: {text}"))?;
+            let name = &after[..end];
+            let value = env(name).ok_or_else(|| format!("`${{env.{name}}}`: {name} is not set"))?;
+            if value.contains('\0') {
+                return Err(format!("`${{env.{name}}}` holds a NUL"));
             }
-            Value::Mapping(out)
+            out.push_str(&value);
+            if out.len() > MAX_VALUE {
+                return Err(format!(
+                    "`${{env.{name}}}` makes a value longer than {MAX_VALUE} bytes"
+                ));
+            }
+            rest = &after[end + 1..];
         }
-        other => other.clone(),
+        out.push_str(rest);
+        let whole =
+            text.starts_with("${env.") && text.ends_with('}') && text.matches("${").count() == 1;
+        Ok(match yaml_serde::from_str::<Value>(&out) {
+            Ok(v @ (Value::Number(_) | Value::Bool(_))) if whole => v,
+            _ => Value::String(out),
+        })
     })
 }
 
@@ -325,57 +335,41 @@ fn expand_env(value: &Value, env: &dyn Fn(&str) -> Option<String>) -> Result<Val
 /// so a value can double at each: past [`MAX_VALUE`] bytes it is refused,
 /// naming the macro.
 fn expand(value: &Value, macros: &[(String, Value)]) -> Result<Value, String> {
-    Ok(match value {
-        Value::String(text) => {
-            let mut text = text.clone();
-            for (name, with) in macros {
-                if text == format!("${{{name}}}") {
-                    match with {
-                        // A string macro may use others: expanded below.
-                        Value::String(s) => text = s.clone(),
-                        _ => return Ok(with.clone()),
-                    }
-                    break;
+    map_strings(value, &mut |text| {
+        let mut text = text.to_string();
+        for (name, with) in macros {
+            if text == format!("${{{name}}}") {
+                match with {
+                    // A string macro may use others: expanded below.
+                    Value::String(s) => text = s.clone(),
+                    _ => return Ok(with.clone()),
                 }
+                break;
             }
-            // Later macros may use earlier ones: the last declared first.
-            for (name, with) in macros.iter().rev() {
-                let shown = match with {
-                    Value::String(s) => s.clone(),
-                    Value::Number(n) => n.to_string(),
-                    Value::Bool(b) => b.to_string(),
-                    _ => continue,
-                };
-                let pattern = format!("${{{name}}}");
-                let uses = text.matches(&pattern).count();
-                if uses == 0 {
-                    continue;
-                }
-                let grown = text.len() - uses * pattern.len() + uses * shown.len();
-                if grown > MAX_VALUE {
-                    return Err(format!(
-                        "macro `{name}` expands to more than {MAX_VALUE} bytes (macros that use \
-                         earlier ones double at each step); a command line cannot pass it"
-                    ));
-                }
-                text = text.replace(&pattern, &shown);
-            }
-            Value::String(text)
         }
-        Value::Sequence(items) => Value::Sequence(
-            items
-                .iter()
-                .map(|v| expand(v, macros))
-                .collect::<Result<_, _>>()?,
-        ),
-        Value::Mapping(map) => {
-            let mut out = Mapping::new();
-            for (k, v) in map {
-                out.insert(k.clone(), expand(v, macros)?);
+        // Later macros may use earlier ones: the last declared first.
+        for (name, with) in macros.iter().rev() {
+            let shown = match with {
+                Value::String(s) => s.clone(),
+                Value::Number(n) => n.to_string(),
+                Value::Bool(b) => b.to_string(),
+                _ => continue,
+            };
+            let pattern = format!("${{{name}}}");
+            let uses = text.matches(&pattern).count();
+            if uses == 0 {
+                continue;
             }
-            Value::Mapping(out)
+            let grown = text.len() - uses * pattern.len() + uses * shown.len();
+            if grown > MAX_VALUE {
+                return Err(format!(
+                    "macro `{name}` expands to more than {MAX_VALUE} bytes (macros that use \
+                     earlier ones double at each step); a command line cannot pass it"
+                ));
+            }
+            text = text.replace(&pattern, &shown);
         }
-        other => other.clone(),
+        Ok(Value::String(text))
     })
 }
 

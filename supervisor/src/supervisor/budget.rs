@@ -8,6 +8,7 @@
 //! loads are refused, naming what holds the memory, until some comes back
 //! (admission decides that from the same figures). A model that alone
 //! outgrows what it may hold is what `memory_limit` and `max_rss` are for.
+//! The same watch checks the per-GPU budget (`gpu_budget.rs`).
 
 use std::sync::Weak;
 use std::time::{Duration, Instant};
@@ -21,10 +22,12 @@ const EVERY: Duration = Duration::from_secs(1);
 /// The most often "over the budget, nothing idle" is logged.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
-pub(super) async fn budget_watch(inner: Weak<Inner>, budget: u64) {
+/// Once a second while the supervisor lives: the memory budget (`ram`)
+/// and the per-GPU budget (`gpu`, `gpu_budget.rs`), whichever are set.
+pub(super) async fn budget_watch(inner: Weak<Inner>, ram: Option<u64>, gpu: Option<u64>) {
     let mut ticker = tokio::time::interval(EVERY);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut warned: Option<Instant> = None;
+    let (mut warned_ram, mut warned_gpu): (Option<Instant>, Option<Instant>) = (None, None);
     loop {
         ticker.tick().await;
         let Some(strong) = inner.upgrade() else {
@@ -34,32 +37,52 @@ pub(super) async fn budget_watch(inner: Weak<Inner>, budget: u64) {
         if supervisor.is_shutting_down() {
             return;
         }
-        let room = room(&supervisor.lock(), "");
-        if room.used <= budget {
-            continue;
+        if let Some(budget) = ram {
+            ram_step(&supervisor, budget, &mut warned_ram).await;
         }
-        match room.lru_idle {
-            Some(victim) => {
-                tracing::warn!(
-                    victim,
-                    "loaded models hold {}, over the memory budget of {}; evicting the least \
-                     recently used idle model",
-                    mib(room.used),
-                    mib(budget)
-                );
-                supervisor.evict(&victim, None).await;
-            }
-            None if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) => {
-                warned = Some(Instant::now());
-                tracing::warn!(
-                    "loaded models hold {}, over the memory budget of {}, and none is idle to \
-                     evict; new loads are refused until memory comes back. Held by: {}",
-                    mib(room.used),
-                    mib(budget),
-                    room.holders.join(", ")
-                );
-            }
-            None => {}
+        if let Some(budget) = gpu {
+            super::gpu_budget::gpu_step(&supervisor, budget, &mut warned_gpu).await;
         }
+    }
+}
+
+/// Whether a "nothing idle to evict" warning is due (at most once a
+/// minute), noting it said now if so.
+pub(super) fn warn_due(warned: &mut Option<Instant>) -> bool {
+    let due = warned.is_none_or(|at| at.elapsed() >= WARN_EVERY);
+    if due {
+        *warned = Some(Instant::now());
+    }
+    due
+}
+
+/// One check of the memory budget: evicts the least recently used idle
+/// model while the workers hold more.
+async fn ram_step(supervisor: &Supervisor, budget: u64, warned: &mut Option<Instant>) {
+    let room = room(&supervisor.lock(), "");
+    if room.used <= budget {
+        return;
+    }
+    match room.lru_idle {
+        Some(victim) => {
+            tracing::warn!(
+                victim,
+                "loaded models hold {}, over the memory budget of {}; evicting the least \
+                 recently used idle model",
+                mib(room.used),
+                mib(budget)
+            );
+            supervisor.evict(&victim, None).await;
+        }
+        None if warn_due(warned) => {
+            tracing::warn!(
+                "loaded models hold {}, over the memory budget of {}, and none is idle to \
+                 evict; new loads are refused until memory comes back. Held by: {}",
+                mib(room.used),
+                mib(budget),
+                room.holders.join(", ")
+            );
+        }
+        None => {}
     }
 }

@@ -10,26 +10,22 @@
 //!   to evict, the newcomer is stopped and its load fails with
 //!   `gpu_memory_budget_exceeded`, naming the figures (and its measured
 //!   size plans its next load);
-//! - once a second, while a budget is set, the same comparison runs for
-//!   every GPU: a model that grew past the budget (a cache filling, a
+//! - once a second (`budget.rs`'s watch, beside the memory budget's),
+//!   while a budget is set, the same comparison runs for every GPU: a model that grew past the budget (a cache filling, a
 //!   leak, a server that preallocates as it warms up) has its idle
 //!   neighbours evicted; with none idle it is said once a minute, in the
 //!   log and as an event.
 
-use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
 use super::admission::gpu_holders;
-use super::{EventKind, Inner, Supervisor};
+use super::{EventKind, Supervisor};
 use crate::child::handle::WorkerHandle;
 use crate::config::ModelSpec;
 use crate::error::{Error, Result};
 use crate::gpu;
 
-/// How often the budget is checked.
-const EVERY: Duration = Duration::from_secs(1);
-/// The most often "over the GPU budget, nothing idle" is said.
-const WARN_EVERY: Duration = Duration::from_secs(60);
 /// Evictions one newcomer may cause before it is refused: each takes a
 /// model away, so a handful is already a rare case; this bounds a loop
 /// whose victims keep turning busy.
@@ -138,65 +134,52 @@ impl Supervisor {
     }
 }
 
-/// While `gpu_memory_budget` is set: once a second, idle models on a GPU
-/// where berth's workers hold more than the budget are evicted.
-pub(super) async fn gpu_budget_watch(inner: Weak<Inner>, budget: u64) {
-    let mut ticker = tokio::time::interval(EVERY);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut warned: Option<Instant> = None;
-    loop {
-        ticker.tick().await;
-        let Some(strong) = inner.upgrade() else {
-            return;
-        };
-        let supervisor = Supervisor { inner: strong };
-        if supervisor.is_shutting_down() {
-            return;
+/// One check of the per-GPU budget (once a second, from the budget watch):
+/// idle models on a GPU where berth's workers hold more than the budget are
+/// evicted, least recently used first.
+pub(super) async fn gpu_step(supervisor: &Supervisor, budget: u64, warned: &mut Option<Instant>) {
+    // No NVML reading while no worker is on a GPU.
+    let on_gpus = {
+        let state = supervisor.lock();
+        state
+            .slots
+            .values()
+            .any(|s| !s.gpus.is_empty() || s.incoming_gpu.is_some())
+            || state.retiring.values().any(|r| !r.gpus.is_empty())
+    };
+    if !on_gpus {
+        return;
+    }
+    let gpu::Inventory::Devices(devices) = gpu::inventory() else {
+        return;
+    };
+    let holders = gpu_holders(&supervisor.lock(), "");
+    let Some(over) = gpu::overrun(&devices, budget, &holders, None) else {
+        return;
+    };
+    match over.victim.clone() {
+        Some(victim) => {
+            tracing::warn!(
+                victim,
+                "{}; evicting the least recently used idle model there",
+                over.describe()
+            );
+            supervisor.evict(&victim, None).await;
         }
-        // No NVML reading while no worker is on a GPU.
-        let on_gpus = {
-            let state = supervisor.lock();
-            state
-                .slots
-                .values()
-                .any(|s| !s.gpus.is_empty() || s.incoming_gpu.is_some())
-                || state.retiring.values().any(|r| !r.gpus.is_empty())
-        };
-        if !on_gpus {
-            continue;
+        None if super::budget::warn_due(warned) => {
+            let message = format!(
+                "{}, and none of them is idle to evict; new loads there are refused until \
+                 memory comes back",
+                over.describe()
+            );
+            tracing::warn!("{message}");
+            supervisor.emit(EventKind::GpuBudgetOverrun {
+                gpu: over.device,
+                held_bytes: over.held,
+                budget_bytes: over.budget,
+                message,
+            });
         }
-        let gpu::Inventory::Devices(devices) = gpu::inventory() else {
-            continue;
-        };
-        let holders = gpu_holders(&supervisor.lock(), "");
-        let Some(over) = gpu::overrun(&devices, budget, &holders, None) else {
-            continue;
-        };
-        match over.victim.clone() {
-            Some(victim) => {
-                tracing::warn!(
-                    victim,
-                    "{}; evicting the least recently used idle model there",
-                    over.describe()
-                );
-                supervisor.evict(&victim, None).await;
-            }
-            None if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) => {
-                warned = Some(Instant::now());
-                let message = format!(
-                    "{}, and none of them is idle to evict; new loads there are refused until \
-                     memory comes back",
-                    over.describe()
-                );
-                tracing::warn!("{message}");
-                supervisor.emit(EventKind::GpuBudgetOverrun {
-                    gpu: over.device,
-                    held_bytes: over.held,
-                    budget_bytes: over.budget,
-                    message,
-                });
-            }
-            None => {}
-        }
+        None => {}
     }
 }

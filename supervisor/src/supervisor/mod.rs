@@ -177,11 +177,9 @@ impl Supervisor {
                 Arc::clone(&inner.expiry_changed),
             ));
             runtime.spawn(history::sampler(Arc::downgrade(&inner)));
-            if let Some(budget) = inner.config.memory_budget {
-                runtime.spawn(budget::budget_watch(Arc::downgrade(&inner), budget));
-            }
-            if let Some(budget) = inner.config.gpu_memory_budget {
-                runtime.spawn(gpu_budget::gpu_budget_watch(Arc::downgrade(&inner), budget));
+            let (ram, gpu) = (inner.config.memory_budget, inner.config.gpu_memory_budget);
+            if ram.is_some() || gpu.is_some() {
+                runtime.spawn(budget::budget_watch(Arc::downgrade(&inner), ram, gpu));
             }
         }
         Supervisor { inner }
