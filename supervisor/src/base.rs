@@ -71,6 +71,8 @@ pub enum StopKind {
     Sigkill,
     /// It had already exited (it crashed) before the stop began.
     AlreadyExited,
+    /// An HTTP server that exited after its `stop_command` ran.
+    StopCommand,
 }
 
 impl fmt::Display for StopKind {
@@ -80,6 +82,7 @@ impl fmt::Display for StopKind {
             StopKind::Sigterm => "sigterm",
             StopKind::Sigkill => "sigkill",
             StopKind::AlreadyExited => "already_exited",
+            StopKind::StopCommand => "stop_command",
         })
     }
 }

@@ -24,6 +24,7 @@ mod error;
 pub mod fetch;
 pub mod gpu;
 mod heap;
+pub mod logs;
 pub mod orphans;
 mod report;
 pub mod server;

@@ -1,6 +1,7 @@
 //! Bringing a worker up: spawn → hello → load, all under one deadline.
 //! Whatever goes wrong, the process is gone before the error is returned.
 
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -312,11 +313,14 @@ async fn launch_server(
         &program.path.display().to_string(),
         &program.args,
         weights.as_deref(),
+        http.port,
+        http.find_port,
     )
     .map_err(|reason| Error::InvalidSpec {
         model: model.into(),
         reason,
     })?;
+    let mut prepared = prepared;
     let process = start_process(
         spec,
         &PathBuf::from(&prepared.path),
@@ -330,7 +334,27 @@ async fn launch_server(
     .await?
     .process();
     let pid = process.pid();
-    let upstream = Arc::new(upstream::Upstream::new(model, &prepared, http));
+    if http.find_port {
+        // Its exit is told below, as a server's that exits before ready.
+        match find_port(&process, deadline).await {
+            Some(port) => {
+                tracing::info!(model, pid, port, "found the port the server listens on");
+                prepared.address = upstream::Address::Tcp(SocketAddr::from(([127, 0, 0, 1], port)));
+            }
+            None if process.try_exit().is_none() => {
+                kill_and_reap(&process).await;
+                crate::child::sweep::sweep_all(&process).await;
+                return Err(Error::LoadTimeout {
+                    model: model.into(),
+                    pid,
+                    timeout,
+                    phase: "listening (none of its processes listened on a port)",
+                });
+            }
+            None => {}
+        }
+    }
+    let upstream = Arc::new(upstream::Upstream::new(model, &prepared, http, env.clone()));
     tracing::debug!(model, pid, address = %upstream.address(), "server started");
     let spawn_ms = ms(started.elapsed());
     let ready = tokio::select! {
@@ -365,8 +389,12 @@ async fn launch_server(
         })
         .inspect_err(|_| tracing::warn!(model, pid, "the server was not ready in time: {last}"));
     }
-    // Ready: and the one answering is the server, alone on its port.
-    if let upstream::Address::Tcp(addr) = upstream.address() {
+    // Ready: and the one answering is the server, alone on its port. (A
+    // container's port is its engine's proxy, never the server's own: that
+    // cannot be checked, nor what the container holds; see docs/upstream.md.)
+    if let upstream::Address::Tcp(addr) = upstream.address()
+        && !is_container_client(&prepared.path)
+    {
         let mut tree = crate::child::memory::group_members(pid);
         tree.push(pid);
         match process.cgroup() {
@@ -519,4 +547,36 @@ impl ModelSpec {
             },
         }
     }
+}
+
+/// The port a server that chose its own listens on, once it does: the
+/// lowest a connection to the loopback reaches among its processes'
+/// listeners. `None` if it exits first, or none by `deadline`.
+async fn find_port(process: &Arc<ProcessWatch>, deadline: Instant) -> Option<u16> {
+    let pid = process.pid();
+    while Instant::now() < deadline {
+        let mut tree = crate::child::memory::group_members(pid);
+        tree.push(pid);
+        if let Some(cgroup) = process.cgroup() {
+            tree.extend(cgroup.members());
+        }
+        if let Some(port) = crate::child::ports::listening_ports_of(&tree).first() {
+            return Some(*port);
+        }
+        tokio::select! {
+            _ = process.exited() => return None,
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    None
+}
+
+/// A command that runs its server in a container (`docker run …`): what it
+/// starts runs under the container engine, outside berth's process tree.
+fn is_container_client(program: &str) -> bool {
+    let name = std::path::Path::new(program)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("");
+    matches!(name, "docker" | "podman" | "nerdctl")
 }

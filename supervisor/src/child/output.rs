@@ -142,6 +142,7 @@ impl Log {
             self.notice(dropped);
         }
         if verdict.log {
+            crate::logs::model_line(&self.model, &line);
             tracing::info!(target: "berth::worker", model = %self.model, pid = self.pid,
                 stream = self.stream, "{line}");
         }

@@ -28,6 +28,16 @@ pub(crate) struct Reserved {
     dir: Option<PathBuf>,
 }
 
+impl Reserved {
+    /// Nothing held: a server on a port of its own.
+    pub(crate) fn nothing() -> Reserved {
+        Reserved {
+            port: None,
+            dir: None,
+        }
+    }
+}
+
 impl Drop for Reserved {
     fn drop(&mut self) {
         if let Some(port) = self.port {
@@ -61,6 +71,54 @@ pub(crate) fn port() -> Result<(SocketAddr, Reserved), String> {
         }
     }
     Err("cannot find a loopback port not already given to a server".into())
+}
+
+/// `port`, the loopback port a server listens on of its own (a fixed
+/// port, in its command line): free now, whoever would hold it. Not held
+/// for the start as a chosen one is: the supervisor never runs two models
+/// on one fixed port at once (`config/residency.rs`), and a swap stops the
+/// old server first.
+pub(crate) fn fixed(port: u16) -> Result<(SocketAddr, Reserved), String> {
+    let reserved = Reserved::nothing();
+    match std::net::TcpListener::bind(("127.0.0.1", port)) {
+        Ok(listener) => {
+            let addr = listener
+                .local_addr()
+                .map_err(|e| format!("cannot check port {port}: {e}"))?;
+            Ok((addr, reserved))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(format!(
+            "its fixed port {port} is taken{}: stop what listens there, or give the server \
+             another port",
+            holder_of(port)
+        )),
+        Err(e) => Err(format!("cannot check that its port {port} is free: {e}")),
+    }
+}
+
+/// ` by pid N (`comm`)` for what listens on `port`, where the tables say.
+fn holder_of(port: u16) -> String {
+    let listening = listening_on(port);
+    if listening.is_empty() {
+        return String::new();
+    }
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return String::new();
+    };
+    for entry in procs.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !sockets_of(&[pid]).is_disjoint(&listening) {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            return format!(" by pid {pid} (`{}`)", comm.trim());
+        }
+    }
+    String::new()
 }
 
 /// A private folder (0700) for one server's socket.
@@ -107,26 +165,51 @@ fn listening_on(port: u16) -> HashSet<u64> {
 /// on the addresses a connection to `127.0.0.1:port` can reach: loopback
 /// or every address (a listener on another address is not in the way).
 fn listeners_in(table: &str, port: u16) -> Vec<u64> {
+    reachable_listeners(table)
+        .filter(|(at, _)| *at == port)
+        .map(|(_, inode)| inode)
+        .collect()
+}
+
+/// `(port, inode)` of each listening socket in one `/proc/net/tcp*` table
+/// that a connection to `127.0.0.1` can reach.
+fn reachable_listeners(table: &str) -> impl Iterator<Item = (u16, u64)> + '_ {
     const REACHED: [&str; 4] = [
         "0100007F",                         // 127.0.0.1
         "00000000",                         // 0.0.0.0
         "00000000000000000000000000000000", // ::
         "0000000000000000FFFF00000100007F", // ::ffff:127.0.0.1
     ];
-    table
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            // sl local_address rem_address st ... uid timeout inode
-            let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
-            let (address, at) = local.split_once(':')?;
-            let reached = REACHED.contains(&address) && u16::from_str_radix(at, 16).ok()? == port;
-            (reached && *state == "0A")
-                .then(|| inode.parse().ok())
-                .flatten()
-        })
-        .collect()
+    table.lines().skip(1).filter_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // sl local_address rem_address st ... uid timeout inode
+        let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
+        let (address, at) = local.split_once(':')?;
+        let port = u16::from_str_radix(at, 16).ok()?;
+        (REACHED.contains(&address) && *state == "0A")
+            .then(|| inode.parse().ok().map(|inode| (port, inode)))
+            .flatten()
+    })
+}
+
+/// The loopback-reachable ports the processes `tree` listen on, lowest
+/// first: where a server that chose its own port is.
+pub(crate) fn listening_ports_of(tree: &[u32]) -> Vec<u16> {
+    let own = sockets_of(tree);
+    let mut ports = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        ports.extend(
+            reachable_listeners(&text)
+                .filter(|(_, inode)| own.contains(inode))
+                .map(|(port, _)| port),
+        );
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
 }
 
 /// The socket inodes the processes `pids` hold open.
@@ -197,6 +280,31 @@ mod tests {
         assert!(IN_USE.lock().unwrap().contains(&a.port()));
         drop(held);
         assert!(!IN_USE.lock().unwrap().contains(&a.port()));
+    }
+
+    #[test]
+    fn a_fixed_port_is_refused_while_taken_naming_its_holder() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken = listener.local_addr().unwrap().port();
+        let err = fixed(taken).unwrap_err();
+        assert!(
+            err.contains(&format!(
+                "its fixed port {taken} is taken by pid {}",
+                std::process::id()
+            )),
+            "{err}"
+        );
+        drop(listener);
+        let (addr, _held) = fixed(taken).unwrap();
+        assert_eq!(addr.port(), taken);
+    }
+
+    #[test]
+    fn the_ports_a_process_listens_on_are_found() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(listening_ports_of(&[std::process::id()]).contains(&port));
+        assert!(!listening_ports_of(&[1]).contains(&port));
     }
 
     #[test]

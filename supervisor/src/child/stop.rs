@@ -1,5 +1,6 @@
 //! Stopping a worker: ask → grace → SIGTERM → grace → SIGKILL → reap, on the
-//! whole process group; then sweep the group, kill what the worker started
+//! whole process group (an HTTP server with a `stop_command`: the command →
+//! grace → SIGKILL, the signal if the command fails); then sweep the group, kill what the worker started
 //! outside it (in its cgroup, or carrying its mark), count what is left,
 //! and measure what came back.
 
@@ -34,6 +35,21 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         StopKind::AlreadyExited
     } else if worker.request_shutdown() && process.exited_within(graces.shutdown).await.is_some() {
         StopKind::Graceful
+    } else if let Some((argv, env)) = worker.upstream_server().and_then(|u| u.stop_command(pid))
+        && let grace = worker.stop_signal(graces).1
+        && run_stop_command(worker.model(), &argv, env, grace).await
+    {
+        if process.exited_within(grace).await.is_some() {
+            StopKind::StopCommand
+        } else {
+            tracing::warn!(
+                model = worker.model(),
+                pid,
+                "the server outlived its stop_command by {grace:?}; sending SIGKILL"
+            );
+            process.signal_group(Signal::SIGKILL);
+            StopKind::Sigkill
+        }
     } else {
         let (signal, grace) = worker.stop_signal(graces);
         if worker.upstream_server().is_some() {
@@ -104,6 +120,79 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         gpu_reclaimed_bytes: gpu_after.map(|g| g.bytes),
         gpu_reclaim_ms: gpu_after.map(|g| g.ms),
         gpu_pid_gone: gpu_after.map(|g| g.pid_gone),
+    }
+}
+
+/// Runs an HTTP server's `stop_command` (`docker stop NAME`: what stops a
+/// server whose process is only a client of what runs the model), with
+/// the kind's environment, for at most `grace`. Whether it ran and
+/// succeeded: if not, the stop goes on with the stop signal, so a broken
+/// command never leaves a server running.
+async fn run_stop_command(
+    model: &str,
+    argv: &[String],
+    env: &[(String, String)],
+    grace: Duration,
+) -> bool {
+    let mut command = tokio::process::Command::new(&argv[0]);
+    command
+        .args(&argv[1..])
+        .env_clear()
+        .envs(crate::child::spawn::passthrough_env())
+        .envs(env.iter().cloned())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    tracing::info!(
+        model,
+        command = argv.join(" "),
+        "running the server's stop_command"
+    );
+    let child = match command.spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            tracing::warn!(
+                model,
+                "cannot run its stop_command `{}`: {e}; stopping it by signal",
+                argv[0]
+            );
+            return false;
+        }
+    };
+    match tokio::time::timeout(grace, child.wait_with_output()).await {
+        Ok(Ok(out)) if out.status.success() => true,
+        Ok(Ok(out)) => {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let tail: String = stderr
+                .trim()
+                .chars()
+                .rev()
+                .take(400)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            tracing::warn!(
+                model,
+                "its stop_command `{}` failed ({}): {tail}; stopping it by signal",
+                argv.join(" "),
+                out.status
+            );
+            false
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(model, "its stop_command failed: {e}; stopping it by signal");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(
+                model,
+                "its stop_command `{}` did not finish within {grace:?}; stopping it by signal",
+                argv.join(" ")
+            );
+            false
+        }
     }
 }
 

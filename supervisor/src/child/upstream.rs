@@ -15,8 +15,9 @@
 //! - a request is an HTTP exchange, relayed by the front door over a small
 //!   pool of kept-alive connections (`server/relay.rs`); the bytes relayed
 //!   are the worker's progress counter, for stall detection;
-//! - there is no shutdown message: a stop sends the kind's `stop_signal`
-//!   to the group, waits `stop_grace`, then SIGKILL.
+//! - there is no shutdown message: a stop runs the kind's `stop_command`
+//!   if it has one (`docker stop NAME`), else sends its `stop_signal` to the
+//!   group, waits `stop_grace`, then SIGKILL.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,25 +68,53 @@ pub(crate) struct Prepared {
 }
 
 /// Fills in `{port}`, `{socket}` and `{model}` in `program` and `args`.
+/// With `fixed`, the server listens on that port of its own (its command
+/// may name it, or `{port}`): it must be free now. With `find`, on one its
+/// command does not say: found once it is started.
 pub(crate) fn prepare(
     program: &str,
     args: &[String],
     weights: Option<&Path>,
+    fixed: Option<u16>,
+    find: bool,
 ) -> Result<Prepared, String> {
     let all = || std::iter::once(program).chain(args.iter().map(String::as_str));
     let wants_port = all().any(|a| a.contains("{port}"));
     let wants_socket = all().any(|a| a.contains("{socket}"));
-    let (address, reserved) = match (wants_port, wants_socket) {
-        (true, false) => {
+    let (address, reserved) = match (wants_port, wants_socket, fixed) {
+        (false, false, None) if find => (
+            // Found once it listens (`launch.rs`).
+            Address::Tcp(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            super::ports::Reserved::nothing(),
+        ),
+        (_, _, None) if find => {
+            return Err(
+                "`http.find_port` is for a server whose command names no port; this one names \
+                 `{port}` or `{socket}`"
+                    .into(),
+            );
+        }
+        (_, true, Some(port)) => {
+            return Err(format!(
+                "the command names `{{socket}}` but the server listens on port {port} of its own"
+            ));
+        }
+        (_, false, Some(port)) => {
+            let (addr, reserved) = super::ports::fixed(port)?;
+            (Address::Tcp(addr), reserved)
+        }
+        (true, false, None) => {
             let (addr, reserved) = super::ports::port()?;
             (Address::Tcp(addr), reserved)
         }
-        (false, true) => {
+        (false, true, None) => {
             let (dir, reserved) = super::ports::socket_dir()?;
             (Address::Unix(dir.join("server.sock")), reserved)
         }
-        (true, true) => return Err("the command names both `{port}` and `{socket}`".into()),
-        (false, false) => {
+        (true, true, None) => {
+            return Err("the command names both `{port}` and `{socket}`".into());
+        }
+        (false, false, None) => {
             return Err(
                 "the command must name `{port}` (a loopback port berth chooses for each start) \
                  or `{socket}` (a unix socket path), where the server is to listen"
@@ -142,6 +171,8 @@ pub struct Upstream {
     _reserved: Arc<super::ports::Reserved>,
     /// When its health last answered 200 (its readiness counts).
     last_healthy: Mutex<Instant>,
+    /// The kind's environment, which its `stop_command` runs with too.
+    env: Vec<(String, String)>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -171,7 +202,12 @@ impl std::fmt::Display for RelayError {
 }
 
 impl Upstream {
-    pub(crate) fn new(model: &str, prepared: &Prepared, spec: HttpSpec) -> Self {
+    pub(crate) fn new(
+        model: &str,
+        prepared: &Prepared,
+        spec: HttpSpec,
+        env: Vec<(String, String)>,
+    ) -> Self {
         Upstream {
             model: model.to_string(),
             address: prepared.address.clone(),
@@ -181,6 +217,7 @@ impl Upstream {
             answered: AtomicU64::new(0),
             _reserved: Arc::clone(&prepared.reserved),
             last_healthy: Mutex::new(Instant::now()),
+            env,
         }
     }
 
@@ -200,6 +237,17 @@ impl Upstream {
             "SIGHUP" => Signal::SIGHUP,
             _ => Signal::SIGTERM,
         }
+    }
+
+    /// Its `stop_command` for the server `pid`, `{pid}` filled in, and the
+    /// environment it runs with (the kind's).
+    pub(crate) fn stop_command(&self, pid: u32) -> Option<(Vec<String>, &[(String, String)])> {
+        let argv = self.spec.stop_command.as_ref()?;
+        let pid = pid.to_string();
+        Some((
+            argv.iter().map(|a| a.replace("{pid}", &pid)).collect(),
+            &self.env,
+        ))
     }
 
     pub(crate) fn stop_grace(&self) -> Duration {
@@ -476,7 +524,14 @@ mod tests {
         let args: Vec<String> = ["--model", "{model}", "--port", "{port}"]
             .map(String::from)
             .to_vec();
-        let prepared = prepare("server", &args, Some(Path::new("/models/x.gguf"))).unwrap();
+        let prepared = prepare(
+            "server",
+            &args,
+            Some(Path::new("/models/x.gguf")),
+            None,
+            false,
+        )
+        .unwrap();
         let Address::Tcp(addr) = &prepared.address else {
             panic!("{:?}", prepared.address)
         };
@@ -489,15 +544,48 @@ mod tests {
                 &addr.port().to_string()
             ]
         );
-        let socket = prepare("server", &["--sock={socket}".to_string()], None).unwrap();
+        let socket = prepare(
+            "server",
+            &["--sock={socket}".to_string()],
+            None,
+            None,
+            false,
+        )
+        .unwrap();
         let Address::Unix(path) = &socket.address else {
             panic!()
         };
         assert_eq!(socket.args, [format!("--sock={}", path.display())]);
         drop(socket);
-        let err = prepare("server", &["--port=8000".to_string()], None).unwrap_err();
+        let err = prepare("server", &["--port=8000".to_string()], None, None, false).unwrap_err();
         assert!(err.contains("{port}"), "{err}");
-        let err = prepare("server", &["{port}".into(), "{model}".into()], None).unwrap_err();
+        let err = prepare(
+            "server",
+            &["{port}".into(), "{model}".into()],
+            None,
+            None,
+            false,
+        )
+        .unwrap_err();
         assert!(err.contains("no `model` path"), "{err}");
+        // A fixed port fills `{port}` (or is named as it is); a server that
+        // finds its own port names none.
+        let free = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let fixed = prepare(
+            "server",
+            &["--port".into(), "{port}".into()],
+            None,
+            Some(free),
+            false,
+        )
+        .unwrap();
+        assert_eq!(fixed.args, ["--port".to_string(), free.to_string()]);
+        assert!(prepare("server", &[], None, None, true).is_ok());
+        let err = prepare("server", &["{port}".into()], None, None, true).unwrap_err();
+        assert!(err.contains("names no port"), "{err}");
     }
 }

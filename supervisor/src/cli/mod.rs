@@ -149,7 +149,8 @@ fn init_logging(default: &str) {
         .unwrap_or_else(|_| default.to_string());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
+        // And into the history `/logs` serves.
+        .with_writer(|| berth::logs::Tee)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }

@@ -52,9 +52,10 @@ async fn start(args: ServeArgs) -> Result<(), String> {
         }
         None => ServeConfig::default(),
     };
-    if let Some(path) = &args.llama_swap {
-        add_llama_swap(&mut config, path)?;
-    }
+    let llama_swap = match &args.llama_swap {
+        Some(path) => Some(add_llama_swap(&mut config, path)?),
+        None => None,
+    };
     let listen = Listen::parse(
         args.listen
             .as_deref()
@@ -95,7 +96,22 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
     }
     berth::server::listen::raise_descriptor_limit();
-    let options = config.serve_options(listen, token);
+    let mut options = config.serve_options(listen, token);
+    if let Some(migrated) = llama_swap {
+        options.api_keys = migrated.api_keys;
+        options.llama_swap = Some(std::sync::Arc::new(migrated.compat));
+        // `hooks.on_startup.preload`: one after another, in the
+        // background, as llama-swap does.
+        let preloader = supervisor.clone();
+        tokio::spawn(async move {
+            for model in migrated.preload {
+                match preloader.ensure_loaded(&model).await {
+                    Ok(_) => tracing::info!(model, "preloaded (hooks.on_startup.preload)"),
+                    Err(e) => tracing::warn!(model, "preload failed: {e}"),
+                }
+            }
+        });
+    }
     serve(supervisor, options).await
 }
 
@@ -183,12 +199,15 @@ fn default_catalogue(dir: &std::path::Path) -> Result<Vec<ModelSpec>, String> {
     Ok(specs)
 }
 
-/// Adds the models of a llama-swap `config.yaml` to `config`, saying what
-/// of it berth ignores.
-fn add_llama_swap(config: &mut ServeConfig, path: &std::path::Path) -> Result<(), String> {
+/// Adds the models and rules of a llama-swap `config.yaml` to `config`,
+/// saying what of it berth does not honour; returns the rest of it.
+fn add_llama_swap(
+    config: &mut ServeConfig,
+    path: &std::path::Path,
+) -> Result<berth::server::llama_swap::Migrated, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
-    let migrated = berth::server::llama_swap::migrate(&text, &|name| std::env::var(name).ok())
+    let mut migrated = berth::server::llama_swap::migrate(&text, &|name| std::env::var(name).ok())
         .map_err(|e| {
             format!(
                 "`{}` is not a llama-swap config berth can read: {e}",
@@ -198,7 +217,7 @@ fn add_llama_swap(config: &mut ServeConfig, path: &std::path::Path) -> Result<()
     for note in &migrated.notes {
         eprintln!("berth: llama-swap config {}: {note}", path.display());
     }
-    for (name, kind) in migrated.workers {
+    for (name, kind) in std::mem::take(&mut migrated.workers) {
         if config.workers.contains_key(&name) {
             return Err(format!(
                 "worker kind `{name}` is declared in the config and made from `{}`; rename one",
@@ -207,7 +226,7 @@ fn add_llama_swap(config: &mut ServeConfig, path: &std::path::Path) -> Result<()
         }
         config.workers.insert(name, kind);
     }
-    for model in migrated.models {
+    for model in std::mem::take(&mut migrated.models) {
         if config.models.iter().any(|m| m.name == model.name) {
             return Err(format!(
                 "model `{}` is in the config and in `{}`; rename one",
@@ -217,7 +236,21 @@ fn add_llama_swap(config: &mut ServeConfig, path: &std::path::Path) -> Result<()
         }
         config.models.push(model);
     }
+    let residency = std::mem::take(&mut migrated.residency);
+    if !residency.groups.is_empty() && (!config.groups.is_empty() || config.matrix.is_some())
+        || residency.matrix.is_some() && (!config.groups.is_empty() || config.matrix.is_some())
+    {
+        return Err(format!(
+            "the config has `groups` or a `matrix`, and so does `{}`; keep one",
+            path.display()
+        ));
+    }
+    config.groups.extend(residency.groups);
+    if residency.matrix.is_some() {
+        config.matrix = residency.matrix;
+    }
     config
         .check()
-        .map_err(|e| format!("`{}`: {e}", path.display()))
+        .map_err(|e| format!("`{}`: {e}", path.display()))?;
+    Ok(migrated)
 }

@@ -5,12 +5,14 @@
 mod limits;
 mod paths;
 mod programs;
+mod residency;
 
 pub use limits::*;
 pub use paths::confined;
 pub use programs::{
     DEFAULT_PRELOAD_KEEP_ALIVE, HttpSpec, WorkerKind, check_command, is_dangerous_env,
 };
+pub use residency::{Group, Matrix, NamedSet, Residency, Rules};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -510,6 +512,8 @@ pub struct SupervisorConfig {
     /// worker's answers polls half of it after each answer before it
     /// blocks, for the same reason.
     pub answer_spin: Duration,
+    /// Which models may run together (groups, a matrix of sets), checked.
+    pub residency: Rules,
 }
 
 /// The longest [`SupervisorConfig::answer_spin`] allowed.
@@ -535,6 +539,7 @@ impl Default for SupervisorConfig {
             answer_spin: Duration::from_micros(100),
             restart_backoff: Duration::from_millis(500),
             gpu_memory_budget: None,
+            residency: Rules::default(),
         }
     }
 }

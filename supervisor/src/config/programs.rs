@@ -264,6 +264,24 @@ pub struct HttpSpec {
     /// lost (default 30 s).
     #[serde(default, with = "crate::units::duration_opt")]
     pub unhealthy_after: Option<Duration>,
+    /// The loopback port the server listens on of its own (its command names
+    /// it), where berth would otherwise choose one for each start
+    /// (`{port}`). Checked free before each start, and the listener checked
+    /// to be the server's; models on one fixed port never run at once, and
+    /// a swap stops the old server before the new one starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// The server listens on a port of its own that its command does not
+    /// say (its default): berth finds it, the port its processes listen on
+    /// once started, and checks it is theirs. Such servers are run one at
+    /// a time, as on one fixed port.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub find_port: bool,
+    /// A command that asks the server to stop, run before the stop signal
+    /// (llama-swap's `cmdStop`: `docker stop NAME`): `{pid}` is the
+    /// server's pid. Then the signal, the grace and SIGKILL as ever.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_command: Option<Vec<String>>,
 }
 
 fn default_health() -> String {
@@ -287,6 +305,9 @@ impl HttpSpec {
             stop_signal: default_stop_signal(),
             stop_grace: None,
             unhealthy_after: None,
+            port: None,
+            find_port: false,
+            stop_command: None,
         }
     }
 
@@ -322,6 +343,15 @@ impl HttpSpec {
             ("http.unhealthy_after", self.unhealthy_after),
         ] {
             check_duration(field, value)?;
+        }
+        if self.find_port && self.port.is_some() {
+            return Err("give `http.port` or `http.find_port`, not both".into());
+        }
+        if self.port == Some(0) {
+            return Err("`http.port` 0 is no port: give the port the server listens on".into());
+        }
+        if let Some(argv) = &self.stop_command {
+            check_command(argv).map_err(|e| format!("`http.stop_command`: {e}"))?;
         }
         Ok(())
     }

@@ -24,9 +24,28 @@ pub(crate) fn encode(bytes: &[u8]) -> String {
     out
 }
 
+/// Standard base64 back to bytes (padding optional); `Err` on anything
+/// else.
+pub(crate) fn decode(text: &str) -> Result<Vec<u8>, ()> {
+    let text = text.trim_end_matches('=');
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for c in text.bytes() {
+        let v = ALPHABET.iter().position(|a| *a == c).ok_or(())? as u32;
+        acc = (acc << 6) | v;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::encode;
+    use super::{decode, encode};
 
     #[test]
     fn rfc_4648_test_vectors() {
@@ -40,7 +59,9 @@ mod tests {
             ("foobar", "Zm9vYmFy"),
         ] {
             assert_eq!(encode(plain.as_bytes()), coded, "{plain:?}");
+            assert_eq!(decode(coded).unwrap(), plain.as_bytes(), "{coded:?}");
         }
         assert_eq!(encode(&[0xff, 0xfe, 0xfd]), "//79");
+        assert!(decode("a b").is_err());
     }
 }

@@ -25,7 +25,9 @@ use serde::Deserialize;
 
 use std::collections::BTreeMap;
 
-use crate::config::{ModelSpec, WorkerKind, check_bytes, check_duration};
+use crate::config::{
+    Group, Matrix, ModelSpec, Residency, Rules, WorkerKind, check_bytes, check_duration,
+};
 use crate::server::{Listen, ServeOptions};
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7733";
@@ -131,6 +133,12 @@ pub struct ServeConfig {
     pub test_backends: bool,
     #[serde(default, rename = "model")]
     pub models: Vec<ModelSpec>,
+    /// Models that swap with each other, or run alone (`config/residency.rs`).
+    #[serde(default)]
+    pub groups: BTreeMap<String, Group>,
+    /// The sets of models that may run together, instead of groups.
+    #[serde(default)]
+    pub matrix: Option<Matrix>,
 }
 
 impl ServeConfig {
@@ -178,6 +186,51 @@ impl ServeConfig {
         self.models_dir
             .clone()
             .unwrap_or_else(crate::fetch::models_dir)
+    }
+
+    /// The groups or matrix, checked against the models listed.
+    pub fn rules(&self) -> Result<Rules, String> {
+        let residency = Residency {
+            groups: self.groups.clone(),
+            matrix: self.matrix.clone(),
+        };
+        residency.compile(&|name| self.models.iter().any(|m| m.name == name))
+    }
+
+    /// Each set of models the rules let run together must fit the budgets:
+    /// `max_loaded`, and `memory_budget` where each member declares its
+    /// `memory_limit`.
+    fn check_rules(&self) -> Result<(), String> {
+        let rules = self.rules()?;
+        for (what, members) in rules.together() {
+            if let Some(max) = self.max_loaded
+                && members.len() > max
+            {
+                return Err(format!(
+                    "{what} lets {} models run together, past max_loaded {max}: raise max_loaded or split it",
+                    members.len()
+                ));
+            }
+            let limits: Option<u64> = members
+                .iter()
+                .map(|m| {
+                    self.models
+                        .iter()
+                        .find(|s| s.name == *m)
+                        .and_then(|s| s.memory_limit)
+                })
+                .sum();
+            if let (Some(budget), Some(sum)) = (self.memory_budget, limits)
+                && sum > budget
+            {
+                return Err(format!(
+                    "{what} lets models run together whose memory limits add up to {}, past the memory budget of {}: raise memory_budget or split it",
+                    crate::units::mib(sum),
+                    crate::units::mib(budget)
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Every duration, size and count against its allowed range, and every
@@ -265,7 +318,7 @@ impl ServeConfig {
         for model in &self.models {
             model.validate().map_err(|e| e.to_string())?;
         }
-        Ok(())
+        self.check_rules()
     }
 
     /// How the sidecar serves, this file's values over the defaults.
@@ -318,6 +371,8 @@ impl ServeConfig {
             max_response: self.max_response.unwrap_or(DEFAULT_MAX_RESPONSE),
             max_models: self.max_models.unwrap_or(defaults.max_models),
             answer_spin: self.answer_spin.unwrap_or(defaults.answer_spin),
+            // Checked by `check`, which every config passes before this.
+            residency: self.rules().unwrap_or_default(),
             ..defaults
         }
     }

@@ -30,7 +30,8 @@ use super::listen::Listen;
 /// The checks, built once from the listen address and the config.
 #[derive(Debug, Clone)]
 pub(crate) struct Guard {
-    token: Option<String>,
+    /// Any of them is accepted (berth's token, llama-swap's `apiKeys`).
+    tokens: Vec<String>,
     /// `Host` values accepted (lower case); `None`: any (a unix socket, or a
     /// non-loopback address the operator protects with a token).
     hosts: Option<Vec<String>>,
@@ -40,7 +41,7 @@ pub(crate) struct Guard {
 impl Guard {
     pub fn new(
         listen: &Listen,
-        token: Option<String>,
+        tokens: Vec<String>,
         allowed_hosts: &[String],
         allowed_origins: &[String],
     ) -> Guard {
@@ -72,7 +73,7 @@ impl Guard {
             Listen::Unix(_) => false,
         };
         Guard {
-            token,
+            tokens,
             hosts: check_hosts.then_some(hosts),
             origins: allowed_origins
                 .iter()
@@ -114,7 +115,7 @@ impl Guard {
             // has another origin; a rebound name fails the Host check, or
             // has no token).
             // Only where the Host was checked, or a token is asked for too.
-            let same_origin = (self.hosts.is_some() || self.token.is_some())
+            let same_origin = (self.hosts.is_some() || !self.tokens.is_empty())
                 && text(header::HOST).is_some_and(|host| {
                     ["http://", "https://"]
                         .iter()
@@ -152,8 +153,11 @@ impl Guard {
         }
         if !is_probe(path)
             && !is_console(method, path)
-            && let Some(token) = &self.token
-            && !bearer_matches(text(header::AUTHORIZATION), token)
+            && !self.tokens.is_empty()
+            && !self
+                .tokens
+                .iter()
+                .any(|token| presented(headers).iter().any(|given| same(given, token)))
         {
             return Some(ApiError::new(
                 StatusCode::UNAUTHORIZED,
@@ -173,7 +177,8 @@ fn is_console(method: &Method, path: &str) -> bool {
 
 /// The liveness and readiness probes' paths.
 fn is_probe(path: &str) -> bool {
-    path == "/healthz" || path == "/readyz"
+    // `/health`: llama-swap's, where berth serves its config.
+    path == "/healthz" || path == "/readyz" || path == "/health"
 }
 
 fn media_type_is(content_type: Option<&str>, wanted: &str) -> bool {
@@ -224,16 +229,39 @@ fn has_body(headers: &HeaderMap) -> bool {
         .any(|v| v.to_str().ok().map(str::trim) != Some("0"))
 }
 
-/// `Authorization: Bearer <token>`, the scheme in any case, compared in
-/// time that does not depend on where the given token first differs.
-fn bearer_matches(value: Option<&str>, token: &str) -> bool {
-    let Some((scheme, given)) = value.map(str::trim).and_then(|v| v.split_once(' ')) else {
-        return false;
-    };
-    if !scheme.eq_ignore_ascii_case("bearer") {
-        return false;
+/// The tokens a request presents: `Authorization: Bearer <token>` (the
+/// scheme in any case), `x-api-key: <token>`, or the password of
+/// `Authorization: Basic` (as llama-swap's clients send its `apiKeys`).
+fn presented(headers: &HeaderMap) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for value in headers.get_all(header::AUTHORIZATION) {
+        let Some((scheme, given)) = value
+            .to_str()
+            .ok()
+            .map(str::trim)
+            .and_then(|v| v.split_once(' '))
+        else {
+            continue;
+        };
+        if scheme.eq_ignore_ascii_case("bearer") {
+            out.push(given.trim().as_bytes().to_vec());
+        } else if scheme.eq_ignore_ascii_case("basic")
+            && let Ok(decoded) = super::base64::decode(given.trim())
+            && let Some(at) = decoded.iter().position(|b| *b == b':')
+        {
+            out.push(decoded[at + 1..].to_vec());
+        }
     }
-    let (given, token) = (given.trim().as_bytes(), token.as_bytes());
+    for value in headers.get_all("x-api-key") {
+        out.push(value.as_bytes().trim_ascii().to_vec());
+    }
+    out
+}
+
+/// Whether `given` is `token`, in time that does not depend on where they
+/// first differ.
+fn same(given: &[u8], token: &str) -> bool {
+    let token = token.as_bytes();
     given.len() == token.len()
         && given
             .iter()
@@ -269,7 +297,7 @@ mod tests {
     fn loopback() -> Guard {
         Guard::new(
             &Listen::parse("127.0.0.1:7733").unwrap(),
-            None,
+            Vec::new(),
             &[],
             &["https://app.example".into()],
         )
@@ -404,14 +432,36 @@ mod tests {
     }
 
     #[test]
-    fn the_bearer_scheme_is_case_insensitive_and_the_token_exact() {
-        assert!(bearer_matches(Some("Bearer s3cret"), "s3cret"));
-        assert!(bearer_matches(Some("bearer s3cret"), "s3cret"));
-        assert!(bearer_matches(Some("BEARER  s3cret "), "s3cret"));
-        assert!(!bearer_matches(Some("Bearer s3cre"), "s3cret"));
-        assert!(!bearer_matches(Some("Basic s3cret"), "s3cret"));
-        assert!(!bearer_matches(Some("s3cret"), "s3cret"));
-        assert!(!bearer_matches(None, "s3cret"));
+    fn a_token_passes_as_bearer_x_api_key_or_basic_password_and_only_exact() {
+        let given = |pairs: &[(&str, &str)]| {
+            let mut map = HeaderMap::new();
+            for (k, v) in pairs {
+                map.append(
+                    axum::http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    v.parse().unwrap(),
+                );
+            }
+            presented(&map).iter().any(|g| same(g, "s3cret"))
+        };
+        let basic = format!("Basic {}", super::super::base64::encode(b"user:s3cret"));
+        for ok in [
+            vec![("authorization", "Bearer s3cret")],
+            vec![("authorization", "bearer s3cret")],
+            vec![("authorization", "BEARER  s3cret ")],
+            vec![("x-api-key", "s3cret")],
+            vec![("authorization", basic.as_str())],
+            vec![("authorization", "Bearer wrong"), ("x-api-key", "s3cret")],
+        ] {
+            assert!(given(&ok), "{ok:?}");
+        }
+        for bad in [
+            vec![("authorization", "Bearer s3cre")],
+            vec![("authorization", "Basic s3cret")],
+            vec![("authorization", "s3cret")],
+            vec![],
+        ] {
+            assert!(!given(&bad), "{bad:?}");
+        }
     }
 
     #[test]
@@ -429,7 +479,12 @@ mod tests {
         );
         // On a private address with no Host list and no token, a rebound
         // page's origin matches its own Host: not taken as the console's.
-        let lan = Guard::new(&Listen::parse("10.0.0.5:7733").unwrap(), None, &[], &[]);
+        let lan = Guard::new(
+            &Listen::parse("10.0.0.5:7733").unwrap(),
+            Vec::new(),
+            &[],
+            &[],
+        );
         let rebound = headers(&[
             (header::HOST, "evil.example:7733"),
             (header::ORIGIN, "http://evil.example:7733"),
@@ -443,7 +498,7 @@ mod tests {
         // nothing else does.
         let guarded = Guard::new(
             &Listen::parse("127.0.0.1:7733").unwrap(),
-            Some("s3cret".into()),
+            vec!["s3cret".into()],
             &[],
             &[],
         );

@@ -39,6 +39,8 @@ pub(crate) struct AppState {
     pub max_inputs: usize,
     /// HTTP clients may register the test doubles.
     pub test_backends: bool,
+    /// A llama-swap config's layer (`--llama-swap`).
+    pub llama_swap: Option<Arc<llama_swap::layer::Compat>>,
 }
 
 /// Backends that exist to test berth: they hold memory, crash or hang on
@@ -60,6 +62,10 @@ pub struct ServeOptions {
     pub connections: listen::ConnectionLimits,
     /// HTTP clients may register the test doubles ([`TEST_BACKENDS`]).
     pub test_backends: bool,
+    /// Tokens accepted besides `token` (llama-swap's `apiKeys`).
+    pub api_keys: Vec<String>,
+    /// A llama-swap config's layer: its API and request rewriting.
+    pub llama_swap: Option<Arc<llama_swap::layer::Compat>>,
 }
 
 impl ServeOptions {
@@ -80,6 +86,8 @@ impl ServeOptions {
                 send_timeout: config::DEFAULT_SEND_TIMEOUT,
             },
             test_backends: false,
+            api_keys: Vec::new(),
+            llama_swap: None,
         }
     }
 }
@@ -129,10 +137,17 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
         supervisor,
         max_inputs: options.max_inputs,
         test_backends: options.test_backends,
+        llama_swap: options.llama_swap.clone(),
     };
+    let tokens = options
+        .token
+        .iter()
+        .chain(&options.api_keys)
+        .cloned()
+        .collect();
     let guard = guard::Guard::new(
         &options.listen,
-        options.token.clone(),
+        tokens,
         &options.allowed_hosts,
         &options.allowed_origins,
     );
@@ -173,6 +188,11 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
         .layer(DefaultBodyLimit::max(options.max_body))
         // `/v1` requests for models served by HTTP servers go to them.
         .layer(middleware::from_fn_with_state(state.clone(), relay::route))
+        // A llama-swap config's API and request rewriting, before the relay.
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            llama_swap::api::front,
+        ))
         .layer(middleware::from_fn_with_state(body, read_body))
         .layer(middleware::from_fn_with_state(guard, guard::check))
         .layer(middleware::map_response(openai_shaped))
@@ -409,7 +429,7 @@ async fn readyz(State(app): State<AppState>) -> Response {
 /// A second signal stops at once: every worker's group is killed and the
 /// process exits with status 130.
 pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), String> {
-    if !options.listen.is_private() && options.token.is_none() {
+    if !options.listen.is_private() && options.token.is_none() && options.api_keys.is_empty() {
         return Err(format!(
             "refusing to listen on {} without a token: anyone who can reach it could run models; \
              set `token` in the config (or BERTH_TOKEN), or listen on 127.0.0.1",

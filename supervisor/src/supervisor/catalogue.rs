@@ -63,12 +63,27 @@ impl Supervisor {
             // A server is not asked for backends; its command is checked
             // for its placeholders.
             // (What it reserved is given back as it is dropped.)
-            return crate::child::upstream::prepare("", &program.args, spec.model.as_deref())
-                .map(drop)
-                .map_err(|reason| Error::InvalidSpec {
-                    model: spec.name.clone(),
-                    reason,
-                });
+            let http = program.http.as_ref();
+            let (fixed, find) = (http.and_then(|h| h.port), http.is_some_and(|h| h.find_port));
+            let checked = match fixed {
+                // Its port is checked at each start, not held now.
+                Some(port) if program.args.iter().any(|a| a.contains("{socket}")) => Err(format!(
+                    "the command names `{{socket}}` but the server listens on port {port} of its own"
+                )),
+                Some(_) => Ok(()),
+                None => crate::child::upstream::prepare(
+                    "",
+                    &program.args,
+                    spec.model.as_deref(),
+                    None,
+                    find,
+                )
+                .map(drop),
+            };
+            return checked.map_err(|reason| Error::InvalidSpec {
+                model: spec.name.clone(),
+                reason,
+            });
         }
         let Ok(offered) = crate::child::probe::offered_backends(&program) else {
             // The load will say what is wrong with the program.

@@ -110,7 +110,9 @@ impl Supervisor {
     }
 
     pub(super) async fn start_load_inner(&self, model: &str) -> Result<LoadReport> {
-        let gate = self.inner.load_gate.lock().await;
+        let gate = self
+            .make_way(model, self.inner.load_gate.lock().await)
+            .await?;
         // The weights are measured on disk before the state lock is taken.
         let registered = self.lock().catalogue.get(model).map(|e| e.spec.clone());
         let disk = match &registered {
@@ -541,6 +543,7 @@ impl Supervisor {
             took_ms: started.elapsed().as_secs_f64() * 1e3,
             load,
             unload: None,
+            break_before_make: false,
         };
         self.emit(EventKind::SwapCompleted {
             model,
@@ -564,6 +567,12 @@ impl Supervisor {
         let need = {
             let state = self.lock();
             Need::new(&spec, state.catalogue.get(&model), true, disk)
+        };
+        // A server on a fixed port that the old one holds: two cannot
+        // listen there at once, so the old one stops first (requests wait).
+        let stopped_first = match self.fixed_port_held(&model, &spec) {
+            Some(old) => Some(self.stop_first(&model, &old).await),
+            None => None,
         };
         let gate = self.inner.load_gate.lock().await;
         let gpus = match self.make_room(&model, &need).await {
@@ -595,14 +604,16 @@ impl Supervisor {
                     .get_mut(&model)
                     .expect("a swapping slot is never removed");
                 let (old, old_gpus) = slot.switch_to(new_worker, load);
-                state.retiring.insert(
-                    old.pid(),
-                    Retiring {
-                        model: model.clone(),
-                        worker: Arc::clone(&old),
-                        gpus: old_gpus,
-                    },
-                );
+                if old.is_alive() || stopped_first.is_none() {
+                    state.retiring.insert(
+                        old.pid(),
+                        Retiring {
+                            model: model.clone(),
+                            worker: Arc::clone(&old),
+                            gpus: old_gpus,
+                        },
+                    );
+                }
                 if let Some(entry) = state.catalogue.remove(&model) {
                     // Aliases were checked when the swap began; one another
                     // model took since is not taken from it.
@@ -645,6 +656,24 @@ impl Supervisor {
         };
         let (new_worker, load, old) = match launched {
             Ok(launched) => launched,
+            Err(e) if stopped_first.is_some() => {
+                // The old server was stopped first: nothing runs. The old
+                // spec (still the catalogue's) starts again, as a load.
+                self.lock().slots.remove(&model);
+                self.inner.notify_changed();
+                tracing::warn!(
+                    model,
+                    "the new server failed to start ({e}); starting the old spec again"
+                );
+                let this = self.clone();
+                let name = model.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = this.start_load(&name).await {
+                        tracing::warn!(model = name, "the old spec did not start again: {e}");
+                    }
+                });
+                return Err(e);
+            }
             Err(e) => {
                 clear(self);
                 // An old worker that died during the swap goes to the crash
@@ -659,6 +688,18 @@ impl Supervisor {
         };
         let switch_ms = started.elapsed().as_secs_f64() * 1e3;
         self.inner.notify_changed();
+        if let Some(unload) = stopped_first {
+            return Ok(SwapReport {
+                model,
+                old_pid: Some(old.pid()),
+                new_pid: Some(new_worker.pid()),
+                switch_ms,
+                took_ms: started.elapsed().as_secs_f64() * 1e3,
+                load: Some(load),
+                unload: Some(unload),
+                break_before_make: true,
+            });
+        }
         if !old.drain(self.inner.config.drain_timeout).await {
             tracing::warn!(
                 model,
@@ -683,6 +724,51 @@ impl Supervisor {
             took_ms: started.elapsed().as_secs_f64() * 1e3,
             load: Some(load),
             unload: Some(unload),
+            break_before_make: false,
         })
+    }
+
+    /// The model's current worker, where it is a server listening on the
+    /// fixed port `spec`'s server is to listen on (or one a server that
+    /// chooses its own port likely chooses too).
+    fn fixed_port_held(&self, model: &str, spec: &ModelSpec) -> Option<Arc<WorkerHandle>> {
+        let http = spec.http_spec(&self.inner.config)?;
+        let state = self.lock();
+        let worker = state.slots.get(model)?.worker.clone()?;
+        match worker.upstream_server()?.address() {
+            crate::child::upstream::Address::Tcp(addr)
+                if http.find_port || http.port == Some(addr.port()) =>
+            {
+                Some(worker)
+            }
+            _ => None,
+        }
+    }
+
+    /// A swap's break-before-make: requests wait (the slot holds), the old
+    /// worker drains and stops. Its death is a planned one: a failed start
+    /// of the new one hands it to the crash policy, which restarts the old
+    /// spec.
+    async fn stop_first(&self, model: &str, old: &Arc<WorkerHandle>) -> UnloadReport {
+        if let Some(slot) = self.lock().slots.get_mut(model) {
+            slot.hold();
+        }
+        tracing::info!(
+            model,
+            pid = old.pid(),
+            "its server listens on a fixed port: stopping the old one before the new one starts"
+        );
+        if !old.drain(self.inner.config.drain_timeout).await {
+            tracing::warn!(
+                model,
+                in_flight = old.in_flight(),
+                "old worker missed the drain deadline"
+            );
+        }
+        let unload = stop::stop(old, self.inner.config.stop_graces).await;
+        if let Some(entry) = self.lock().catalogue.get(model) {
+            entry.counters.record_unload(&unload);
+        }
+        unload
     }
 }

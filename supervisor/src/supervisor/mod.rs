@@ -41,6 +41,7 @@ mod keep_alive;
 mod lifecycle;
 mod preloaders;
 mod requests;
+mod residency;
 mod resilience;
 mod slot;
 mod status;

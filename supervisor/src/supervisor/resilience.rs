@@ -63,6 +63,10 @@ impl Supervisor {
                 return;
             };
             let current = slot.worker.as_ref().is_some_and(|w| Arc::ptr_eq(w, worker));
+            if current && slot.swapping && worker.process().is_stopping() {
+                // A swap's break-before-make stopped it: planned.
+                return;
+            }
             if current && slot.swapping {
                 // A swap or recycle is already replacing it: record the death
                 // and let the swap install the new worker (or, if the swap

@@ -164,6 +164,11 @@ pub struct SwapReport {
     pub load: Option<LoadReport>,
     #[serde(default)]
     pub unload: Option<UnloadReport>,
+    /// The old worker was stopped before the new one started: a server on
+    /// a fixed port, which two cannot listen on at once. Requests waited
+    /// for the new one in between.
+    #[serde(default)]
+    pub break_before_make: bool,
 }
 
 impl fmt::Display for SwapReport {
@@ -187,6 +192,13 @@ impl fmt::Display for SwapReport {
                     self.model
                 );
             }
+        }
+        if self.break_before_make {
+            writeln!(
+                f,
+                "(its server listens on a fixed port: the old one stopped before the new one \
+                 started, and requests waited between)"
+            )?;
         }
         if let Some(load) = &self.load {
             writeln!(f, "{load}")?;

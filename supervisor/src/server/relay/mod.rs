@@ -100,6 +100,20 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
     }
 }
 
+/// Relays one request to `model`'s server as it is (llama-swap's
+/// `/upstream/{model}/…`: the server's own routes), its `model` field
+/// not renamed.
+pub(crate) async fn relay_raw(
+    app: &AppState,
+    model: &str,
+    method: &Method,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    relay_as(app, model, method, uri, headers, body, false).await
+}
+
 /// Relays one request to `model`'s server and returns its answer.
 async fn relay(
     app: &AppState,
@@ -109,8 +123,24 @@ async fn relay(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Response {
+    relay_as(app, model, method, uri, headers, body, true).await
+}
+
+/// [`relay`]; `rename`: the body's `model` becomes the server's own name
+/// for it, where the operator set one.
+async fn relay_as(
+    app: &AppState,
+    model: &str,
+    method: &Method,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+    rename: bool,
+) -> Response {
     let options = match options_of(&body) {
         Ok(options) => options,
+        // A server's own route may take anything.
+        Err(_) if !rename => crate::supervisor::RequestOptions::default(),
         Err(e) => return e.into_response(),
     };
     let lease = match app.supervisor.lease(model, options).await {
@@ -132,6 +162,7 @@ async fn relay(
         .and_then(|v| v.to_str().ok())
         .and_then(multipart_boundary);
     let body = match (&spec.model, form) {
+        _ if !rename => body,
         (Some(name), Some(boundary)) => renamed_form(body, &boundary, name),
         (Some(name), None) => renamed(body, name),
         (None, _) => body,

@@ -1,0 +1,218 @@
+//! The reader's unit tests; the API and the rules acting are in
+//! tests/tests/llama_swap.rs.
+
+use std::time::Duration;
+
+use super::text::split_command;
+use super::*;
+
+const CONFIG: &str = r#"
+healthCheckTimeout: 60
+startPort: 10001
+logLevel: debug
+macros:
+  "server": /opt/llama/llama-server
+  "ctx": 4096
+groups:
+  small:
+    members: ["tiny"]
+models:
+  "tiny":
+    # the small one
+    cmd: |
+      ${server} --port ${PORT}
+      # a comment line
+      -m "/models/tiny model.gguf" \
+      --ctx-size ${ctx} --alias ${MODEL_ID}
+    env:
+      - "CUDA_VISIBLE_DEVICES=0"
+    aliases: ["gpt-4o-mini"]
+    checkEndpoint: /health
+    ttl: 60
+    useModelName: "tiny-upstream"
+    cmdStop: "kill ${PID}"
+  "qwen:7b":
+    cmd: ${server} --port ${PORT} -m /m/q.gguf
+    checkEndpoint: none
+    concurrencyLimit: 2
+  "fixed":
+    cmd: /opt/server --port 9000
+    proxy: http://127.0.0.1:9000
+"#;
+
+#[test]
+fn a_llama_swap_config_becomes_berth_models_and_says_what_it_ignores() {
+    let out = migrate(CONFIG, &|_| None).unwrap();
+    assert_eq!(out.models.len(), 3, "{:?}", out.notes);
+    let tiny = out.models.iter().find(|m| m.name == "tiny").unwrap();
+    assert_eq!(tiny.keep_alive, Some(Duration::from_secs(60)));
+    assert_eq!(tiny.load_timeout, Some(Duration::from_secs(60)));
+    assert_eq!(tiny.aliases, ["gpt-4o-mini"]);
+    let kind = &out.workers[tiny.worker.as_ref().unwrap()];
+    assert_eq!(
+        kind.command.as_deref().unwrap(),
+        [
+            "/opt/llama/llama-server",
+            "--port",
+            "{port}",
+            "-m",
+            "/models/tiny model.gguf",
+            "--ctx-size",
+            "4096",
+            "--alias",
+            "tiny"
+        ]
+    );
+    assert_eq!(kind.env["CUDA_VISIBLE_DEVICES"], "0");
+    let http = kind.http.as_ref().unwrap();
+    assert_eq!(http.health, "/health");
+    assert_eq!(http.model.as_deref(), Some("tiny-upstream"));
+    let qwen = out.models.iter().find(|m| m.name == "qwen-7b").unwrap();
+    assert_eq!(qwen.aliases, ["qwen:7b"], "its ID stays reachable");
+    assert_eq!(qwen.max_concurrency, Some(2));
+    assert_eq!(
+        out.workers[qwen.worker.as_ref().unwrap()]
+            .http
+            .as_ref()
+            .unwrap()
+            .health,
+        "none"
+    );
+    // The fixed-port server: its port, its stop command.
+    let fixed = &out.workers["llama-swap-fixed"];
+    let http = fixed.http.as_ref().unwrap();
+    assert_eq!(http.port, Some(9000));
+    assert_eq!(
+        fixed.command.as_deref().unwrap(),
+        ["/opt/server", "--port", "9000"]
+    );
+    let tiny_http = out.workers["llama-swap-tiny"].http.as_ref().unwrap();
+    assert_eq!(
+        tiny_http.stop_command.as_deref().unwrap(),
+        ["kill", "{pid}"]
+    );
+    // `groups`: tiny's group; the others alone, one at a time.
+    assert_eq!(out.residency.groups["small"].members, ["tiny"]);
+    assert_eq!(
+        out.residency.groups[routing::DEFAULT_GROUP].members,
+        ["qwen-7b", "fixed"]
+    );
+    let notes = out.notes.join("\n");
+    for said in [
+        "`startPort` not honoured",
+        "`logLevel` not honoured",
+        "models in no group (qwen-7b, fixed) run one at a time",
+    ] {
+        assert!(notes.contains(said), "`{said}` not in:\n{notes}");
+    }
+    assert!(!notes.contains("left out"), "{notes}");
+}
+
+#[test]
+fn env_variables_are_expanded_and_missing_ones_refused() {
+    let text = "models:\n  m:\n    cmd: ${env.SERVER} --port ${PORT}\n";
+    let out = migrate(text, &|k| (k == "SERVER").then(|| "/bin/srv".into())).unwrap();
+    let kind = out.workers.values().next().unwrap();
+    assert_eq!(kind.command.as_ref().unwrap()[0], "/bin/srv");
+    let err = migrate(text, &|_| None).unwrap_err();
+    assert!(err.contains("SERVER is not set"), "{err}");
+}
+
+#[test]
+fn merge_keys_and_anchors_are_applied() {
+    let text = "defs:\n  base: &base\n    ttl: 5\n    checkEndpoint: /ready\nmodels:\n  m:\n    <<: *base\n    cmd: srv --port ${PORT}\n";
+    let out = migrate(text, &|_| None).unwrap();
+    assert_eq!(out.models[0].keep_alive, Some(Duration::from_secs(5)));
+    let kind = out.workers.values().next().unwrap();
+    assert_eq!(kind.http.as_ref().unwrap().health, "/ready");
+}
+
+/// A 1 KB file whose macros double at each step asked for 1.6 GB at
+/// once; YAML nested 100,000 deep gave no answer in 6 s. Both are
+/// refused at once, naming what.
+#[test]
+fn macros_that_double_and_deep_nesting_are_refused_fast() {
+    let mut text = String::from("macros:\n  a0: \"xxxxxxxx\"\n");
+    for i in 1..=40 {
+        text.push_str(&format!("  a{i}: \"${{a{}}}${{a{}}}\"\n", i - 1, i - 1));
+    }
+    text.push_str("models:\n  m:\n    cmd: srv --port ${PORT} ${a40}\n");
+    let started = std::time::Instant::now();
+    let out = migrate(&text, &|_| None).unwrap();
+    let notes = out.notes.join("\n");
+    assert!(out.models.is_empty());
+    assert!(
+        notes.contains("model `m` left out") && notes.contains("expands to more than"),
+        "{notes}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
+
+    let deep = format!("models: {}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let started = std::time::Instant::now();
+    let err = migrate(&deep, &|_| None).unwrap_err();
+    assert!(err.contains("nest more than 32"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_millis(100));
+    let indented: String = (0..400)
+        .map(|i| format!("{}k{i}:\n", " ".repeat(i)))
+        .collect();
+    assert!(
+        migrate(&indented, &|_| None)
+            .unwrap_err()
+            .contains("indented")
+    );
+    // Brackets inside quotes and comments are not nesting.
+    let quoted = format!(
+        "# {}\nmodels:\n  m:\n    cmd: \"srv --port ${{PORT}} --x '{}'\"\n",
+        "[".repeat(50),
+        "{".repeat(50)
+    );
+    assert_eq!(migrate(&quoted, &|_| None).unwrap().models.len(), 1);
+}
+
+/// A `${env.X}` whose value holds quotes is the value, wherever it is
+/// used; a whole-value one keeps YAML's type.
+#[test]
+fn env_values_with_quotes_reach_the_command_as_they_are() {
+    let text = "models:\n  m:\n    cmd: |\n      srv --port ${PORT} --name '${env.NAME}'\n    ttl: ${env.TTL}\n";
+    let env = |k: &str| match k {
+        "NAME" => Some(r#"a "quoted" b\c"#.to_string()),
+        "TTL" => Some("30".to_string()),
+        _ => None,
+    };
+    let out = migrate(text, &env).unwrap();
+    let kind = out.workers.values().next().unwrap();
+    assert_eq!(
+        kind.command.as_ref().unwrap().last().unwrap(),
+        r#"a "quoted" b\c"#
+    );
+    assert_eq!(out.models[0].keep_alive, Some(Duration::from_secs(30)));
+}
+
+/// One rule for a model that cannot be served: left out, saying why,
+/// the rest served. Two IDs that make one berth name are named as both
+/// being in this file.
+#[test]
+fn a_bad_entry_is_left_out_and_the_rest_served() {
+    let text = "models:\n  \"\":\n    cmd: srv --port ${PORT}\n  \"a:b\":\n    cmd: srv --port ${PORT}\n  \"a/b\":\n    cmd: srv --port ${PORT}\n  7:\n    cmd: srv --port ${PORT}\n  ok:\n    cmd: srv --port ${PORT}\n";
+    let out = migrate(text, &|_| None).unwrap();
+    let names: Vec<&str> = out.models.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["a-b", "ok"], "{:?}", out.notes);
+    let notes = out.notes.join("\n");
+    assert!(notes.contains("model `` left out"), "{notes}");
+    assert!(
+        notes.contains(
+            "model `a/b` left out: its berth name `a-b` is already model `a:b`'s in this file"
+        ),
+        "{notes}"
+    );
+    assert!(notes.contains("not a string (7) left out"), "{notes}");
+}
+
+#[test]
+fn commands_split_as_a_shell_would() {
+    assert_eq!(
+        split_command(r#"a 'b c' "d \"e\"" f\ g"#).unwrap(),
+        ["a", "b c", "d \"e\"", "f g"]
+    );
+    assert!(split_command("a 'b").is_err());
+}
