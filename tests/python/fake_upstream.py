@@ -3,8 +3,9 @@ real inference server does not commit on cue. berth runs it as a model's
 server (`[workers.NAME] http = ...`), the way it runs llama.cpp's server.
 
     fake_upstream.py --port PORT [--mode MODE[,MODE...]] [--hold-mib N] [--keepalive-s S]
+                     [--health PATH]
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions (with
+`--port 0`: a port of its own. Routes: GET /health (or `--health`), GET /v1/models, POST /v1/chat/completions (with
 "stream": true, server-sent events: `chunks` pieces, `interval_ms` apart,
 each carrying the time it was sent), and any other POST under /v1/, which
 answers what it received: the body, the path and the headers. A body's
@@ -65,7 +66,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         global HEALTH_CHECKS
-        if self.path == "/health":
+        if self.path == ARGS.health:
             HEALTH_CHECKS += 1
             if "never-ready" in ARGS.mode:
                 return self.send_json(503, {"status": "loading"})
@@ -196,13 +197,14 @@ def main():
     parser.add_argument("--port", type=int)
     parser.add_argument("--socket")
     parser.add_argument("--mode", default="")
+    parser.add_argument("--health", default="/health")
     parser.add_argument("--after", type=int, default=3)
     parser.add_argument("--hold-mib", type=int, default=0)
     parser.add_argument("--child-mib", type=int, default=64)
     parser.add_argument("--model")
     parser.add_argument("--keepalive-s", type=float, default=0,
                         help="close a connection idle this long (uvicorn's is 5 s)")
-    ARGS = parser.parse_args()
+    ARGS = parser.parse_known_args()[0]
     ARGS.mode = set(filter(None, ARGS.mode.split(",")))
     if ARGS.keepalive_s:
         Handler.timeout = ARGS.keepalive_s

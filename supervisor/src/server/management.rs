@@ -122,6 +122,14 @@ fn body_value(name: &str, body: &[u8]) -> Result<Value, ApiError> {
 /// change them.
 fn swap_spec_from(name: &str, body: Value, registered: &ModelSpec) -> Result<ModelSpec, ApiError> {
     let mut spec = spec_over(name, body, Some(registered))?;
+    // What the body leaves out is the registered model's: its worker kind
+    // (an HTTP server's too) and backend.
+    if spec.worker.is_none() {
+        spec.worker = registered.worker.clone();
+    }
+    if spec.backend.is_empty() {
+        spec.backend = registered.backend.clone();
+    }
     if spec.worker != registered.worker
         && (registered.command.is_some() || registered.worker_binary.is_some())
     {

@@ -70,6 +70,8 @@ impl Filters {
                 ));
             };
             params.remove("model");
+            // Its keys are expanded as llama-swap expands them.
+            let key = key.replace("${MODEL_ID}", id);
             if key.contains("${") {
                 return Err(format!(
                     "its `filters.setParamsByID` key `{key}` names a macro that is not defined"
@@ -84,7 +86,6 @@ impl Filters {
                 return Err(format!("its `filters` has an unknown key `{key}`"));
             }
         }
-        let _ = id;
         Ok(Filters { strip, set, by_id })
     }
 

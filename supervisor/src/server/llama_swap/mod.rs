@@ -220,10 +220,12 @@ pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migra
         names.insert(extra.listing.id.clone(), name.clone());
     }
     out.residency = routing::residency(&root, &names, &ids, &mut out.notes)?;
-    let selectors = routing::selectors(&root, &names)?;
-    let profiles = routing::profiles(&root, &|t| {
-        names.contains_key(t) || selectors.contains_key(t)
-    })?;
+    let selectors = routing::selectors(&root, &names, &mut out.notes)?;
+    let profiles = routing::profiles(
+        &root,
+        &|t| names.contains_key(t) || selectors.contains_key(t),
+        &mut out.notes,
+    )?;
     out.preload = routing::preload(&root, &names, &mut out.notes);
     out.api_keys = routing::api_keys(&root)?;
     let include_aliases = root

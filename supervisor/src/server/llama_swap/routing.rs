@@ -291,6 +291,7 @@ fn rename(expr: &str, names: &Names, vars: &BTreeMap<String, String>) -> String 
 pub(super) fn profiles(
     root: &Mapping,
     valid_target: &dyn Fn(&str) -> bool,
+    notes: &mut Vec<String>,
 ) -> Result<BTreeMap<String, Profile>, String> {
     let mut out = BTreeMap::new();
     let Some(profiles) = root.get("profiles") else {
@@ -305,10 +306,11 @@ pub(super) fn profiles(
             return Err("profiles: profile names cannot be empty".into());
         }
         let Value::Mapping(profile) = profile else {
-            return Err(format!(
-                "profile `{name}`: profile must be a mapping with description and pins; the \
-                 legacy list syntax is no longer supported"
+            notes.push(format!(
+                "profile `{name}` refused: profile must be a mapping with description and pins; \
+                 the legacy list syntax is no longer supported"
             ));
+            continue;
         };
         let description = profile
             .get("description")
@@ -334,9 +336,11 @@ pub(super) fn profiles(
             if let Some(t) = target
                 && !valid_target(t)
             {
-                return Err(format!(
-                    "profiles.{name}.pins.{pin} references unknown model {t:?}"
+                notes.push(format!(
+                    "profiles.{name}.pins.{pin} references unknown model {t:?} (a peer's, or \
+                     none in this file): that pin left out"
                 ));
+                continue;
             }
             kept.insert(pin.to_string(), target.map(str::to_string));
         }
@@ -355,6 +359,7 @@ pub(super) fn profiles(
 pub(super) fn selectors(
     root: &Mapping,
     names: &Names,
+    notes: &mut Vec<String>,
 ) -> Result<BTreeMap<String, Selector>, String> {
     let mut out = BTreeMap::new();
     let Some(selectors) = root.get("selectors") else {
@@ -406,16 +411,19 @@ pub(super) fn selectors(
                 ));
             }
             if !names.contains_key(&t) {
-                return Err(format!(
-                    "selectors.{id}.targets[{i}] references unknown model {t:?}"
+                notes.push(format!(
+                    "selectors.{id}.targets[{i}] references unknown model {t:?} (a peer's, or \
+                     none in this file): that target left out"
                 ));
+                continue;
             }
             targets.push(t);
         }
         if targets.is_empty() {
-            return Err(format!(
-                "selectors.{id}.targets must contain at least one entry"
+            notes.push(format!(
+                "selector `{id}` left out: none of its targets is a model here"
             ));
+            continue;
         }
         let text = |k: &str| s.get(k).and_then(Value::as_str).map(str::to_string);
         out.insert(

@@ -1,0 +1,574 @@
+//! berth as a drop-in for llama-swap: llama-swap's own example configs
+//! (`config.example.yaml` and `docs/examples/aider-qwq-coder`, at 0bdb372)
+//! served by `berth serve --llama-swap`, their servers replaced by the
+//! test's fake server (`tests/python/fake_upstream.py`) and their paths
+//! and ports by the test's own: every model served, each key berth maps
+//! shown to act, what it does not do named at start; and llama-swap's API.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::Duration;
+
+use berth_tests::python::{repo_root, test_python};
+use berth_tests::*;
+use serde_json::{Value, json};
+
+/// `berth serve --llama-swap FILE` (and an empty berth config), with
+/// `env`; its stderr goes to `dir/stderr.log`.
+fn serve(dir: &Path, yaml: &str, env: &[(&str, &str)]) -> Server {
+    let file = dir.join("config.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let config = dir.join("berth.toml");
+    std::fs::write(&config, "").unwrap();
+    let stderr = std::fs::File::create(dir.join("stderr.log")).unwrap();
+    let args = ["--llama-swap", file.to_str().unwrap()];
+    Server::start_custom(&config, Some(dir), &args, env, &mut |command| {
+        command.stderr(stderr.try_clone().unwrap());
+    })
+}
+
+fn said(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
+}
+
+/// The fake server's command line, as a llama-swap `cmd` would name a
+/// server.
+fn fake() -> String {
+    format!(
+        "{} {}",
+        test_python().display(),
+        repo_root().join("tests/python/fake_upstream.py").display()
+    )
+}
+
+/// `model`'s entries in `/running`.
+fn running(server: &Server) -> Vec<String> {
+    let (status, reply) = server.get("/running");
+    assert_eq!(status, 200, "{reply}");
+    reply["running"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["model"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn chat(server: &Server, model: &str, extra: Value) -> (u16, Value) {
+    let mut body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    server.post("/v1/chat/completions", body)
+}
+
+/// llama-swap's `config.example.yaml`, key for key; its servers are the
+/// fake (the `docker run` one too, its `docker stop` a script that notes
+/// the stop), `gpt-oss-120b`'s fixed port one of the test's, and
+/// `some-upstream-server` the fake on a port of its own.
+fn example_config(dir: &Path, fixed: u16) -> String {
+    let fake = fake();
+    let stopped = dir.join("stopped").display().to_string();
+    format!(
+        r#"healthCheckTimeout: 500
+logLevel: info
+logTimeFormat: ""
+logToStdout: "proxy"
+metricsMaxInMemory: 1000
+captureBuffer: 15
+ui:
+  activity:
+    session_id: ["X-Session-ID", "X-Litellm-Session-Id"]
+performance:
+  disabled: false
+  every: 15s
+startPort: 10001
+sendLoadingState: true
+includeAliasesInList: false
+globalTTL: 0
+unloadTimeout: 10
+macros:
+  "latest-llama": >
+    {fake} --port ${{PORT}} --health /custom-endpoint
+  "default_ctx": 4096
+  "default_args": "--ctx-size ${{default_ctx}}"
+  "models_dir": "${{env.HOME}}/models"
+apiKeys:
+  - "sk-hunter2"
+  - "sk-gyCPiKUcIfPlaM4OSMZekkprgijPx6+OsmQs8Rsg0xZ9qpy6gKWsIKqHOk+cgXVx"
+  - "${{env.API_KEY_1}}"
+  - "${{env.API_KEY_2}}"
+upstream:
+  ignorePaths:
+    - '.*\.(js|json|css|png|gif|jpg|jpeg|ico|txt)$'
+profiles:
+  "coding":
+    description: "Coding-focused model routing"
+    pins:
+      "llm-code": "gpt-oss-120b"
+      "llm-plan": "qwen-unlisted"
+      "image-gen": ~
+selectors:
+  "coding-model":
+    strategy: warm
+    targets:
+      - "gpt-oss-120b"
+      - "qwen-unlisted"
+    name: "Coding Model"
+    description: "Best currently loaded coding model"
+    metadata:
+      purpose: coding
+  "llm-plan":
+    strategy: pin
+    targets:
+      - "gpt-oss-120b"
+      - "z-ai/glm-4.7"
+  "llama":
+    strategy: spillover
+    targets:
+      - "docker-llama"
+      - "modelA"
+      - "modelB"
+    settings:
+      spillover: 4
+models:
+  "gpt-oss-120b":
+    macros:
+      "default_ctx": 16384
+      "temp": 0.7
+    cmd: |
+      ${{latest-llama}}
+      --model path/to/gpt-oss-120B.gguf
+      --ctx-size ${{default_ctx}}
+      --temperature ${{temp}}
+    name: "gpt-oss 120B"
+    description: "A thinking model from OpenAI"
+    env:
+      - "CUDA_VISIBLE_DEVICES=0,1,2"
+    proxy: http://127.0.0.1:{fixed}
+    checkEndpoint: /custom-endpoint
+    ttl: 60
+    unloadTimeout: 10
+    compat:
+      ignoreWebsockets: true
+    useModelName: "openai/gpt-oss-120B"
+    filters:
+      stripParams: "temperature, top_p, top_k"
+      setParams:
+        temperature: 0.7
+        top_p: 0.9
+      setParamsByID:
+        "${{MODEL_ID}}":
+          chat_template_kwargs:
+            reasoning_effort: medium
+        "${{MODEL_ID}}:high":
+          chat_template_kwargs:
+            reasoning_effort: high
+        "${{MODEL_ID}}:low":
+          chat_template_kwargs:
+            reasoning_effort: low
+    aliases:
+      - "gpt-4o-mini"
+    metadata:
+      port: ${{PORT}}
+      temperature: ${{temp}}
+      note: "The ${{MODEL_ID}} is running on port ${{PORT}} temp=${{temp}},
+        context=${{default_ctx}}"
+      a_list:
+        - 1
+        - 1.23
+        - "macros are OK in list and dictionary types: ${{MODEL_ID}}"
+      an_obj:
+        a: "1"
+        b: 2
+        c: ["${{temp}}", false, "model: ${{MODEL_ID}}"]
+    concurrencyLimit: 0
+    sendLoadingState: false
+    timeouts:
+      connect: 30
+      keepalive: 0
+      responseHeader: 60
+      tlsHandshake: 10
+      idleConn: 90
+    capabilities:
+      in:
+        - text
+        - audio
+        - image
+      out:
+        - text
+        - audio
+        - image
+      tools: true
+      reranker: false
+      context: 32000
+  "unlisted-model":
+    unlisted: true
+    cmd: {fake} --port 0
+  "docker-llama":
+    proxy: "http://127.0.0.1:${{PORT}}"
+    cmd: |
+      {fake} --port ${{PORT}}
+      --model '/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf'
+    cmdStop: sh -c 'echo ${{MODEL_ID}} >> {stopped}; kill ${{PID}}'
+hooks:
+  on_startup:
+    preload:
+      - "llama"
+routing:
+  router:
+    use: group
+    settings:
+      groups:
+        "group1":
+          swap: true
+          exclusive: true
+          members:
+            - "llama"
+            - "qwen-unlisted"
+        "group2":
+          swap: false
+          exclusive: false
+          members:
+            - "docker-llama"
+            - "modelA"
+            - "modelB"
+        "forever":
+          persistent: true
+          swap: false
+          exclusive: false
+          members:
+            - "forever-modelA"
+            - "forever-modelB"
+            - "forever-modelc"
+      matrix:
+        vars:
+          g: gemma-model
+          q: qwen-model
+        evict_costs:
+          g: 50
+        sets:
+          standard: "g & q"
+  scheduler:
+    use: fifo
+    settings:
+      fifo:
+        priority:
+          A: 10
+peers:
+  llama-swap-peer:
+    proxy: http://192.168.1.23
+    models:
+      - model_a
+  openrouter:
+    proxy: https://openrouter.ai/api
+    apiKey: ${{env.OPENROUTER_API_KEY}}
+    models:
+      - z-ai/glm-4.7
+"#
+    )
+}
+
+/// Reads a never-ending answer (`GET path`) until `wanted` is in it.
+fn stream_until(server: &Server, path: &str, wanted: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nx-api-key: sk-hunter2\r\n\r\n",
+        server.port()
+    )
+    .unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while !seen.contains(wanted) {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+        }
+    }
+    seen
+}
+
+/// Must hold: on llama-swap's own example config, no model is left out
+/// and everything berth does not do is named at start; and each key it
+/// maps acts.
+#[test]
+fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
+    let dir = daemon::temp_dir("llama-swap-example");
+    let fixed = free_port();
+    let home = dir.display().to_string();
+    let mut server = serve(
+        &dir,
+        &example_config(&dir, fixed),
+        &[
+            ("HOME", home.as_str()),
+            ("API_KEY_1", "key-one"),
+            ("API_KEY_2", "key-two"),
+            ("OPENROUTER_API_KEY", "or-key"),
+        ],
+    );
+    let notes = said(&dir);
+    for id in ["gpt-oss-120b", "unlisted-model", "docker-llama"] {
+        assert!(!notes.contains(&format!("model `{id}` left out")), "{notes}");
+    }
+    for key in [
+        "`peers` not honoured",
+        "`startPort` not honoured",
+        "`logLevel` not honoured",
+        "`logToStdout` not honoured",
+        "`logTimeFormat` not honoured",
+        "`metricsMaxInMemory` not honoured",
+        "`captureBuffer` not honoured",
+        "`ui` not honoured",
+        "`performance` not honoured",
+        "`upstream` not honoured",
+        "`timeouts` not honoured",
+        "`compat` not honoured",
+        "`routing.scheduler.settings` (fifo priorities) not honoured",
+        "`routing.router.settings.matrix` not used",
+        "selectors.llm-plan.targets[1] references unknown model \"z-ai/glm-4.7\"",
+        "profiles.coding.pins.llm-plan references unknown model",
+        "`hooks.on_startup.preload` names `llama`",
+        "group `group1` names `llama`",
+        "models in no group (gpt-oss-120b, unlisted-model) run one at a time",
+    ] {
+        assert!(notes.contains(key), "`{key}` not said:\n{notes}");
+    }
+
+    // apiKeys: none, a wrong one: refused; each of the file's, in any of
+    // llama-swap's headers: accepted. /health needs none.
+    assert_eq!(server.get("/v1/models").0, 401);
+    assert_eq!(server.raw("GET", "/health", &[], None).text(), "OK");
+    for (header, value) in [
+        ("x-api-key", "sk-hunter2".to_string()),
+        ("authorization", "Bearer key-one".to_string()),
+        ("authorization", "Bearer key-two".to_string()),
+        ("x-api-key", "wrong".to_string()),
+    ] {
+        let status = server.raw("GET", "/v1/models", &[(header, &value)], None).status;
+        assert_eq!(status, if value == "wrong" { 401 } else { 200 }, "{header}: {value}");
+    }
+    server.token = Some("sk-hunter2".into());
+
+    // /v1/models: listed as llama-swap lists them.
+    let (_, list) = server.get("/v1/models");
+    let ids: Vec<&str> = list["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["coding-model", "docker-llama", "gpt-oss-120b", "llama", "llm-plan"], "{list}");
+    let gpt = &list["data"][2];
+    assert_eq!(gpt["name"], "gpt-oss 120B");
+    assert_eq!(gpt["description"], "A thinking model from OpenAI");
+    assert_eq!(gpt["capabilities"]["function_calling"], true, "{gpt}");
+    assert_eq!(gpt["context_length"], 32000);
+    assert_eq!(gpt["meta"]["llamaswap"]["port"], fixed, "{gpt}");
+    assert!(
+        gpt["meta"]["llamaswap"]["note"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("The gpt-oss-120b is running on port {fixed} temp=0.7")),
+        "{gpt}"
+    );
+    assert_eq!(gpt["status"]["value"], "unloaded");
+    assert_eq!(list["data"][0]["meta"]["llamaswap"]["strategy"], "warm");
+
+    // The fixed-port server, its filters and its useModelName.
+    let (status, reply) = chat(&server, "gpt-oss-120b:high", json!({"temperature": 0.1, "top_k": 5}));
+    assert_eq!(status, 200, "{reply}");
+    let received = &reply["received"];
+    assert_eq!(received["model"], "openai/gpt-oss-120B", "{received}");
+    assert_eq!(received["temperature"], 0.7, "{received}");
+    assert_eq!(received["top_p"], 0.9, "{received}");
+    assert!(received.get("top_k").is_none(), "{received}");
+    assert_eq!(received["chat_template_kwargs"]["reasoning_effort"], "high");
+    let (_, plain) = chat(&server, "gpt-4o-mini", json!({}));
+    assert!(plain["received"].get("chat_template_kwargs").is_none(), "{plain}");
+    let (_, run) = server.get("/running");
+    assert_eq!(run["running"][0]["model"], "gpt-oss-120b", "{run}");
+    assert_eq!(run["running"][0]["state"], "ready");
+    assert_eq!(run["running"][0]["proxy"], format!("http://127.0.0.1:{fixed}"));
+    assert_eq!(run["running"][0]["ttl"], 60);
+
+    // sendLoadingState (the file's, docker-llama's too): the streamed
+    // answer says it loads, then carries the server's stream. group2 is
+    // not exclusive: gpt-oss-120b stays.
+    let reply = server.raw(
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        Some(br#"{"model":"docker-llama","stream":true,"messages":[{"role":"user","content":"hi"}]}"#),
+    );
+    let text = reply.text();
+    assert_eq!(reply.status, 200, "{text}");
+    let loading = text.find("llama-swap loading model: docker-llama").expect(&text);
+    let done = text.find("Done! (").expect(&text);
+    let answer = text.find("tok0 ").expect(&text);
+    assert!(loading < done && done < answer, "{text}");
+    assert_eq!(running(&server), ["docker-llama", "gpt-oss-120b"]);
+
+    // The active profile's pins, then a selector.
+    let (status, active) = server.put("/api/profiles/active", json!({"name": "coding"}));
+    assert_eq!((status, active["active"].as_str()), (200, Some("coding")), "{active}");
+    let (status, reply) = chat(&server, "llm-code", json!({}));
+    assert_eq!((status, reply["received"]["model"].as_str()), (200, Some("openai/gpt-oss-120B")), "{reply}");
+    assert_eq!(chat(&server, "image-gen", json!({})).0, 404);
+    let (status, reply) = chat(&server, "coding-model", json!({}));
+    assert_eq!((status, reply["received"]["model"].as_str()), (200, Some("openai/gpt-oss-120B")), "{reply}");
+    assert_eq!(server.put("/api/profiles/active", json!({"name": "nope"})).0, 404);
+
+    // A model's own output, from its history on.
+    let seen = stream_until(&server, "/logs/stream/gpt-oss-120b", "fake_upstream: listening");
+    assert!(seen.contains("fake_upstream: listening"), "{seen}");
+
+    // The default group is exclusive: the unlisted model (a server on a
+    // port of its own, found) stops both; docker-llama by its cmdStop.
+    let (status, reply) = chat(&server, "unlisted-model", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(running(&server), ["unlisted-model"]);
+    let stopped = std::fs::read_to_string(dir.join("stopped")).unwrap_or_default();
+    assert_eq!(stopped.trim(), "docker-llama", "its cmdStop ran");
+
+    // /upstream: the server's own routes, for the operator.
+    let page = server.raw("GET", "/upstream/unlisted-model/health", &[], None);
+    assert_eq!((page.status, page.json()["status"].as_str()), (200, Some("ok")), "{}", page.text());
+    // Its root is `/upstream/NAME/`, as llama-swap redirects.
+    let port = server.port();
+    let (status, reply) = raw_http(
+        port,
+        &format!(
+            "GET /upstream/unlisted-model?x=1 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\
+             x-api-key: sk-hunter2\r\nConnection: close\r\n\r\n"
+        ),
+    );
+    assert_eq!(status, 301, "{reply}");
+    assert!(reply.to_ascii_lowercase().contains("location: /upstream/unlisted-model/?x=1"), "{reply}");
+    assert_eq!(server.raw("GET", "/upstream/nope/health", &[], None).status, 404);
+
+    // Unload one, then all.
+    let one = server.raw(
+        "POST",
+        "/api/models/unload/unlisted-model",
+        &[("content-type", "application/json")],
+        None,
+    );
+    assert_eq!((one.status, one.text().as_str()), (200, "OK"));
+    assert!(running(&server).is_empty());
+    chat(&server, "gpt-oss-120b", json!({}));
+    assert_eq!(server.raw("GET", "/unload", &[], None).text(), "OK");
+    assert!(running(&server).is_empty());
+    assert!(server.terminate(Duration::from_secs(30)).is_some());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// llama-swap's aider example, its legacy `profiles` list made a mapping:
+/// both models (each on a fixed port) served, one at a time (llama-swap's
+/// default group); a swap of one is break-before-make.
+#[test]
+fn the_aider_example_serves_both_models_on_their_fixed_ports() {
+    let dir = daemon::temp_dir("llama-swap-aider");
+    let (coder, qwq) = (free_port(), free_port());
+    let fake = fake();
+    let yaml = format!(
+        r#"healthCheckTimeout: 300
+logLevel: debug
+
+profiles:
+    aider:
+      description: "aider: the architect and the editor"
+      pins:
+        architect: QwQ
+        editor: qwen-coder-32B
+
+models:
+  "qwen-coder-32B":
+    env:
+      - "CUDA_VISIBLE_DEVICES=0"
+    aliases:
+      - coder
+    proxy: "http://127.0.0.1:{coder}"
+
+    # set appropriate paths for your environment
+    cmd: >
+      {fake}
+      --host 127.0.0.1 --port {coder} --flash-attn --slots
+      --ctx-size 16000
+      --model /path/to/Qwen2.5-Coder-32B-Instruct-Q4_K_M.gguf
+  "QwQ":
+    env:
+      - "CUDA_VISIBLE_DEVICES=1"
+    proxy: "http://127.0.0.1:{qwq}"
+
+    # set appropriate paths for your environment
+    cmd: >
+      {fake}
+      --host 127.0.0.1 --port {qwq}
+      --flash-attn --metrics
+      --slots
+      --model /path/to/Qwen_QwQ-32B-Q4_K_M.gguf
+      --samplers "top_k;top_p;min_p;temperature;dry;typ_p;xtc"
+      --temp 0.6
+"#
+    );
+    let mut server = serve(&dir, &yaml, &[]);
+    let notes = said(&dir);
+    assert!(!notes.contains("left out"), "{notes}");
+    let (status, reply) = chat(&server, "coder", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(running(&server), ["qwen-coder-32B"]);
+    let (status, reply) = chat(&server, "QwQ", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(running(&server), ["QwQ"], "one at a time");
+    // The profile's pins.
+    server.put("/api/profiles/active", json!({"name": "aider"}));
+    let (status, _) = chat(&server, "editor", json!({}));
+    assert_eq!(status, 200);
+    assert_eq!(running(&server), ["qwen-coder-32B"]);
+
+    // A swap on a fixed port: the old server stops first, requests wait.
+    let (status, report) = server.post("/api/models/qwen-coder-32B/swap", json!({}));
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["break_before_make"], true, "{report}");
+    assert_ne!(report["old_pid"], report["new_pid"]);
+    assert_eq!(chat(&server, "qwen-coder-32B", json!({})).0, 200);
+    assert!(server.terminate(Duration::from_secs(30)).is_some());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two models on one fixed port never run at once, in a berth config as
+/// under llama-swap; a port another process holds is refused naming it.
+#[test]
+fn models_on_one_fixed_port_take_turns_and_a_taken_port_is_named() {
+    let python = test_python();
+    let script = repo_root().join("tests/python/fake_upstream.py");
+    let port = free_port();
+    let kind = |name: &str| {
+        format!(
+            "[workers.{name}]\ncommand = [\"{}\", \"{}\", \"--port\", \"{port}\"]\nhttp = {{ port = {port}, stop_grace = \"2s\" }}\n",
+            python.display(),
+            script.display()
+        )
+    };
+    let config = format!(
+        "{}{}[[model]]\nname = \"a\"\nworker = \"a\"\n[[model]]\nname = \"b\"\nworker = \"b\"\n",
+        kind("a"),
+        kind("b")
+    );
+    let server = Server::start(&config);
+    assert_eq!(server.post("/api/models/a/load", json!({})).0, 200);
+    let (status, reply) = server.post("/api/models/b/load", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    let states: Vec<(String, String)> = server
+        .ps()
+        .iter()
+        .map(|m| (m["name"].as_str().unwrap().into(), m["state"].as_str().unwrap().into()))
+        .collect();
+    assert_eq!(states, [("b".to_string(), "ready".to_string())], "a stopped for b");
+    server.post("/api/models/b/unload", json!({}));
+    let holder = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let (status, reply) = server.post("/api/models/a/load", json!({}));
+    assert_ne!(status, 200);
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!("its fixed port {port} is taken by pid {}", std::process::id())),
+        "{reply}"
+    );
+    drop(holder);
+}
