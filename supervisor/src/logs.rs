@@ -42,10 +42,13 @@ impl Ring {
     }
 }
 
+/// Each model's output and when it was last written (a counter), and the
+/// counter.
+type ModelLogs = (HashMap<String, (Ring, u64)>, u64);
+
 struct Logs {
     berth: Mutex<Ring>,
-    /// Each model's output, and when it was last written (a counter).
-    models: Mutex<(HashMap<String, (Ring, u64)>, u64)>,
+    models: Mutex<ModelLogs>,
     all_models: Mutex<Ring>,
     followers: broadcast::Sender<Line>,
 }

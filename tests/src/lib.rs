@@ -9,6 +9,7 @@ pub mod conformance;
 pub mod daemon;
 pub mod fake_gpu;
 pub mod infinity;
+pub mod llama_swap;
 pub mod python;
 pub mod upstream;
 

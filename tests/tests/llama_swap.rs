@@ -1,65 +1,16 @@
-//! berth as a drop-in for llama-swap: llama-swap's own example configs
-//! (`config.example.yaml` and `docs/examples/aider-qwq-coder`, at 0bdb372)
-//! served by `berth serve --llama-swap`, their servers replaced by the
-//! test's fake server (`tests/python/fake_upstream.py`) and their paths
-//! and ports by the test's own: every model served, each key berth maps
-//! shown to act, what it does not do named at start; and llama-swap's API.
+//! berth as a drop-in for llama-swap, on llama-swap's own example config
+//! (`config.example.yaml` at 0bdb372): its servers replaced by the test's
+//! fake server (`tests/python/fake_upstream.py`), its paths and ports by
+//! the test's own; every model served, each key berth maps shown to act,
+//! what it does not do named at start; and llama-swap's API. The aider
+//! example and the rules are in `llama_swap_rules.rs`.
 
-use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Duration;
 
-use berth_tests::python::{repo_root, test_python};
+use berth_tests::llama_swap::{chat, fake, running, said, serve, stream_until};
 use berth_tests::*;
-use serde_json::{Value, json};
-
-/// `berth serve --llama-swap FILE` (and an empty berth config), with
-/// `env`; its stderr goes to `dir/stderr.log`.
-fn serve(dir: &Path, yaml: &str, env: &[(&str, &str)]) -> Server {
-    let file = dir.join("config.yaml");
-    std::fs::write(&file, yaml).unwrap();
-    let config = dir.join("berth.toml");
-    std::fs::write(&config, "").unwrap();
-    let stderr = std::fs::File::create(dir.join("stderr.log")).unwrap();
-    let args = ["--llama-swap", file.to_str().unwrap()];
-    Server::start_custom(&config, Some(dir), &args, env, &mut |command| {
-        command.stderr(stderr.try_clone().unwrap());
-    })
-}
-
-fn said(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
-}
-
-/// The fake server's command line, as a llama-swap `cmd` would name a
-/// server.
-fn fake() -> String {
-    format!(
-        "{} {}",
-        test_python().display(),
-        repo_root().join("tests/python/fake_upstream.py").display()
-    )
-}
-
-/// `model`'s entries in `/running`.
-fn running(server: &Server) -> Vec<String> {
-    let (status, reply) = server.get("/running");
-    assert_eq!(status, 200, "{reply}");
-    reply["running"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["model"].as_str().unwrap().to_string())
-        .collect()
-}
-
-fn chat(server: &Server, model: &str, extra: Value) -> (u16, Value) {
-    let mut body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
-    for (k, v) in extra.as_object().unwrap() {
-        body[k] = v.clone();
-    }
-    server.post("/v1/chat/completions", body)
-}
+use serde_json::json;
 
 /// llama-swap's `config.example.yaml`, key for key; its servers are the
 /// fake (the `docker run` one too, its `docker stop` a script that notes
@@ -268,27 +219,6 @@ peers:
     )
 }
 
-/// Reads a never-ending answer (`GET path`) until `wanted` is in it.
-fn stream_until(server: &Server, path: &str, wanted: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", server.port())).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nx-api-key: sk-hunter2\r\n\r\n",
-        server.port()
-    )
-    .unwrap();
-    let mut seen = String::new();
-    let mut buf = [0u8; 4096];
-    while !seen.contains(wanted) {
-        match stream.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
-        }
-    }
-    seen
-}
-
 /// Must hold: on llama-swap's own example config, no model is left out
 /// and everything berth does not do is named at start; and each key it
 /// maps acts.
@@ -309,7 +239,10 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
     );
     let notes = said(&dir);
     for id in ["gpt-oss-120b", "unlisted-model", "docker-llama"] {
-        assert!(!notes.contains(&format!("model `{id}` left out")), "{notes}");
+        assert!(
+            !notes.contains(&format!("model `{id}` left out")),
+            "{notes}"
+        );
     }
     for key in [
         "`peers` not honoured",
@@ -345,15 +278,36 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
         ("authorization", "Bearer key-two".to_string()),
         ("x-api-key", "wrong".to_string()),
     ] {
-        let status = server.raw("GET", "/v1/models", &[(header, &value)], None).status;
-        assert_eq!(status, if value == "wrong" { 401 } else { 200 }, "{header}: {value}");
+        let status = server
+            .raw("GET", "/v1/models", &[(header, &value)], None)
+            .status;
+        assert_eq!(
+            status,
+            if value == "wrong" { 401 } else { 200 },
+            "{header}: {value}"
+        );
     }
     server.token = Some("sk-hunter2".into());
 
     // /v1/models: listed as llama-swap lists them.
     let (_, list) = server.get("/v1/models");
-    let ids: Vec<&str> = list["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["coding-model", "docker-llama", "gpt-oss-120b", "llama", "llm-plan"], "{list}");
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            "coding-model",
+            "docker-llama",
+            "gpt-oss-120b",
+            "llama",
+            "llm-plan"
+        ],
+        "{list}"
+    );
     let gpt = &list["data"][2];
     assert_eq!(gpt["name"], "gpt-oss 120B");
     assert_eq!(gpt["description"], "A thinking model from OpenAI");
@@ -364,14 +318,20 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
         gpt["meta"]["llamaswap"]["note"]
             .as_str()
             .unwrap()
-            .starts_with(&format!("The gpt-oss-120b is running on port {fixed} temp=0.7")),
+            .starts_with(&format!(
+                "The gpt-oss-120b is running on port {fixed} temp=0.7"
+            )),
         "{gpt}"
     );
     assert_eq!(gpt["status"]["value"], "unloaded");
     assert_eq!(list["data"][0]["meta"]["llamaswap"]["strategy"], "warm");
 
     // The fixed-port server, its filters and its useModelName.
-    let (status, reply) = chat(&server, "gpt-oss-120b:high", json!({"temperature": 0.1, "top_k": 5}));
+    let (status, reply) = chat(
+        &server,
+        "gpt-oss-120b:high",
+        json!({"temperature": 0.1, "top_k": 5}),
+    );
     assert_eq!(status, 200, "{reply}");
     let received = &reply["received"];
     assert_eq!(received["model"], "openai/gpt-oss-120B", "{received}");
@@ -380,11 +340,17 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
     assert!(received.get("top_k").is_none(), "{received}");
     assert_eq!(received["chat_template_kwargs"]["reasoning_effort"], "high");
     let (_, plain) = chat(&server, "gpt-4o-mini", json!({}));
-    assert!(plain["received"].get("chat_template_kwargs").is_none(), "{plain}");
+    assert!(
+        plain["received"].get("chat_template_kwargs").is_none(),
+        "{plain}"
+    );
     let (_, run) = server.get("/running");
     assert_eq!(run["running"][0]["model"], "gpt-oss-120b", "{run}");
     assert_eq!(run["running"][0]["state"], "ready");
-    assert_eq!(run["running"][0]["proxy"], format!("http://127.0.0.1:{fixed}"));
+    assert_eq!(
+        run["running"][0]["proxy"],
+        format!("http://127.0.0.1:{fixed}")
+    );
     assert_eq!(run["running"][0]["ttl"], 60);
 
     // sendLoadingState (the file's, docker-llama's too): the streamed
@@ -398,7 +364,9 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
     );
     let text = reply.text();
     assert_eq!(reply.status, 200, "{text}");
-    let loading = text.find("llama-swap loading model: docker-llama").expect(&text);
+    let loading = text
+        .find("llama-swap loading model: docker-llama")
+        .expect(&text);
     let done = text.find("Done! (").expect(&text);
     let answer = text.find("tok0 ").expect(&text);
     assert!(loading < done && done < answer, "{text}");
@@ -406,16 +374,37 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
 
     // The active profile's pins, then a selector.
     let (status, active) = server.put("/api/profiles/active", json!({"name": "coding"}));
-    assert_eq!((status, active["active"].as_str()), (200, Some("coding")), "{active}");
+    assert_eq!(
+        (status, active["active"].as_str()),
+        (200, Some("coding")),
+        "{active}"
+    );
     let (status, reply) = chat(&server, "llm-code", json!({}));
-    assert_eq!((status, reply["received"]["model"].as_str()), (200, Some("openai/gpt-oss-120B")), "{reply}");
+    assert_eq!(
+        (status, reply["received"]["model"].as_str()),
+        (200, Some("openai/gpt-oss-120B")),
+        "{reply}"
+    );
     assert_eq!(chat(&server, "image-gen", json!({})).0, 404);
     let (status, reply) = chat(&server, "coding-model", json!({}));
-    assert_eq!((status, reply["received"]["model"].as_str()), (200, Some("openai/gpt-oss-120B")), "{reply}");
-    assert_eq!(server.put("/api/profiles/active", json!({"name": "nope"})).0, 404);
+    assert_eq!(
+        (status, reply["received"]["model"].as_str()),
+        (200, Some("openai/gpt-oss-120B")),
+        "{reply}"
+    );
+    assert_eq!(
+        server
+            .put("/api/profiles/active", json!({"name": "nope"}))
+            .0,
+        404
+    );
 
     // A model's own output, from its history on.
-    let seen = stream_until(&server, "/logs/stream/gpt-oss-120b", "fake_upstream: listening");
+    let seen = stream_until(
+        &server,
+        "/logs/stream/gpt-oss-120b",
+        "fake_upstream: listening",
+    );
     assert!(seen.contains("fake_upstream: listening"), "{seen}");
 
     // The default group is exclusive: the unlisted model (a server on a
@@ -428,7 +417,12 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
 
     // /upstream: the server's own routes, for the operator.
     let page = server.raw("GET", "/upstream/unlisted-model/health", &[], None);
-    assert_eq!((page.status, page.json()["status"].as_str()), (200, Some("ok")), "{}", page.text());
+    assert_eq!(
+        (page.status, page.json()["status"].as_str()),
+        (200, Some("ok")),
+        "{}",
+        page.text()
+    );
     // Its root is `/upstream/NAME/`, as llama-swap redirects.
     let port = server.port();
     let (status, reply) = raw_http(
@@ -439,8 +433,16 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
         ),
     );
     assert_eq!(status, 301, "{reply}");
-    assert!(reply.to_ascii_lowercase().contains("location: /upstream/unlisted-model/?x=1"), "{reply}");
-    assert_eq!(server.raw("GET", "/upstream/nope/health", &[], None).status, 404);
+    assert!(
+        reply
+            .to_ascii_lowercase()
+            .contains("location: /upstream/unlisted-model/?x=1"),
+        "{reply}"
+    );
+    assert_eq!(
+        server.raw("GET", "/upstream/nope/health", &[], None).status,
+        404
+    );
 
     // Unload one, then all.
     let one = server.raw(
@@ -456,119 +458,4 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
     assert!(running(&server).is_empty());
     assert!(server.terminate(Duration::from_secs(30)).is_some());
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// llama-swap's aider example, its legacy `profiles` list made a mapping:
-/// both models (each on a fixed port) served, one at a time (llama-swap's
-/// default group); a swap of one is break-before-make.
-#[test]
-fn the_aider_example_serves_both_models_on_their_fixed_ports() {
-    let dir = daemon::temp_dir("llama-swap-aider");
-    let (coder, qwq) = (free_port(), free_port());
-    let fake = fake();
-    let yaml = format!(
-        r#"healthCheckTimeout: 300
-logLevel: debug
-
-profiles:
-    aider:
-      description: "aider: the architect and the editor"
-      pins:
-        architect: QwQ
-        editor: qwen-coder-32B
-
-models:
-  "qwen-coder-32B":
-    env:
-      - "CUDA_VISIBLE_DEVICES=0"
-    aliases:
-      - coder
-    proxy: "http://127.0.0.1:{coder}"
-
-    # set appropriate paths for your environment
-    cmd: >
-      {fake}
-      --host 127.0.0.1 --port {coder} --flash-attn --slots
-      --ctx-size 16000
-      --model /path/to/Qwen2.5-Coder-32B-Instruct-Q4_K_M.gguf
-  "QwQ":
-    env:
-      - "CUDA_VISIBLE_DEVICES=1"
-    proxy: "http://127.0.0.1:{qwq}"
-
-    # set appropriate paths for your environment
-    cmd: >
-      {fake}
-      --host 127.0.0.1 --port {qwq}
-      --flash-attn --metrics
-      --slots
-      --model /path/to/Qwen_QwQ-32B-Q4_K_M.gguf
-      --samplers "top_k;top_p;min_p;temperature;dry;typ_p;xtc"
-      --temp 0.6
-"#
-    );
-    let mut server = serve(&dir, &yaml, &[]);
-    let notes = said(&dir);
-    assert!(!notes.contains("left out"), "{notes}");
-    let (status, reply) = chat(&server, "coder", json!({}));
-    assert_eq!(status, 200, "{reply}");
-    assert_eq!(running(&server), ["qwen-coder-32B"]);
-    let (status, reply) = chat(&server, "QwQ", json!({}));
-    assert_eq!(status, 200, "{reply}");
-    assert_eq!(running(&server), ["QwQ"], "one at a time");
-    // The profile's pins.
-    server.put("/api/profiles/active", json!({"name": "aider"}));
-    let (status, _) = chat(&server, "editor", json!({}));
-    assert_eq!(status, 200);
-    assert_eq!(running(&server), ["qwen-coder-32B"]);
-
-    // A swap on a fixed port: the old server stops first, requests wait.
-    let (status, report) = server.post("/api/models/qwen-coder-32B/swap", json!({}));
-    assert_eq!(status, 200, "{report}");
-    assert_eq!(report["break_before_make"], true, "{report}");
-    assert_ne!(report["old_pid"], report["new_pid"]);
-    assert_eq!(chat(&server, "qwen-coder-32B", json!({})).0, 200);
-    assert!(server.terminate(Duration::from_secs(30)).is_some());
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Two models on one fixed port never run at once, in a berth config as
-/// under llama-swap; a port another process holds is refused naming it.
-#[test]
-fn models_on_one_fixed_port_take_turns_and_a_taken_port_is_named() {
-    let python = test_python();
-    let script = repo_root().join("tests/python/fake_upstream.py");
-    let port = free_port();
-    let kind = |name: &str| {
-        format!(
-            "[workers.{name}]\ncommand = [\"{}\", \"{}\", \"--port\", \"{port}\"]\nhttp = {{ port = {port}, stop_grace = \"2s\" }}\n",
-            python.display(),
-            script.display()
-        )
-    };
-    let config = format!(
-        "{}{}[[model]]\nname = \"a\"\nworker = \"a\"\n[[model]]\nname = \"b\"\nworker = \"b\"\n",
-        kind("a"),
-        kind("b")
-    );
-    let server = Server::start(&config);
-    assert_eq!(server.post("/api/models/a/load", json!({})).0, 200);
-    let (status, reply) = server.post("/api/models/b/load", json!({}));
-    assert_eq!(status, 200, "{reply}");
-    let states: Vec<(String, String)> = server
-        .ps()
-        .iter()
-        .map(|m| (m["name"].as_str().unwrap().into(), m["state"].as_str().unwrap().into()))
-        .collect();
-    assert_eq!(states, [("b".to_string(), "ready".to_string())], "a stopped for b");
-    server.post("/api/models/b/unload", json!({}));
-    let holder = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
-    let (status, reply) = server.post("/api/models/a/load", json!({}));
-    assert_ne!(status, 200);
-    let message = reply["error"]["message"].as_str().unwrap_or_default();
-    assert!(
-        message.contains(&format!("its fixed port {port} is taken by pid {}", std::process::id())),
-        "{reply}"
-    );
-    drop(holder);
 }

@@ -33,6 +33,9 @@ use nix::sys::signal::Signal;
 
 use crate::config::HttpSpec;
 
+/// An environment: `(name, value)` pairs.
+pub(crate) type Env = [(String, String)];
+
 /// Default grace between the stop signal and SIGKILL.
 pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(10);
 /// How long a server may not answer its health before it is lost.
@@ -241,7 +244,7 @@ impl Upstream {
 
     /// Its `stop_command` for the server `pid`, `{pid}` filled in, and the
     /// environment it runs with (the kind's).
-    pub(crate) fn stop_command(&self, pid: u32) -> Option<(Vec<String>, &[(String, String)])> {
+    pub(crate) fn stop_command(&self, pid: u32) -> Option<(Vec<String>, &Env)> {
         let argv = self.spec.stop_command.as_ref()?;
         let pid = pid.to_string();
         Some((

@@ -220,11 +220,10 @@ impl Rules {
 
 /// The matrix's sets, each expanded to the concrete sets of models it
 /// allows, in order; and each model's eviction cost.
-#[allow(clippy::type_complexity)]
 fn expand_matrix(
     matrix: &Matrix,
     known: &dyn Fn(&str) -> bool,
-) -> Result<(Vec<BTreeSet<String>>, BTreeMap<String, u64>), String> {
+) -> Result<(Sets, BTreeMap<String, u64>), String> {
     if matrix.sets.is_empty() {
         return Err("it must define at least one set".into());
     }

@@ -45,6 +45,7 @@ mod residency;
 mod resilience;
 mod slot;
 mod status;
+mod swap;
 mod types;
 
 pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters};

@@ -1,0 +1,82 @@
+//! What the llama-swap tests share: `berth serve --llama-swap` on a file,
+//! what it said at start, the fake server as a `cmd`, `/running`, a chat.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::Server;
+use crate::python::{repo_root, test_python};
+
+/// `berth serve --llama-swap FILE` (and an empty berth config), with
+/// `env`; its stderr goes to `dir/stderr.log`.
+pub fn serve(dir: &Path, yaml: &str, env: &[(&str, &str)]) -> Server {
+    let file = dir.join("config.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let config = dir.join("berth.toml");
+    std::fs::write(&config, "").unwrap();
+    let stderr = std::fs::File::create(dir.join("stderr.log")).unwrap();
+    let args = ["--llama-swap", file.to_str().unwrap()];
+    Server::start_custom(&config, Some(dir), &args, env, &mut |command| {
+        command.stderr(stderr.try_clone().unwrap());
+    })
+}
+
+pub fn said(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default()
+}
+
+/// The fake server's command line, as a llama-swap `cmd` would name a
+/// server.
+pub fn fake() -> String {
+    format!(
+        "{} {}",
+        test_python().display(),
+        repo_root().join("tests/python/fake_upstream.py").display()
+    )
+}
+
+/// The models in `/running`.
+pub fn running(server: &Server) -> Vec<String> {
+    let (status, reply) = server.get("/running");
+    assert_eq!(status, 200, "{reply}");
+    reply["running"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["model"].as_str().unwrap().to_string())
+        .collect()
+}
+
+pub fn chat(server: &Server, model: &str, extra: Value) -> (u16, Value) {
+    let mut body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    server.post("/v1/chat/completions", body)
+}
+
+/// Reads a never-ending answer (`GET path`) until `wanted` is in it.
+pub fn stream_until(server: &Server, path: &str, wanted: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nx-api-key: sk-hunter2\r\n\r\n",
+        server.port()
+    )
+    .unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while !seen.contains(wanted) {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+        }
+    }
+    seen
+}

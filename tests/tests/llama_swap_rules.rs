@@ -1,0 +1,201 @@
+//! berth as a drop-in for llama-swap: llama-swap's aider example
+//! (`docs/examples/aider-qwq-coder`, at 0bdb372), servers on fixed ports,
+//! the matrix, the preload hook and listed aliases, against the test's fake
+//! server. llama-swap's own `config.example.yaml` is in `llama_swap.rs`.
+
+use std::time::Duration;
+
+use berth_tests::llama_swap::{chat, fake, running, said, serve};
+use berth_tests::python::{repo_root, test_python};
+use berth_tests::*;
+use serde_json::json;
+
+/// llama-swap's aider example, its legacy `profiles` list made a mapping:
+/// both models (each on a fixed port) served, one at a time (llama-swap's
+/// default group); a swap of one is break-before-make.
+#[test]
+fn the_aider_example_serves_both_models_on_their_fixed_ports() {
+    let dir = daemon::temp_dir("llama-swap-aider");
+    let (coder, qwq) = (free_port(), free_port());
+    let fake = fake();
+    let yaml = format!(
+        r#"healthCheckTimeout: 300
+logLevel: debug
+
+profiles:
+    aider:
+      description: "aider: the architect and the editor"
+      pins:
+        architect: QwQ
+        editor: qwen-coder-32B
+
+models:
+  "qwen-coder-32B":
+    env:
+      - "CUDA_VISIBLE_DEVICES=0"
+    aliases:
+      - coder
+    proxy: "http://127.0.0.1:{coder}"
+
+    # set appropriate paths for your environment
+    cmd: >
+      {fake}
+      --host 127.0.0.1 --port {coder} --flash-attn --slots
+      --ctx-size 16000
+      --model /path/to/Qwen2.5-Coder-32B-Instruct-Q4_K_M.gguf
+  "QwQ":
+    env:
+      - "CUDA_VISIBLE_DEVICES=1"
+    proxy: "http://127.0.0.1:{qwq}"
+
+    # set appropriate paths for your environment
+    cmd: >
+      {fake}
+      --host 127.0.0.1 --port {qwq}
+      --flash-attn --metrics
+      --slots
+      --model /path/to/Qwen_QwQ-32B-Q4_K_M.gguf
+      --samplers "top_k;top_p;min_p;temperature;dry;typ_p;xtc"
+      --temp 0.6
+"#
+    );
+    let mut server = serve(&dir, &yaml, &[]);
+    let notes = said(&dir);
+    assert!(!notes.contains("left out"), "{notes}");
+    let (status, reply) = chat(&server, "coder", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(running(&server), ["qwen-coder-32B"]);
+    let (status, reply) = chat(&server, "QwQ", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(running(&server), ["QwQ"], "one at a time");
+    // The profile's pins.
+    server.put("/api/profiles/active", json!({"name": "aider"}));
+    let (status, _) = chat(&server, "editor", json!({}));
+    assert_eq!(status, 200);
+    assert_eq!(running(&server), ["qwen-coder-32B"]);
+
+    // A swap on a fixed port: the old server stops first, requests wait.
+    let (status, report) = server.post("/api/models/qwen-coder-32B/swap", json!({}));
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["break_before_make"], true, "{report}");
+    assert_ne!(report["old_pid"], report["new_pid"]);
+    assert_eq!(chat(&server, "qwen-coder-32B", json!({})).0, 200);
+    assert!(server.terminate(Duration::from_secs(30)).is_some());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two models on one fixed port never run at once, in a berth config as
+/// under llama-swap; a port another process holds is refused naming it.
+#[test]
+fn models_on_one_fixed_port_take_turns_and_a_taken_port_is_named() {
+    let python = test_python();
+    let script = repo_root().join("tests/python/fake_upstream.py");
+    let port = free_port();
+    let kind = |name: &str| {
+        format!(
+            "[workers.{name}]\ncommand = [\"{}\", \"{}\", \"--port\", \"{port}\"]\nhttp = {{ port = {port}, stop_grace = \"2s\" }}\n",
+            python.display(),
+            script.display()
+        )
+    };
+    let config = format!(
+        "{}{}[[model]]\nname = \"a\"\nworker = \"a\"\n[[model]]\nname = \"b\"\nworker = \"b\"\n",
+        kind("a"),
+        kind("b")
+    );
+    let server = Server::start(&config);
+    assert_eq!(server.post("/api/models/a/load", json!({})).0, 200);
+    let (status, reply) = server.post("/api/models/b/load", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    let states: Vec<(String, String)> = server
+        .ps()
+        .iter()
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap().into(),
+                m["state"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        [("b".to_string(), "ready".to_string())],
+        "a stopped for b"
+    );
+    server.post("/api/models/b/unload", json!({}));
+    let holder = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let (status, reply) = server.post("/api/models/a/load", json!({}));
+    assert_ne!(status, 200);
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!(
+            "its fixed port {port} is taken by pid {}",
+            std::process::id()
+        )),
+        "{reply}"
+    );
+    drop(holder);
+}
+
+/// The legacy top-level `matrix` (its sets acting), `hooks.on_startup
+/// .preload` (loaded at start), `includeAliasesInList`, and a legacy
+/// list-shaped profile refused with llama-swap's own reason.
+#[test]
+fn the_matrix_the_preload_hook_and_listed_aliases_act() {
+    let dir = daemon::temp_dir("llama-swap-matrix");
+    let fake = fake();
+    let yaml = format!(
+        r#"includeAliasesInList: true
+hooks:
+  on_startup:
+    preload: ["first"]
+profiles:
+  old:
+    - alpha
+    - beta
+matrix:
+  vars: {{ a: alpha, b: beta }}
+  sets:
+    pair: "a & b"
+    solo: "gamma"
+  evict_costs: {{ b: 5 }}
+models:
+  alpha: {{ cmd: "{fake} --port ${{PORT}}", aliases: ["first"] }}
+  beta: {{ cmd: "{fake} --port ${{PORT}}" }}
+  gamma: {{ cmd: "{fake} --port ${{PORT}}" }}
+"#
+    );
+    let server = serve(&dir, &yaml, &[]);
+    assert!(
+        said(&dir).contains(
+            "profile `old` refused: profile must be a mapping with description and pins; the \
+             legacy list syntax is no longer supported"
+        ),
+        "{}",
+        said(&dir)
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || running(&server) == ["alpha"]),
+        "preloaded at start: {:?}",
+        running(&server)
+    );
+    let (_, list) = server.get("/v1/models");
+    let alias = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == "first")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(alias["meta"]["llamaswap"]["type"], "alias", "{list}");
+    assert_eq!(alias["meta"]["llamaswap"]["modelID"], "alpha");
+    assert_eq!(alias["status"]["value"], "loaded");
+    // beta joins alpha (their set); gamma's set holds it alone.
+    assert_eq!(chat(&server, "beta", json!({})).0, 200);
+    assert_eq!(running(&server), ["alpha", "beta"]);
+    assert_eq!(chat(&server, "gamma", json!({})).0, 200);
+    assert_eq!(running(&server), ["gamma"]);
+    assert_eq!(chat(&server, "first", json!({})).0, 200);
+    assert_eq!(running(&server), ["alpha"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
