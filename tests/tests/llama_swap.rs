@@ -398,6 +398,9 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
             .0,
         404
     );
+    // The pins apply to /upstream too: the server's own health route.
+    let page = server.raw("GET", "/upstream/llm-code/custom-endpoint", &[], None);
+    assert_eq!(page.status, 200, "{}", page.text());
 
     // A model's own output, from its history on.
     let seen = stream_until(

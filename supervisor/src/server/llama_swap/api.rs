@@ -397,7 +397,7 @@ fn tokio_stream_of(
 
 /// `/upstream/{model}/{path}`: the model's server's own route, loaded
 /// first as llama-swap does. The model is the longest leading run of the
-/// path's segments that names one.
+/// path's segments that names one (or a pin of the active profile).
 async fn upstream(app: &AppState, compat: &Compat, request: Request) -> Response {
     let path = request.uri().path()["/upstream/".len()..].to_string();
     let segments: Vec<&str> = path.split('/').collect();
@@ -407,7 +407,13 @@ async fn upstream(app: &AppState, compat: &Compat, request: Request) -> Response
         if candidate.is_empty() {
             continue;
         }
-        if let Some(name) = known(app, compat, &candidate) {
+        // The active profile's pins apply here too, as in llama-swap.
+        let target = match compat.pin(&candidate) {
+            Some(Some(target)) => target,
+            Some(None) => return not_found("no model id could be identified"),
+            None => candidate.clone(),
+        };
+        if let Some(name) = known(app, compat, &target) {
             found = Some((name, candidate, segments[end..].join("/")));
             break;
         }
