@@ -140,8 +140,10 @@ pub struct Tee;
 
 impl std::io::Write for Tee {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // Whole, so the history never holds a part twice.
+        std::io::stderr().write_all(buf)?;
         berth(buf);
-        std::io::stderr().write(buf)
+        Ok(buf.len())
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

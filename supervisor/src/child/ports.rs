@@ -92,6 +92,19 @@ pub(crate) fn fixed(port: u16) -> Result<(SocketAddr, Reserved), String> {
              another port",
             holder_of(port)
         )),
+        // A privileged port berth may not bind (its server may, by a
+        // capability or as root): free if nothing listens there.
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            if listening_on(port).is_empty() {
+                Ok((SocketAddr::from(([127, 0, 0, 1], port)), reserved))
+            } else {
+                Err(format!(
+                    "its fixed port {port} is taken{}: stop what listens there, or give the \
+                     server another port",
+                    holder_of(port)
+                ))
+            }
+        }
         Err(e) => Err(format!("cannot check that its port {port} is free: {e}")),
     }
 }

@@ -32,6 +32,7 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     process.begin_stop();
 
     let stop = if already_dead {
+        after_death(worker, graces).await;
         StopKind::AlreadyExited
     } else if worker.request_shutdown() && process.exited_within(graces.shutdown).await.is_some() {
         StopKind::Graceful
@@ -120,6 +121,25 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         gpu_reclaimed_bytes: gpu_after.map(|g| g.bytes),
         gpu_reclaim_ms: gpu_after.map(|g| g.ms),
         gpu_pid_gone: gpu_after.map(|g| g.pid_gone),
+    }
+}
+
+/// A server's client that died (`docker run`) leaves what it ran (the
+/// container) running: its stop command, where it names it rather than the
+/// dead pid, still runs. Called when a worker's death is found, before a
+/// restart, and by a stop of a worker already dead.
+pub(crate) async fn after_death(worker: &WorkerHandle, graces: StopGraces) {
+    let Some(upstream) = worker.upstream_server() else {
+        return;
+    };
+    let by_name = upstream
+        .spec()
+        .stop_command
+        .as_ref()
+        .is_some_and(|c| !c.iter().any(|a| a.contains("{pid}")));
+    if let Some((argv, env)) = upstream.stop_command(worker.pid()).filter(|_| by_name) {
+        let grace = worker.stop_signal(graces).1;
+        run_stop_command(worker.model(), &argv, env, grace).await;
     }
 }
 

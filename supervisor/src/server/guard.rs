@@ -108,6 +108,22 @@ impl Guard {
                 ),
             ));
         }
+        // A page's navigation or sub-resource (`<img src=".../unload">`)
+        // carries no Origin, but a browser says it came from another site.
+        if headers.get(header::ORIGIN).is_none()
+            && !is_probe(path)
+            && !is_console(method, path)
+            && matches!(
+                headers.get("sec-fetch-site").and_then(|v| v.to_str().ok()),
+                Some("cross-site" | "same-site")
+            )
+        {
+            return Some(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden_origin",
+                "requests from other sites' pages are refused",
+            ));
+        }
         if let Some(origin) = headers.get(header::ORIGIN) {
             let origin = origin.to_str().unwrap_or("").trim_end_matches('/');
             // The console's own requests: a page served by this server, at
@@ -427,6 +443,42 @@ mod tests {
         assert!(
             guard
                 .refuse(&Method::POST, "/v1/embeddings", &charset)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn another_sites_page_is_refused_without_an_origin() {
+        let guard = Guard::new(
+            &Listen::parse("127.0.0.1:7733").unwrap(),
+            Vec::new(),
+            &[],
+            &[],
+        );
+        let from = |site: &str| {
+            headers(&[
+                (header::HOST, "127.0.0.1:7733"),
+                (header::HeaderName::from_static("sec-fetch-site"), site),
+            ])
+        };
+        for site in ["cross-site", "same-site"] {
+            let refused = guard.refuse(&Method::GET, "/unload", &from(site));
+            assert_eq!(
+                refused.map(|e| e.code),
+                Some("forbidden_origin".into()),
+                "{site}"
+            );
+        }
+        for site in ["same-origin", "none"] {
+            assert!(
+                guard.refuse(&Method::GET, "/unload", &from(site)).is_none(),
+                "{site}"
+            );
+        }
+        // The console's page may be opened from a link.
+        assert!(
+            guard
+                .refuse(&Method::GET, "/", &from("cross-site"))
                 .is_none()
         );
     }

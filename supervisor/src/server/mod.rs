@@ -221,10 +221,13 @@ fn kib(bytes: usize) -> usize {
 /// done: past it, the request is answered 503 at once (100 clients each
 /// sending 15 MiB would otherwise have berth hold 1.5 GB).
 async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Next) -> Response {
+    // A body of any method relayed to a server (llama-swap's `/upstream`)
+    // is bounded as a POST's is.
     if !matches!(
         *request.method(),
         Method::POST | Method::PUT | Method::PATCH
-    ) {
+    ) && !request.uri().path().starts_with("/upstream/")
+    {
         return next.run(request).await;
     }
     // A body announced larger than max_body is refused before it is

@@ -111,7 +111,7 @@ impl Supervisor {
 
     pub(super) async fn start_load_inner(&self, model: &str) -> Result<LoadReport> {
         let gate = self
-            .make_way(model, self.inner.load_gate.lock().await)
+            .make_way(model, self.inner.load_gate.lock().await, None)
             .await?;
         // The weights are measured on disk before the state lock is taken.
         let registered = self.lock().catalogue.get(model).map(|e| e.spec.clone());

@@ -14,10 +14,12 @@ impl Supervisor {
     /// no two loads decide at once; returns the gate, still held. A model
     /// that cannot stop yet (loading, being swapped) is waited for, the
     /// gate let go meanwhile, up to the drain timeout and a minute more.
+    /// `swapping_to`: a swap's new spec, whose port counts for the model.
     pub(super) async fn make_way<'a>(
         &'a self,
         model: &str,
         mut gate: MutexGuard<'a, ()>,
+        swapping_to: Option<&crate::config::ModelSpec>,
     ) -> Result<MutexGuard<'a, ()>> {
         let config = &self.inner.config;
         let deadline = Instant::now() + config.drain_timeout + Duration::from_secs(60);
@@ -26,23 +28,28 @@ impl Supervisor {
             let changed = self.inner.changed.notified();
             let victims = {
                 let state = self.lock();
+                // A failed model holds nothing: it is not running.
                 let running: Vec<String> = state
                     .slots
                     .iter()
                     .filter(|(_, s)| !(s.state == ModelState::Failed && s.worker.is_none()))
                     .map(|(name, _)| name.clone())
                     .collect();
-                // Its own slot: the caller says it is loaded, or loading.
-                if running.is_empty() || state.slots.contains_key(model) {
+                // Its own slot, but for a swap: the caller says it is
+                // loaded, or loading.
+                if running.is_empty()
+                    || (swapping_to.is_none() && running.iter().any(|m| m == model))
+                {
                     return Ok(gate);
                 }
                 let port = |m: &str| {
-                    state
-                        .catalogue
-                        .get(m)
-                        .and_then(|e| e.spec.http_spec(config))
-                        // Servers that choose their own port likely choose
-                        // one port: 0 stands for it.
+                    let spec = match swapping_to {
+                        Some(spec) if m == model => spec,
+                        _ => &state.catalogue.get(m)?.spec,
+                    };
+                    // Servers that choose their own port likely choose one
+                    // port: 0 stands for it.
+                    spec.http_spec(config)
                         .and_then(|h| if h.find_port { Some(0) } else { h.port })
                 };
                 config.residency.must_stop(model, &running, &port)

@@ -47,6 +47,9 @@ impl Supervisor {
         tokio::spawn(async move {
             let death = worker.death().await;
             if let Some(inner) = inner.upgrade() {
+                if !worker.process().is_stopping() {
+                    crate::child::stop::after_death(&worker, inner.config.stop_graces).await;
+                }
                 Supervisor { inner }.on_death(&model, &worker, &death);
             }
         });

@@ -141,9 +141,24 @@ impl Supervisor {
             Some(old) => Some(self.stop_first(&model, &old).await),
             None => None,
         };
-        let gate = self.inner.load_gate.lock().await;
+        // Models the new spec's rules (its fixed port) exclude stop first.
+        let gate = match self
+            .make_way(&model, self.inner.load_gate.lock().await, Some(&spec))
+            .await
+        {
+            Ok(gate) => gate,
+            Err(e) if stopped_first.is_some() => return Err(self.restart_old(&model, e)),
+            Err(e) => {
+                clear(self);
+                return Err(e);
+            }
+        };
         let gpus = match self.make_room(&model, &need).await {
             Ok(gpus) => gpus,
+            Err(e) if stopped_first.is_some() => {
+                drop(gate);
+                return Err(self.restart_old(&model, e));
+            }
             Err(e) => {
                 clear(self);
                 return Err(e);
@@ -223,24 +238,7 @@ impl Supervisor {
         };
         let (new_worker, load, old) = match launched {
             Ok(launched) => launched,
-            Err(e) if stopped_first.is_some() => {
-                // The old server was stopped first: nothing runs. The old
-                // spec (still the catalogue's) starts again, as a load.
-                self.lock().slots.remove(&model);
-                self.inner.notify_changed();
-                tracing::warn!(
-                    model,
-                    "the new server failed to start ({e}); starting the old spec again"
-                );
-                let this = self.clone();
-                let name = model.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = this.start_load(&name).await {
-                        tracing::warn!(model = name, "the old spec did not start again: {e}");
-                    }
-                });
-                return Err(e);
-            }
+            Err(e) if stopped_first.is_some() => return Err(self.restart_old(&model, e)),
             Err(e) => {
                 clear(self);
                 // An old worker that died during the swap goes to the crash
@@ -293,6 +291,26 @@ impl Supervisor {
             unload: Some(unload),
             break_before_make: false,
         })
+    }
+
+    /// A break-before-make swap failed (`e`) after the old server stopped:
+    /// nothing runs. The old spec (still the catalogue's) starts again, as
+    /// a load; returns `e`.
+    fn restart_old(&self, model: &str, e: Error) -> Error {
+        self.lock().slots.remove(model);
+        self.inner.notify_changed();
+        tracing::warn!(
+            model,
+            "the new server did not start ({e}); starting the old spec again"
+        );
+        let this = self.clone();
+        let name = model.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = this.start_load(&name).await {
+                tracing::warn!(model = name, "the old spec did not start again: {e}");
+            }
+        });
+        e
     }
 
     /// The model's current worker, where it is a server listening on the

@@ -34,14 +34,14 @@ pub(crate) async fn front(State(app): State<AppState>, request: Request, next: N
     match (&method, path.as_str()) {
         (&Method::GET, "/health") => "OK".into_response(),
         (&Method::GET, "/running") => running(&app, &compat),
-        (&Method::GET, "/unload") => {
-            unload_all(&app).await;
-            "OK".into_response()
-        }
-        (&Method::POST, "/api/models/unload") => {
-            unload_all(&app).await;
-            axum::Json(json!({"msg": "ok"})).into_response()
-        }
+        (&Method::GET, "/unload") => match unload_all(&app).await {
+            Ok(()) => "OK".into_response(),
+            Err(e) => e.into_response(),
+        },
+        (&Method::POST, "/api/models/unload") => match unload_all(&app).await {
+            Ok(()) => axum::Json(json!({"msg": "ok"})).into_response(),
+            Err(e) => e.into_response(),
+        },
         (&Method::GET, "/v1/models" | "/models") => models(&app, &compat),
         (&Method::GET, "/api/profiles") => axum::Json(compat.profiles_json()).into_response(),
         (&Method::PUT, "/api/profiles/active") => set_profile(&compat, request).await,
@@ -52,10 +52,10 @@ pub(crate) async fn front(State(app): State<AppState>, request: Request, next: N
         (&Method::POST, p) if p.starts_with("/api/models/unload/") => {
             let id = &p["/api/models/unload/".len()..];
             match known(&app, &compat, id) {
-                Some(name) => {
-                    let _ = app.supervisor.unload(&name).await;
-                    "OK".into_response()
-                }
+                Some(name) => match stop(&app, &name).await {
+                    Ok(()) => "OK".into_response(),
+                    Err(e) => e.into_response(),
+                },
                 None => not_found("model not found"),
             }
         }
@@ -136,14 +136,44 @@ fn running(app: &AppState, compat: &Compat) -> Response {
 }
 
 /// Unloads every model that runs, together; waits for them.
-async fn unload_all(app: &AppState) {
+async fn unload_all(app: &AppState) -> Result<(), ApiError> {
     let names: Vec<String> = states(app)
         .into_iter()
         .filter(|(_, (s, _))| running_state(*s).is_some())
         .map(|(n, _)| n)
         .collect();
-    let unloads = names.iter().map(|n| app.supervisor.unload(n));
-    futures_util::future::join_all(unloads).await;
+    let stops = names.iter().map(|n| stop(app, n));
+    let failed: Vec<String> = futures_util::future::join_all(stops)
+        .await
+        .into_iter()
+        .filter_map(Result::err)
+        .map(|e| e.message)
+        .collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "busy",
+            failed.join("; "),
+        ))
+    }
+}
+
+/// Unloads `model`: one that is loading or being swapped is waited for
+/// (as long as a drain and a stop take), then stopped; not running is done.
+async fn stop(app: &AppState, model: &str) -> Result<(), ApiError> {
+    let config = app.supervisor.config();
+    let deadline = Instant::now() + config.drain_timeout + Duration::from_secs(60);
+    loop {
+        match app.supervisor.unload(model).await {
+            Ok(_) | Err(crate::Error::NotLoaded { .. }) => return Ok(()),
+            Err(crate::Error::Busy { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(ApiError::from(e)),
+        }
+    }
 }
 
 fn models(app: &AppState, compat: &Compat) -> Response {
@@ -395,6 +425,9 @@ fn tokio_stream_of(
     })
 }
 
+/// The most `/`-separated parts a model ID is looked for in.
+const MAX_ID_SEGMENTS: usize = 8;
+
 /// `/upstream/{model}/{path}`: the model's server's own route, loaded
 /// first as llama-swap does. The model is the longest leading run of the
 /// path's segments that names one (or a pin of the active profile).
@@ -402,7 +435,8 @@ async fn upstream(app: &AppState, compat: &Compat, request: Request) -> Response
     let path = request.uri().path()["/upstream/".len()..].to_string();
     let segments: Vec<&str> = path.split('/').collect();
     let mut found = None;
-    for end in (1..=segments.len()).rev() {
+    // A model ID has a few `/` at most: the path past them is the route's.
+    for end in (1..=segments.len().min(MAX_ID_SEGMENTS)).rev() {
         let candidate = segments[..end].join("/");
         if candidate.is_empty() {
             continue;
@@ -504,13 +538,20 @@ async fn rewrite(app: AppState, compat: Arc<Compat>, request: Request, next: Nex
         }
     }
     let name = app.supervisor.canonical(&requested);
-    body.insert("model".into(), Json::String(requested.clone()));
     let extras = compat.models.get(&name);
-    if let Some(extras) = extras {
-        extras.filters.apply(&requested, &mut body);
-    }
-    let bytes = Bytes::from(serde_json::to_vec(&Json::Object(body.clone())).unwrap_or_default());
-    parts.headers.remove(header::CONTENT_LENGTH);
+    let renamed = body.get("model").and_then(Json::as_str) != Some(requested.as_str());
+    let filtered = extras.is_some_and(|e| !e.filters.is_empty());
+    // The body as it came, unless a pin, a selector or filters change it.
+    let bytes = if renamed || filtered {
+        body.insert("model".into(), Json::String(requested.clone()));
+        if let Some(extras) = extras {
+            extras.filters.apply(&requested, &mut body);
+        }
+        parts.headers.remove(header::CONTENT_LENGTH);
+        Bytes::from(serde_json::to_vec(&Json::Object(body.clone())).unwrap_or_default())
+    } else {
+        bytes
+    };
     let streaming = body.get("stream").and_then(Json::as_bool).unwrap_or(false);
     let loading = extras.is_some_and(|e| e.loading_state)
         && streaming

@@ -268,6 +268,9 @@ impl Compat {
         state: &dyn Fn(&str) -> TargetState,
     ) -> Result<Picked, String> {
         let s = &self.selectors[selector];
+        // One lock for the pick and its count: concurrent requests see each
+        // other's.
+        let mut counts = self.spilled.lock().unwrap_or_else(|e| e.into_inner());
         let target = match s.strategy {
             Strategy::Pin => s.targets[0].clone(),
             Strategy::Warm => s
@@ -278,7 +281,6 @@ impl Compat {
                 .unwrap_or(&s.targets[0])
                 .clone(),
             Strategy::Spillover(limit) => {
-                let counts = self.spilled.lock().unwrap_or_else(|e| e.into_inner());
                 let count = |t: &String| {
                     counts
                         .get(&(selector.to_string(), t.clone()))
@@ -311,12 +313,7 @@ impl Compat {
         };
         let spill = matches!(s.strategy, Strategy::Spillover(_)).then(|| {
             let key = (selector.to_string(), target.clone());
-            *self
-                .spilled
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(key.clone())
-                .or_insert(0) += 1;
+            *counts.entry(key.clone()).or_insert(0) += 1;
             Spill {
                 key,
                 counts: Arc::clone(&self.spilled),

@@ -57,7 +57,7 @@ pub(super) const MODEL_KEYS: &[(&str, &str)] = &[
 ];
 
 /// A loopback host a `proxy` may name: berth runs the server here.
-const LOOPBACK: &[&str] = &["localhost", "127.0.0.1", "[::1]", "0.0.0.0"];
+const LOOPBACK: &[&str] = &["localhost", "127.0.0.1", "0.0.0.0"];
 
 /// Where a `proxy` says the server listens.
 enum ProxyPort {
@@ -289,6 +289,12 @@ fn proxy_port(proxy: &str) -> Result<ProxyPort, String> {
         Some((host, port)) if !port.contains(']') => (host, Some(port)),
         _ => (authority, None),
     };
+    if host == "[::1]" {
+        return Err(format!(
+            "its `proxy` `{proxy}` is on IPv6's loopback; berth reaches servers on 127.0.0.1 \
+             (start the server with `--host 127.0.0.1`, and say so in `proxy`)"
+        ));
+    }
     if !LOOPBACK.contains(&host) {
         return Err(format!(
             "its `proxy` `{proxy}` is on another host: berth runs each model's server on this \

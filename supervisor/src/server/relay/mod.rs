@@ -54,6 +54,7 @@ const NOT_PASSED: &[&str] = &[
     "host",
     "content-length",
     "authorization",
+    "x-api-key",
     "cookie",
 ];
 
