@@ -1,7 +1,7 @@
 //! berth as a drop-in for llama-swap: llama-swap's aider example
 //! (`docs/examples/aider-qwq-coder`, at 0bdb372), servers on fixed ports,
-//! the matrix, the preload hook and listed aliases, against the test's fake
-//! server. llama-swap's own `config.example.yaml` is in `llama_swap.rs`.
+//! stop commands (`cmdStop`), the matrix, the preload hook and listed
+//! aliases, against the test's fake server. llama-swap's own `config.example.yaml` is in `llama_swap.rs`.
 
 use std::time::Duration;
 
@@ -197,5 +197,77 @@ models:
     assert_eq!(running(&server), ["gamma"]);
     assert_eq!(chat(&server, "first", json!({})).0, 200);
     assert_eq!(running(&server), ["alpha"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A server's `stop_command` that names what it stops (a container, in
+/// llama-swap's `docker stop ${MODEL_ID}`) runs at an unload and again when
+/// the server's client dies on its own, before the restart; one that fails
+/// falls back to the stop signal.
+#[test]
+fn a_stop_command_runs_at_unload_and_after_the_client_dies() {
+    let dir = daemon::temp_dir("stop-command");
+    let marker = dir.join("stopped");
+    let python = test_python();
+    let script = repo_root().join("tests/python/fake_upstream.py");
+    let config = format!(
+        r#"[workers.named]
+command = ["{python}", "{script}", "--port", "{{port}}"]
+http = {{ stop_command = ["sh", "-c", "echo named >> {marker}; kill {{pid}}"], stop_grace = "5s" }}
+[workers.broken]
+command = ["{python}", "{script}", "--port", "{{port}}"]
+http = {{ stop_command = ["/nonexistent/stop"], stop_grace = "5s" }}
+[workers.by-name]
+command = ["{python}", "{script}", "--port", "{{port}}"]
+http = {{ stop_command = ["sh", "-c", "echo by-name >> {marker}"], stop_grace = "1s" }}
+[[model]]
+name = "named"
+worker = "named"
+[[model]]
+name = "broken"
+worker = "broken"
+[[model]]
+name = "by-name"
+worker = "by-name"
+"#,
+        python = python.display(),
+        script = script.display(),
+        marker = marker.display(),
+    );
+    let server = Server::start(&config);
+    let unload = |name: &str| {
+        assert_eq!(
+            server
+                .post(&format!("/api/models/{name}/load"), json!({}))
+                .0,
+            200
+        );
+        let (status, report) = server.post(&format!("/api/models/{name}/unload"), json!({}));
+        assert_eq!(status, 200, "{report}");
+        report
+    };
+    assert_eq!(unload("named")["stop"], "stop_command");
+    assert_eq!(
+        std::fs::read_to_string(&marker).unwrap_or_default(),
+        "named\n"
+    );
+    // A command that cannot run: the stop signal stops it all the same.
+    assert_eq!(unload("broken")["stop"], "sigterm");
+
+    // The client killed from outside: its by-name command runs before the
+    // restart.
+    let (_, load) = server.post("/api/models/by-name/load", json!({}));
+    let pid = load["pid"].as_u64().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(
+        wait_for(Duration::from_secs(10), || std::fs::read_to_string(&marker)
+            .unwrap_or_default()
+            .contains("by-name")),
+        "its stop command ran after the death"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
