@@ -342,14 +342,8 @@ async fn launch_server(
                 prepared.address = upstream::Address::Tcp(SocketAddr::from(([127, 0, 0, 1], port)));
             }
             None if process.try_exit().is_none() => {
-                kill_and_reap(&process).await;
-                crate::child::sweep::sweep_all(&process).await;
-                return Err(Error::LoadTimeout {
-                    model: model.into(),
-                    pid,
-                    timeout,
-                    phase: "listening (none of its processes listened on a port)",
-                });
+                let phase = "listening (none of its processes listened on a port)";
+                return Err(given_up(&process, model, timeout, phase).await);
             }
             None => {}
         }
@@ -379,15 +373,9 @@ async fn launch_server(
         }
     };
     if let Err(last) = ready {
-        kill_and_reap(&process).await;
-        crate::child::sweep::sweep_all(&process).await;
-        return Err(Error::LoadTimeout {
-            model: model.into(),
-            pid,
-            timeout,
-            phase: "ready (its health never answered 200)",
-        })
-        .inspect_err(|_| tracing::warn!(model, pid, "the server was not ready in time: {last}"));
+        tracing::warn!(model, pid, "the server was not ready in time: {last}");
+        let phase = "ready (its health never answered 200)";
+        return Err(given_up(&process, model, timeout, phase).await);
     }
     // Ready: and the one answering is the server, alone on its port. (A
     // container's port is its engine's proxy, never the server's own: that
@@ -579,4 +567,22 @@ fn is_container_client(program: &str) -> bool {
         .and_then(|n| n.to_str())
         .unwrap_or("");
     matches!(name, "docker" | "podman" | "nerdctl")
+}
+
+/// A server that did not get `phase` done within `timeout`: killed, what it
+/// started swept, and the load's error.
+async fn given_up(
+    process: &Arc<ProcessWatch>,
+    model: &str,
+    timeout: Duration,
+    phase: &'static str,
+) -> Error {
+    kill_and_reap(process).await;
+    crate::child::sweep::sweep_all(process).await;
+    Error::LoadTimeout {
+        model: model.into(),
+        pid: process.pid(),
+        timeout,
+        phase,
+    }
 }

@@ -253,34 +253,29 @@ impl Supervisor {
         };
         let switch_ms = started.elapsed().as_secs_f64() * 1e3;
         self.inner.notify_changed();
-        if let Some(unload) = stopped_first {
-            return Ok(SwapReport {
-                model,
-                old_pid: Some(old.pid()),
-                new_pid: Some(new_worker.pid()),
-                switch_ms,
-                took_ms: started.elapsed().as_secs_f64() * 1e3,
-                load: Some(load),
-                unload: Some(unload),
-                break_before_make: true,
-            });
-        }
-        if !old.drain(self.inner.config.drain_timeout).await {
-            tracing::warn!(
-                model,
-                in_flight = old.in_flight(),
-                "old worker missed the drain deadline"
-            );
-        }
-        let unload = stop::stop(&old, self.inner.config.stop_graces).await;
-        {
-            let mut state = self.lock();
-            state.retiring.remove(&old.pid());
-            if let Some(entry) = state.catalogue.get(&model) {
-                entry.counters.record_unload(&unload);
+        let (unload, break_before_make) = match stopped_first {
+            // Stopped before the new one started.
+            Some(unload) => (unload, true),
+            None => {
+                if !old.drain(self.inner.config.drain_timeout).await {
+                    tracing::warn!(
+                        model,
+                        in_flight = old.in_flight(),
+                        "old worker missed the drain deadline"
+                    );
+                }
+                let unload = stop::stop(&old, self.inner.config.stop_graces).await;
+                {
+                    let mut state = self.lock();
+                    state.retiring.remove(&old.pid());
+                    if let Some(entry) = state.catalogue.get(&model) {
+                        entry.counters.record_unload(&unload);
+                    }
+                }
+                self.inner.notify_changed();
+                (unload, false)
             }
-        }
-        self.inner.notify_changed();
+        };
         Ok(SwapReport {
             model,
             old_pid: Some(old.pid()),
@@ -289,7 +284,7 @@ impl Supervisor {
             took_ms: started.elapsed().as_secs_f64() * 1e3,
             load: Some(load),
             unload: Some(unload),
-            break_before_make: false,
+            break_before_make,
         })
     }
 

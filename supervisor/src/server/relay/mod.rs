@@ -84,13 +84,14 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
             .into_response()
         }
         Some(model) if app.supervisor.is_http_model(&model) => {
-            relay(
+            relay_as(
                 &app,
                 &model,
                 &parts.method,
                 &parts.uri,
                 &parts.headers,
                 bytes,
+                true,
             )
             .await
         }
@@ -115,20 +116,9 @@ pub(crate) async fn relay_raw(
     relay_as(app, model, method, uri, headers, body, false).await
 }
 
-/// Relays one request to `model`'s server and returns its answer.
-async fn relay(
-    app: &AppState,
-    model: &str,
-    method: &Method,
-    uri: &axum::http::Uri,
-    headers: &HeaderMap,
-    body: Bytes,
-) -> Response {
-    relay_as(app, model, method, uri, headers, body, true).await
-}
-
-/// [`relay`]; `rename`: the body's `model` becomes the server's own name
-/// for it, where the operator set one.
+/// Relays one request to `model`'s server and returns its answer; with
+/// `rename`, the body's `model` becomes the server's own name for it, where
+/// the operator set one.
 async fn relay_as(
     app: &AppState,
     model: &str,
