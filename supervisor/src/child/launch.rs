@@ -320,6 +320,12 @@ async fn launch_server(
         model: model.into(),
         reason,
     })?;
+    if let Some(port) = http.port {
+        crate::child::ports::check_free(port).map_err(|reason| Error::InvalidSpec {
+            model: model.into(),
+            reason,
+        })?;
+    }
     let mut prepared = prepared;
     let process = start_process(
         spec,

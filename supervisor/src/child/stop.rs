@@ -40,17 +40,8 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         && let grace = worker.stop_signal(graces).1
         && run_stop_command(worker.model(), &argv, env, grace).await
     {
-        if process.exited_within(grace).await.is_some() {
-            StopKind::StopCommand
-        } else {
-            tracing::warn!(
-                model = worker.model(),
-                pid,
-                "the server outlived its stop_command by {grace:?}; sending SIGKILL"
-            );
-            process.signal_group(Signal::SIGKILL);
-            StopKind::Sigkill
-        }
+        let why = format!("the server outlived its stop_command by {grace:?}");
+        ended_or_killed(worker, grace, StopKind::StopCommand, &why).await
     } else {
         let (signal, grace) = worker.stop_signal(graces);
         if worker.upstream_server().is_some() {
@@ -67,17 +58,8 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
             );
         }
         process.signal_group(signal);
-        if process.exited_within(grace).await.is_some() {
-            StopKind::Sigterm
-        } else {
-            tracing::warn!(
-                model = worker.model(),
-                pid,
-                "worker ignored {signal}; sending SIGKILL"
-            );
-            process.signal_group(Signal::SIGKILL);
-            StopKind::Sigkill
-        }
+        let why = format!("worker ignored {signal}");
+        ended_or_killed(worker, grace, StopKind::Sigterm, &why).await
     };
     let exit = process.exited().await;
     let in_group = sweep_group(pid).await;
@@ -122,6 +104,27 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         gpu_reclaim_ms: gpu_after.map(|g| g.ms),
         gpu_pid_gone: gpu_after.map(|g| g.pid_gone),
     }
+}
+
+/// `ended` if the worker exits within `grace` of being asked; else (`why`)
+/// its group is killed.
+async fn ended_or_killed(
+    worker: &WorkerHandle,
+    grace: Duration,
+    ended: StopKind,
+    why: &str,
+) -> StopKind {
+    let process = worker.process();
+    if process.exited_within(grace).await.is_some() {
+        return ended;
+    }
+    tracing::warn!(
+        model = worker.model(),
+        pid = worker.pid(),
+        "{why}; sending SIGKILL"
+    );
+    process.signal_group(Signal::SIGKILL);
+    StopKind::Sigkill
 }
 
 /// A server's client that died (`docker run`) leaves what it ran (the

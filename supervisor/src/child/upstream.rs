@@ -72,8 +72,9 @@ pub(crate) struct Prepared {
 
 /// Fills in `{port}`, `{socket}` and `{model}` in `program` and `args`.
 /// With `fixed`, the server listens on that port of its own (its command
-/// may name it, or `{port}`): it must be free now. With `find`, on one its
-/// command does not say: found once it is started.
+/// may name it, or `{port}`; whether it is free is checked at each start,
+/// [`super::ports::check_free`]). With `find`, on one its command does not
+/// say: found once it is started.
 pub(crate) fn prepare(
     program: &str,
     args: &[String],
@@ -102,10 +103,10 @@ pub(crate) fn prepare(
                 "the command names `{{socket}}` but the server listens on port {port} of its own"
             ));
         }
-        (_, false, Some(port)) => {
-            let (addr, reserved) = super::ports::fixed(port)?;
-            (Address::Tcp(addr), reserved)
-        }
+        (_, false, Some(port)) => (
+            Address::Tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port))),
+            super::ports::Reserved::nothing(),
+        ),
         (true, false, None) => {
             let (addr, reserved) = super::ports::port()?;
             (Address::Tcp(addr), reserved)

@@ -61,25 +61,17 @@ impl Supervisor {
         let program = crate::child::program::worker_program(spec, &self.inner.config)?;
         if program.wire == crate::child::program::Wire::Http {
             // A server is not asked for backends; its command is checked
-            // for its placeholders.
+            // for its placeholders (a fixed port's freedom at each start).
             // (What it reserved is given back as it is dropped.)
             let http = program.http.as_ref();
-            let (fixed, find) = (http.and_then(|h| h.port), http.is_some_and(|h| h.find_port));
-            let checked = match fixed {
-                // Its port is checked at each start, not held now.
-                Some(port) if program.args.iter().any(|a| a.contains("{socket}")) => Err(format!(
-                    "the command names `{{socket}}` but the server listens on port {port} of its own"
-                )),
-                Some(_) => Ok(()),
-                None => crate::child::upstream::prepare(
-                    "",
-                    &program.args,
-                    spec.model.as_deref(),
-                    None,
-                    find,
-                )
-                .map(drop),
-            };
+            let checked = crate::child::upstream::prepare(
+                "",
+                &program.args,
+                spec.model.as_deref(),
+                http.and_then(|h| h.port),
+                http.is_some_and(|h| h.find_port),
+            )
+            .map(drop);
             return checked.map_err(|reason| Error::InvalidSpec {
                 model: spec.name.clone(),
                 reason,
@@ -241,6 +233,19 @@ impl Supervisor {
                 }
             })
             .collect()
+    }
+
+    /// A registered model's state, as [`Supervisor::catalogue`] gives it.
+    pub fn model_state(&self, model: &str) -> Option<ModelState> {
+        let state = self.lock();
+        state.catalogue.get(model)?;
+        Some(
+            state
+                .slots
+                .get(model)
+                .map(Slot::state)
+                .unwrap_or(ModelState::Unloaded),
+        )
     }
 
     /// The spec a model is registered with.

@@ -78,11 +78,7 @@ fn known(app: &AppState, compat: &Compat, id: &str) -> Option<String> {
         .find(|(_, e)| e.listing.id == id)
         .map(|(n, _)| n.clone())
         .unwrap_or_else(|| app.supervisor.canonical(id));
-    app.supervisor
-        .catalogue()
-        .iter()
-        .any(|e| e.spec.name == name)
-        .then_some(name)
+    app.supervisor.model_state(&name).map(|_| name)
 }
 
 fn states(app: &AppState) -> BTreeMap<String, (ModelState, crate::ModelSpec)> {
@@ -483,7 +479,16 @@ async fn upstream(app: &AppState, compat: &Compat, request: Request) -> Response
     let bytes = axum::body::to_bytes(body, usize::MAX)
         .await
         .unwrap_or_default();
-    crate::server::relay::relay_raw(app, &name, &parts.method, &uri, &parts.headers, bytes).await
+    crate::server::relay::relay(
+        app,
+        &name,
+        &parts.method,
+        &uri,
+        &parts.headers,
+        bytes,
+        false,
+    )
+    .await
 }
 
 /// A `/v1` request: the active profile's pin, then a selector, then the
@@ -519,8 +524,7 @@ async fn rewrite(app: AppState, compat: Arc<Compat>, request: Request, next: Nex
     }
     let mut spill = None;
     if compat.selectors.contains_key(&requested) {
-        let states = states(&app);
-        let state = |t: &str| match states.get(&app.supervisor.canonical(t)).map(|(s, _)| *s) {
+        let state = |t: &str| match app.supervisor.model_state(&app.supervisor.canonical(t)) {
             Some(ModelState::Ready) => TargetState::Ready,
             Some(ModelState::Loading) => TargetState::Starting,
             Some(ModelState::Draining | ModelState::Stopping) => TargetState::Stopping,
@@ -556,7 +560,7 @@ async fn rewrite(app: AppState, compat: Arc<Compat>, request: Request, next: Nex
     let loading = extras.is_some_and(|e| e.loading_state)
         && streaming
         && parts.uri.path().starts_with("/v1/chat/completions")
-        && states(&app).get(&name).map(|(s, _)| *s) != Some(ModelState::Ready);
+        && app.supervisor.model_state(&name) != Some(ModelState::Ready);
     let request = Request::from_parts(parts, Body::from(bytes));
     let response = if loading {
         loading_then(app, name, request, next).await

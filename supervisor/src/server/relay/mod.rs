@@ -84,7 +84,7 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
             .into_response()
         }
         Some(model) if app.supervisor.is_http_model(&model) => {
-            relay_as(
+            relay(
                 &app,
                 &model,
                 &parts.method,
@@ -102,24 +102,11 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
     }
 }
 
-/// Relays one request to `model`'s server as it is (llama-swap's
-/// `/upstream/{model}/…`: the server's own routes), its `model` field
-/// not renamed.
-pub(crate) async fn relay_raw(
-    app: &AppState,
-    model: &str,
-    method: &Method,
-    uri: &axum::http::Uri,
-    headers: &HeaderMap,
-    body: Bytes,
-) -> Response {
-    relay_as(app, model, method, uri, headers, body, false).await
-}
-
 /// Relays one request to `model`'s server and returns its answer; with
 /// `rename`, the body's `model` becomes the server's own name for it, where
-/// the operator set one.
-async fn relay_as(
+/// the operator set one (without: the request as it is, as llama-swap's
+/// `/upstream/{model}/…` passes the server's own routes).
+pub(crate) async fn relay(
     app: &AppState,
     model: &str,
     method: &Method,
