@@ -69,8 +69,8 @@ pub(crate) fn venv(name: &str, requirements: &[&str], package: bool) -> PathBuf 
 }
 
 /// [`venv`], with `build` added to pip's environment (what a package built
-/// from source reads) and pip's wheel cache left out, so that a wheel
-/// built otherwise before is not reused.
+/// from source reads; pip's wheel cache is never used, so a wheel built
+/// otherwise before is not reused).
 pub(crate) fn venv_built(
     name: &str,
     requirements: &[&str],
@@ -98,15 +98,23 @@ pub(crate) fn venv_built(
             "creating the test venv",
             Command::new("python3").args(["-m", "venv"]).arg(&dir),
         );
+        // pip's cache would keep a second copy of every wheel (PyTorch's
+        // CUDA libraries are ~4 GB) and buffer each download twice in the
+        // temporary directory, which may be a small tmpfs: no cache, and
+        // temporaries beside the venv, on the disk that holds `target/`.
+        let tmp = crate::target_dir().join(format!("{name}.tmp"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).expect("create pip's temporary directory");
         let mut pip = Command::new(&python);
-        pip.args(["-m", "pip", "install", "--disable-pip-version-check", "-q"]);
-        if !build.is_empty() {
-            pip.arg("--no-cache-dir").envs(build.iter().copied());
-        }
+        pip.args(["-m", "pip", "install", "--disable-pip-version-check", "-q"])
+            .arg("--no-cache-dir")
+            .env("TMPDIR", &tmp)
+            .envs(build.iter().copied());
         for file in &req_files {
             pip.arg("-r").arg(file);
         }
         run("installing the test requirements", &mut pip);
+        let _ = std::fs::remove_dir_all(&tmp);
         std::fs::write(&stamp_file, &req_stamp).expect("write the venv stamp");
     }
     if !package {
