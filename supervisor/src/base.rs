@@ -73,6 +73,8 @@ pub enum StopKind {
     AlreadyExited,
     /// An HTTP server that exited after its `stop_command` ran.
     StopCommand,
+    /// A server in a container that the container engine stopped.
+    ContainerStop,
 }
 
 impl fmt::Display for StopKind {
@@ -83,6 +85,7 @@ impl fmt::Display for StopKind {
             StopKind::Sigkill => "sigkill",
             StopKind::AlreadyExited => "already_exited",
             StopKind::StopCommand => "stop_command",
+            StopKind::ContainerStop => "container_stop",
         })
     }
 }

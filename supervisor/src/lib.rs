@@ -35,7 +35,9 @@ pub use base::{CapMechanism, KillCause, StopGraces};
 pub use berth_protocol as protocol;
 pub use berth_protocol::{Body, Bulk};
 pub use child::handle::{Piece, ResponseStream, WorkerHandle};
-pub use config::{HttpSpec, ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env};
+pub use config::{
+    ContainerSpec, Engine, HttpSpec, ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env,
+};
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport, Warning, WorkerStart};
 pub use supervisor::{

@@ -528,7 +528,7 @@ fn stop_escaped(record: &WorkerRecord) -> usize {
     if let Some(dir) = &record.cgroup {
         // Empty once its tasks are gone; a folder another supervisor made.
         for _ in 0..20 {
-            if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+            if crate::child::limits::remove_cgroup(dir) {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));

@@ -186,6 +186,29 @@ pub struct UnloadReport {
     /// counted the worker, and `gpu_reclaimed_bytes` is what was back then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_pid_gone: Option<bool>,
+    /// A server in a container: what proves the container gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ContainerGone>,
+}
+
+/// A server's container after its stop. Its processes' memory and VRAM are
+/// the report's own figures (they were counted over the model's cgroup,
+/// where the container ran); this says the container itself is gone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerGone {
+    /// `podman` or `docker`.
+    pub engine: crate::config::Engine,
+    pub name: String,
+    pub id: Option<String>,
+    /// The engine, asked after the forced removal, no longer knows it (a
+    /// successful `rm` alone is not taken as proof).
+    pub removed: bool,
+    /// No process is left in the model's cgroup, where the engine's monitor
+    /// and the container's processes ran (`None`: it had no cgroup).
+    pub cgroup_empty: Option<bool>,
+    /// Why the engine could not be asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl fmt::Display for LoadReport {
@@ -272,6 +295,24 @@ impl fmt::Display for UnloadReport {
                     "NVML still listed the pid when the wait ended"
                 } else {
                     "pid gone from NVML"
+                }
+            )?;
+        }
+        if let Some(c) = &self.container {
+            let id: String = c.id.as_deref().unwrap_or("?").chars().take(12).collect();
+            write!(
+                f,
+                "\n  container {} ({id}): {}; {}",
+                c.name,
+                match (&c.error, c.removed) {
+                    (Some(e), _) => format!("not known to be removed ({e})"),
+                    (None, true) => "removed (the engine no longer knows it)".to_string(),
+                    (None, false) => "STILL KNOWN to the engine".to_string(),
+                },
+                match c.cgroup_empty {
+                    Some(true) => "its cgroup is empty",
+                    Some(false) => "PROCESSES REMAIN in its cgroup",
+                    None => "it had no cgroup of berth's",
                 }
             )?;
         }

@@ -17,55 +17,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-fn find(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|dir| PathBuf::from(dir).join(name))
-        .find(|p| p.is_file())
-}
-
-/// Chromium's path, installing Debian's package first where it is missing
-/// (once: a lock keeps two test binaries from running apt at once).
+/// Chromium's path, installing Debian's package first where it is missing.
 pub fn chromium() -> PathBuf {
-    let look = || find("chromium").or_else(|| find("chromium-browser"));
-    if let Some(path) = look() {
-        return path;
-    }
-    assert!(
-        // SAFETY: geteuid has no preconditions.
-        unsafe { libc::geteuid() } == 0,
-        "the console's browser test needs Chromium: install Debian's package \
-         (`apt-get install chromium`) or run the tests as root, which installs it"
-    );
-    let lock = crate::target_dir().join("chromium-install.lock");
-    let file = File::create(&lock).expect("the install lock");
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-        .map(|held| {
-            if look().is_none() {
-                for args in [
-                    &["update", "-qq"][..],
-                    &[
-                        "install",
-                        "-y",
-                        "-qq",
-                        "--no-install-recommends",
-                        "chromium",
-                    ][..],
-                ] {
-                    let status = Command::new("apt-get")
-                        .args(args)
-                        .env("DEBIAN_FRONTEND", "noninteractive")
-                        .status()
-                        .expect("apt-get runs");
-                    assert!(status.success(), "apt-get {args:?} failed: {status}");
-                }
-            }
-            drop(held);
-        })
-        .map_err(|(_, e)| e)
-        .expect("the install lock");
-    look().expect("Chromium installed")
+    crate::apt::ensure("the console's browser test", &["chromium"], false, &|| {
+        crate::apt::find("chromium").or_else(|| crate::apt::find("chromium-browser"))
+    })
 }
 
 /// One headless Chromium with one page.

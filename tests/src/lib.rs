@@ -1,6 +1,7 @@
 //! Helpers for the end-to-end tests: find the real binaries, build a
 //! supervisor that uses them, poll instead of sleeping.
 
+pub mod apt;
 pub mod bench;
 pub mod browser;
 pub mod chaos;
@@ -10,6 +11,7 @@ pub mod daemon;
 pub mod fake_gpu;
 pub mod infinity;
 pub mod llama_swap;
+pub mod podman;
 pub mod python;
 pub mod upstream;
 

@@ -14,7 +14,7 @@ use berth_tests::{Server, berth_bin};
 const KUBERNETES: &str = "1.34.0";
 
 #[test]
-fn the_systemd_unit_verifies_without_a_warning() {
+fn the_systemd_unit_and_its_container_drop_in_verify_without_a_warning() {
     let unit = std::fs::read_to_string(repo_root().join("deploy/systemd/berth.service")).unwrap();
     for line in [
         "Type=notify",
@@ -34,6 +34,23 @@ fn the_systemd_unit_verifies_without_a_warning() {
     let path = dir.join("berth.service");
     let unit = unit.replace("/usr/local/bin/berth", &berth_bin().display().to_string());
     std::fs::write(&path, unit).unwrap();
+    // With the drop-in for servers in containers, read from beside it.
+    let drop_in =
+        std::fs::read_to_string(repo_root().join("deploy/systemd/berth.service.d/containers.conf"))
+            .unwrap();
+    for line in [
+        "Delegate=yes",
+        "User=root",
+        "ExecStopPost=/usr/local/bin/berth reap",
+    ] {
+        assert!(drop_in.contains(line), "the drop-in lacks `{line}`");
+    }
+    std::fs::create_dir_all(dir.join("berth.service.d")).unwrap();
+    std::fs::write(
+        dir.join("berth.service.d/containers.conf"),
+        drop_in.replace("/usr/local/bin/berth", &berth_bin().display().to_string()),
+    )
+    .unwrap();
     let out = Command::new("systemd-analyze")
         .arg("verify")
         .arg(&path)

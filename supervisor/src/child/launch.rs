@@ -18,7 +18,7 @@ use crate::child::process::ProcessWatch;
 use crate::child::program::{Wire, WorkerProgram, worker_program};
 use crate::child::spawn::Connect;
 use crate::child::start::{Start, Started, start_process};
-use crate::child::{health, stop, stream, upstream};
+use crate::child::{container, health, stop, stream, upstream};
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
@@ -327,6 +327,9 @@ async fn launch_server(
         })?;
     }
     let mut prepared = prepared;
+    // A container's command: run with berth's own flags (a name of its own,
+    // the model's cgroup, its GPUs by UUID, the owner's label).
+    let container = container_start(model, &mut prepared, gpus.as_deref())?;
     let process = start_process(
         spec,
         &PathBuf::from(&prepared.path),
@@ -349,20 +352,32 @@ async fn launch_server(
             }
             None if process.try_exit().is_none() => {
                 let phase = "listening (none of its processes listened on a port)";
-                return Err(given_up(&process, model, timeout, phase).await);
+                let error = given_up(&process, model, timeout, phase).await;
+                remove_container(model, container.as_ref()).await;
+                return Err(error);
             }
             None => {}
         }
     }
-    let upstream = Arc::new(upstream::Upstream::new(model, &prepared, http, env.clone()));
+    // What runs under an engine outside the model's cgroup (a container
+    // berth could not place there, a command that talks to an engine but is
+    // no `run`: `docker compose up`) is outside berth's tree and cgroup.
+    let checked = match &container {
+        Some(container) => container.listener_in_cgroup && process.cgroup().is_some(),
+        None => crate::config::Engine::of(&prepared.path).is_none(),
+    };
+    let upstream = Arc::new(
+        upstream::Upstream::new(model, &prepared, http, env.clone()).in_container(container),
+    );
     tracing::debug!(model, pid, address = %upstream.address(), "server started");
     let spawn_ms = ms(started.elapsed());
     let ready = tokio::select! {
         ready = upstream.wait_ready(deadline) => ready,
         exit = process.exited() => {
             // What it started dies with it (a server's engine process
-            // holding GPU memory, say).
+            // holding GPU memory, say), and its container with it.
             crate::child::sweep::sweep_all(&process).await;
+            remove_container(model, upstream.container()).await;
             let stderr_tail = process.stderr_tail().await;
             let cause = process
                 .kill_cause()
@@ -381,13 +396,18 @@ async fn launch_server(
     if let Err(last) = ready {
         tracing::warn!(model, pid, "the server was not ready in time: {last}");
         let phase = "ready (its health never answered 200)";
-        return Err(given_up(&process, model, timeout, phase).await);
+        let error = given_up(&process, model, timeout, phase).await;
+        remove_container(model, upstream.container()).await;
+        return Err(error);
     }
-    // Ready: and the one answering is the server, alone on its port. (A
-    // container's port is its engine's proxy, never the server's own: that
-    // cannot be checked, nor what the container holds; see docs/upstream.md.)
+    // Ready: and the one answering is the server, alone on its port. A
+    // container berth ran is in the model's cgroup: its server (on the
+    // host's network) or podman's port holder (conmon) is checked as any
+    // server's. One it could not place there (no cgroup), docker's proxy of
+    // a published port, or a command that talks to an engine but is no
+    // `run`, cannot be checked; see docs/containers.md.
     if let upstream::Address::Tcp(addr) = upstream.address()
-        && !is_container_client(&prepared.path)
+        && checked
     {
         let mut tree = crate::child::memory::group_members(pid);
         tree.push(pid);
@@ -402,6 +422,7 @@ async fn launch_server(
         if let Err(reason) = crate::child::ports::check_listener(addr.port(), &tree) {
             kill_and_reap(&process).await;
             crate::child::sweep::sweep_all(&process).await;
+            remove_container(model, upstream.container()).await;
             return Err(Error::ServerFailed {
                 model: model.into(),
                 pid,
@@ -446,7 +467,13 @@ async fn launch_server(
             Inventory::NoGpu(_) => None,
         },
         system_available_bytes: system_memory().available_bytes,
-        details: serde_json::json!({ "address": upstream.address().to_string() }),
+        details: match upstream.container() {
+            Some(c) => serde_json::json!({
+                "address": upstream.address().to_string(),
+                "container": { "engine": c.engine, "name": c.name, "id": c.id() },
+            }),
+            None => serde_json::json!({ "address": upstream.address().to_string() }),
+        },
         max_batch: 1,
         private_bytes: memory.private_bytes,
         shared_bytes: memory.shared_bytes,
@@ -565,14 +592,61 @@ async fn find_port(process: &Arc<ProcessWatch>, deadline: Instant) -> Option<u16
     None
 }
 
-/// A command that runs its server in a container (`docker run …`): what it
-/// starts runs under the container engine, outside berth's process tree.
-fn is_container_client(program: &str) -> bool {
-    let name = std::path::Path::new(program)
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("");
-    matches!(name, "docker" | "podman" | "nerdctl")
+/// Where `prepared` runs a container (`podman run …`, a kind's
+/// `container`): its command becomes one start of it with berth's flags.
+fn container_start(
+    model: &str,
+    prepared: &mut upstream::Prepared,
+    gpus: Option<&[u32]>,
+) -> Result<Option<container::Container>> {
+    let argv: Vec<String> = std::iter::once(prepared.path.clone())
+        .chain(prepared.args.iter().cloned())
+        .collect();
+    let Some(run) = crate::config::RunCommand::parse(&argv) else {
+        return Ok(None);
+    };
+    let invalid = |reason| Error::InvalidSpec {
+        model: model.into(),
+        reason,
+    };
+    let run = run.map_err(invalid)?;
+    if !run.dropped.is_empty() {
+        tracing::info!(
+            model,
+            "the container's {} are berth's to give: its own are used",
+            run.dropped.join(", ")
+        );
+    }
+    let uuids: Vec<String> = gpus
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|&i| gpu::uuid(i))
+        .collect();
+    let host = container::Host::now();
+    let (container, args) =
+        container::Container::plan(model, &run, &uuids, &host).map_err(invalid)?;
+    tracing::info!(
+        model,
+        container = container.name,
+        image = run.image,
+        "starting a container"
+    );
+    prepared.args = args;
+    Ok(Some(container))
+}
+
+/// A failed start's container removed (its processes are already killed
+/// with the model's cgroup; the engine's record of it goes too).
+async fn remove_container(model: &str, container: Option<&container::Container>) {
+    if let Some(container) = container
+        && container.remove(model).await != container::Gone::Removed
+    {
+        tracing::warn!(
+            model,
+            container = container.name,
+            "the failed start's container may remain: `berth reap` removes it"
+        );
+    }
 }
 
 /// A server that did not get `phase` done within `timeout`: killed, what it

@@ -136,6 +136,14 @@ fn own_cgroup_v2() -> Option<PathBuf> {
     Some(Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/')))
 }
 
+/// The cgroup version workers' cgroups are made in, if any can be.
+pub(crate) fn cgroup_version() -> Option<CapMechanism> {
+    if cgroups_off() {
+        return None;
+    }
+    cgroup_base().map(|(version, _)| version)
+}
+
 /// Whether the operator turned cgroups off (`BERTH_NO_CGROUPS=1`).
 fn cgroups_off() -> bool {
     std::env::var_os("BERTH_NO_CGROUPS").is_some_and(|v| v == "1")
@@ -214,6 +222,22 @@ impl Cgroup {
         &self.dir
     }
 
+    /// Its path within its hierarchy (`/process_api/x/berth/m-1-2`), as a
+    /// container engine's `--cgroup-parent` takes it.
+    pub fn path_in_hierarchy(&self) -> String {
+        let root = match self.version {
+            CapMechanism::CgroupV2 => Path::new("/sys/fs/cgroup"),
+            _ => Path::new("/sys/fs/cgroup/memory"),
+        };
+        let inner = self.dir.strip_prefix(root).unwrap_or(&self.dir);
+        format!("/{}", inner.display())
+    }
+
+    /// Which cgroup version it is.
+    pub fn version(&self) -> CapMechanism {
+        self.version
+    }
+
     /// The processes in it now.
     pub fn members(&self) -> Vec<u32> {
         members_of(&self.dir)
@@ -240,14 +264,41 @@ impl Cgroup {
     }
 }
 
-/// The processes in the cgroup at `dir`.
-pub(crate) fn members_of(dir: &Path) -> Vec<u32> {
-    std::fs::read_to_string(dir.join("cgroup.procs"))
-        .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect())
-        .unwrap_or_default()
+/// The cgroup at `dir` and every cgroup below it, parents first. A
+/// worker's own cgroup has none below it; a container's engine makes some
+/// (podman: `conmon` and `libpod-ID`, for its monitor and its payload).
+fn subtree(dir: &Path) -> Vec<PathBuf> {
+    let mut all = vec![dir.to_path_buf()];
+    let mut i = 0;
+    while i < all.len() {
+        if let Ok(entries) = std::fs::read_dir(&all[i]) {
+            let mut below: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok())
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect();
+            below.sort();
+            all.extend(below);
+        }
+        i += 1;
+    }
+    all
 }
 
-/// Kills every process in the cgroup at `dir`.
+/// The processes in the cgroup at `dir` and the cgroups below it.
+pub(crate) fn members_of(dir: &Path) -> Vec<u32> {
+    subtree(dir)
+        .iter()
+        .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
+        .flat_map(|text| {
+            text.lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// Kills every process in the cgroup at `dir` and the cgroups below it.
 pub(crate) fn kill_cgroup(dir: &Path, version: CapMechanism) {
     if version == CapMechanism::CgroupV2 && write(&dir.join("cgroup.kill"), "1").is_ok() {
         return;
@@ -258,6 +309,15 @@ pub(crate) fn kill_cgroup(dir: &Path, version: CapMechanism) {
             nix::sys::signal::Signal::SIGKILL,
         );
     }
+}
+
+/// Removes the (empty) cgroup at `dir` and those below it, deepest first;
+/// whether it is gone.
+pub(crate) fn remove_cgroup(dir: &Path) -> bool {
+    for d in subtree(dir).iter().rev() {
+        let _ = std::fs::remove_dir(d);
+    }
+    !dir.exists()
 }
 
 /// Whether `dir` is a worker cgroup a berth supervisor made: a leaf of a
@@ -350,7 +410,7 @@ impl Drop for Cgroup {
     /// removed; its charges went with its processes).
     fn drop(&mut self) {
         for _ in 0..50 {
-            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+            if remove_cgroup(&self.dir) {
                 return;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));

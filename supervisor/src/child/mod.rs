@@ -9,9 +9,11 @@
 //! group or outside it), `process` (reaping, kill causes), `output`
 //! (bounded stdout/stderr), `memory` (procfs), `limits` (memory caps),
 //! `probe` (asking a program for its backends), `upstream` (an HTTP server
-//! run as a worker) and `ports` (where such a server listens, and that it is
-//! the one there).
+//! run as a worker), `container` (such a server in a container: its flags,
+//! its stop, its proof, the sweep of what a dead berth left) and `ports`
+//! (where such a server listens, and that it is the one there).
 
+pub mod container;
 pub(crate) mod death;
 pub mod handle;
 pub(crate) mod handshake;

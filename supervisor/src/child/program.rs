@@ -66,10 +66,13 @@ impl std::fmt::Display for WorkerProgram {
 /// `berth-worker` next to this executable.
 pub(crate) fn worker_program(spec: &ModelSpec, config: &SupervisorConfig) -> Result<WorkerProgram> {
     let kind = spec.worker.as_ref().and_then(|k| config.workers.get(k));
+    // A kind's container is the `run` command it stands for.
+    let container = kind.and_then(|k| k.container.as_ref()).map(|c| c.command());
     let command = spec
         .command
         .as_ref()
-        .or(kind.and_then(|k| k.command.as_ref()));
+        .or(kind.and_then(|k| k.command.as_ref()))
+        .or(container.as_ref());
     let binary = spec
         .worker_binary
         .as_ref()

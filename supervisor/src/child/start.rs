@@ -69,6 +69,11 @@ pub(crate) async fn start_process(
             .inspect_err(|why| tracing::debug!(model, "no cgroup for the worker: {why}"))
             .ok(),
     };
+    // A container's command names the model's cgroup (`child/container.rs`).
+    let args = &crate::child::container::fill_cgroup(
+        args,
+        cap.as_ref().and_then(MemoryCap::cgroup).or(fence.as_ref()),
+    );
     let mark = crate::orphans::new_mark();
     let spawning = crate::orphans::spawning();
     let procs = cap

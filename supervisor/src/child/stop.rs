@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 
 use crate::base::StopGraces;
+use crate::child::container::Gone;
 use crate::child::handle::WorkerHandle;
 use crate::child::memory::system_memory;
 use crate::child::sweep::{sweep_escapees, sweep_group};
 use crate::gpu::{self, Inventory};
-use crate::report::{StopKind, UnloadReport};
+use crate::report::{ContainerGone, StopKind, UnloadReport};
 
 /// Stops `worker` and proves what came back.
 pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadReport {
@@ -31,11 +32,19 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     let process = worker.process();
     process.begin_stop();
 
+    let container = worker.upstream_server().and_then(|u| u.container());
     let stop = if already_dead {
         after_death(worker, graces).await;
         StopKind::AlreadyExited
     } else if worker.request_shutdown() && process.exited_within(graces.shutdown).await.is_some() {
         StopKind::Graceful
+    } else if let Some(container) = container
+        && let grace = worker.stop_signal(graces).1
+        && container.stop(worker.model(), grace).await
+    {
+        // Its client ends as the container does.
+        let why = format!("the container's client outlived its stop by {grace:?}");
+        ended_or_killed(worker, grace, StopKind::ContainerStop, &why).await
     } else if let Some((argv, env)) = worker.upstream_server().and_then(|u| u.stop_command(pid))
         && let grace = worker.stop_signal(graces).1
         && run_stop_command(worker.model(), &argv, env, grace).await
@@ -62,8 +71,35 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         ended_or_killed(worker, grace, StopKind::Sigterm, &why).await
     };
     let exit = process.exited().await;
+    // A container is removed by its engine (which kills what is left of
+    // it), and its monitor given a moment to leave, before the cgroup is
+    // swept: what the sweep finds then is what the engine left behind.
+    let removed = match container {
+        Some(container) => {
+            let gone = container.remove(worker.model()).await;
+            if let Some(cgroup) = process.cgroup() {
+                let deadline = Instant::now() + Duration::from_secs(2);
+                while !cgroup.members().is_empty() && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            Some(gone)
+        }
+        None => None,
+    };
     let in_group = sweep_group(pid).await;
     let escapees = sweep_escapees(process).await;
+    let container = container.zip(removed).map(|(c, gone)| ContainerGone {
+        engine: c.engine,
+        name: c.name.clone(),
+        id: c.id(),
+        removed: gone == Gone::Removed,
+        cgroup_empty: process.cgroup().map(|cg| cg.members().is_empty()),
+        error: match gone {
+            Gone::Unknown(e) => Some(e),
+            _ => None,
+        },
+    });
     let leftover_processes = in_group + escapees.left;
     let gpu_after = match &gpu_before {
         Some(before) => Some(gpu_given_back(&pids, before, started).await),
@@ -103,6 +139,7 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
         gpu_reclaimed_bytes: gpu_after.map(|g| g.bytes),
         gpu_reclaim_ms: gpu_after.map(|g| g.ms),
         gpu_pid_gone: gpu_after.map(|g| g.pid_gone),
+        container,
     }
 }
 
@@ -135,6 +172,19 @@ pub(crate) async fn after_death(worker: &WorkerHandle, graces: StopGraces) {
     let Some(upstream) = worker.upstream_server() else {
         return;
     };
+    if let Some(container) = upstream.container() {
+        // Its client died (killed from outside, say): the container may
+        // run on, holding its memory and GPU, until the engine stops and
+        // removes it; what is left in the model's cgroup then is killed.
+        container
+            .stop(worker.model(), worker.stop_signal(graces).1)
+            .await;
+        container.remove(worker.model()).await;
+        if let Some(cgroup) = worker.process().cgroup() {
+            cgroup.kill_all();
+        }
+        return;
+    }
     let by_name = upstream
         .spec()
         .stop_command

@@ -177,6 +177,8 @@ pub struct Upstream {
     last_healthy: Mutex<Instant>,
     /// The kind's environment, which its `stop_command` runs with too.
     env: Vec<(String, String)>,
+    /// The container it runs in, where its command runs one.
+    container: Option<super::container::Container>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -222,7 +224,19 @@ impl Upstream {
             _reserved: Arc::clone(&prepared.reserved),
             last_healthy: Mutex::new(Instant::now()),
             env,
+            container: None,
         }
+    }
+
+    /// The same, running in `container`.
+    pub(crate) fn in_container(mut self, container: Option<super::container::Container>) -> Self {
+        self.container = container;
+        self
+    }
+
+    /// The container it runs in, if its command runs one.
+    pub(crate) fn container(&self) -> Option<&super::container::Container> {
+        self.container.as_ref()
     }
 
     pub fn address(&self) -> &Address {

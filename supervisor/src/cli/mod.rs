@@ -15,6 +15,7 @@ mod http;
 mod load;
 mod output;
 mod ps;
+mod reap;
 mod run;
 mod serve;
 mod swap;
@@ -59,6 +60,9 @@ enum Commands {
     /// Exit 0 if a running `berth serve` is alive (`--ready`: takes
     /// requests), else 1: for probes that cannot speak HTTP to a unix socket.
     Health(health::HealthArgs),
+    /// Remove the containers a berth no longer running left (for a unit's
+    /// `ExecStopPost=`; `berth serve` does it at its start too).
+    Reap(reap::ReapArgs),
 }
 
 /// The argument that runs this executable as a worker: `berth worker`.
@@ -135,6 +139,7 @@ pub fn main() -> ExitCode {
             Commands::Embed(args) => embed::run(args),
             Commands::Generate(args) => generate::run(args),
             Commands::Health(args) => health::run(args),
+            Commands::Reap(args) => reap::run(args).await,
         }
     });
     // A blocking task still reading procfs or NVML must not hold the exit.

@@ -77,6 +77,7 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .clone()
             .unwrap_or_else(|| default_state_file(&listen)),
     )?;
+    super::reap::sweep_engines(&config.container_engines()).await;
     let supervisor = Supervisor::new(config.supervisor_config(
         super::default_worker(args.worker.clone()),
         models_root.clone(),

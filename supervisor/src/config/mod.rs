@@ -2,11 +2,13 @@
 //! the ranges every setting is held to in `limits`, where a model's files
 //! may be in `paths`, and which programs run as workers in `programs`.
 
+mod container;
 mod limits;
 mod paths;
 mod programs;
 mod residency;
 
+pub use container::{ContainerSpec, Engine, RunCommand};
 pub use limits::*;
 pub use paths::confined;
 pub use programs::{

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::container::ContainerSpec;
 use super::limits::check_duration;
 
 /// Environment variables that change which code a program runs or how it is
@@ -98,6 +99,10 @@ pub struct WorkerKind {
     /// A stream-wire worker's command line (`["python3", "-m", "berth_worker"]`).
     #[serde(default)]
     pub command: Option<Vec<String>>,
+    /// An HTTP server run from an image by podman or docker, with the
+    /// kind's `http` table (see [`ContainerSpec`]; docs/containers.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ContainerSpec>,
     /// Its working directory.
     #[serde(default)]
     pub cwd: Option<PathBuf>,
@@ -147,6 +152,7 @@ impl WorkerKind {
         WorkerKind {
             binary: Some(path.into()),
             command: None,
+            container: None,
             cwd: None,
             env: BTreeMap::new(),
             http: None,
@@ -162,6 +168,7 @@ impl WorkerKind {
         WorkerKind {
             binary: None,
             command: Some(argv.into_iter().map(Into::into).collect()),
+            container: None,
             cwd: None,
             env: BTreeMap::new(),
             http: None,
@@ -176,6 +183,25 @@ impl WorkerKind {
     /// only for a stream-wire command, of module names.
     pub fn check(&self, name: &str) -> std::result::Result<(), String> {
         self.check_preload(name)?;
+        if let Some(container) = &self.container {
+            if self.binary.is_some() || self.command.is_some() {
+                return Err(format!(
+                    "worker kind `{name}` has a `container` and a `binary` or `command`; keep one"
+                ));
+            }
+            container
+                .check()
+                .map_err(|e| format!("worker kind `{name}`: {e}"))?;
+            return match &self.http {
+                Some(http) => http
+                    .check()
+                    .map_err(|e| format!("worker kind `{name}`: {e}")),
+                None => Err(format!(
+                    "worker kind `{name}`: a `container` runs an HTTP server: give its `http` \
+                     table (at least `http = {{ health = \"/health\" }}`)"
+                )),
+            };
+        }
         match (&self.binary, &self.command) {
             (Some(_), Some(_)) => Err(format!(
                 "worker kind `{name}` has both `binary` and `command`; keep one"

@@ -150,6 +150,28 @@ impl ServeConfig {
         Ok(config)
     }
 
+    /// The container engines its servers run (a kind's `container`, a
+    /// `podman run`/`docker run` command): what a start of `berth serve`
+    /// and `berth reap` sweep of containers a dead berth left.
+    pub fn container_engines(&self) -> Vec<String> {
+        let mut engines: Vec<String> = self
+            .workers
+            .values()
+            .filter_map(|kind| match &kind.container {
+                Some(container) => Some(container.engine.clone()),
+                None => kind.command.as_deref().and_then(engine_of),
+            })
+            .chain(
+                self.models
+                    .iter()
+                    .filter_map(|m| m.command.as_deref().and_then(engine_of)),
+            )
+            .collect();
+        engines.sort();
+        engines.dedup();
+        engines
+    }
+
     /// Parses the file without [`check`](Self::check)ing its values (the
     /// CLI fetches missing default models in between). A relative `model`
     /// path is taken inside [`models_root`](Self::models_root), so a config
@@ -376,6 +398,11 @@ impl ServeConfig {
             ..defaults
         }
     }
+}
+
+/// The engine a command runs a container with, if it does.
+fn engine_of(argv: &[String]) -> Option<String> {
+    matches!(crate::config::RunCommand::parse(argv), Some(Ok(_))).then(|| argv[0].clone())
 }
 
 #[cfg(test)]

@@ -187,6 +187,7 @@ pub(super) fn one_model(
     let kind = WorkerKind {
         binary: None,
         command: Some(argv),
+        container: None,
         cwd: None,
         env,
         http: Some(http),

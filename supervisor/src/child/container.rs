@@ -1,0 +1,599 @@
+//! A model's server in a container (`config/container.rs` takes the
+//! command apart): run with berth's own flags, stopped in order, proven
+//! gone, and swept when a berth that ran it died.
+//!
+//! A container's processes are not the children of the `podman run`
+//! client berth starts: they hang from the engine's monitor (podman's
+//! `conmon`, containerd's shim). So berth gives each start:
+//! - the model's cgroup (podman on cgroup v2: `--cgroups=split`, which
+//!   keeps conmon and the payload in sub-cgroups of the client's, the
+//!   model's; on v1: `--cgroup-parent` of the model's cgroup): what berth
+//!   measures, caps and kills is the container's processes, not the
+//!   client's;
+//! - `--rm --init` (podman also `--replace`), a name of its own
+//!   (`berth-MODEL-PID-N`: no "name already in use" when a removal lags),
+//!   a `--cidfile`;
+//! - labels naming the supervisor that ran it (`berth.owner=PID.START`)
+//!   and the model, and the worker's mark in its environment;
+//! - podman's `--sdnotify=ignore` (berth's own `NOTIFY_SOCKET` never
+//!   reaches it: the client's environment is cleared);
+//! - its GPUs by UUID (podman: CDI `nvidia.com/gpu=UUID`; docker:
+//!   `--gpus device=UUID,…`).
+//!
+//! A stop is the engine's stop with the model's grace, then its forced
+//! removal, then the cgroup killed; the proof is the engine saying the
+//! container does not exist and the cgroup being empty, never a
+//! successful `rm` alone.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::config::{Engine, RunCommand};
+
+/// The label naming the supervisor that ran a container.
+pub const OWNER_LABEL: &str = "berth.owner";
+/// The label naming the model a container serves.
+pub const MODEL_LABEL: &str = "berth.model";
+/// Stands for the model's cgroup in the command line (`start.rs` fills
+/// it, or drops the argument where the model has no cgroup).
+pub(crate) const CGROUP: &str = "{cgroup}";
+/// Stands for podman's `--cgroups=split` where the model has a cgroup.
+pub(crate) const SPLIT: &str = "{cgroups=split}";
+/// How long an engine command may take before berth gives up on it.
+const ENGINE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One start of a container.
+#[derive(Debug)]
+pub(crate) struct Container {
+    pub engine: Engine,
+    /// Its listener is a process in the model's cgroup: the server's own
+    /// (the host's network) or podman's conmon holding a published port;
+    /// docker's published port is its daemon's proxy's, outside it.
+    pub listener_in_cgroup: bool,
+    /// The engine's program and its options before `run`.
+    program: String,
+    globals: Vec<String>,
+    pub name: String,
+    cidfile: PathBuf,
+}
+
+/// This supervisor, as its containers' owner label names it: its pid and
+/// start time, so that a later berth tells a live owner from a dead one
+/// whose pid came back.
+pub(crate) fn owner() -> String {
+    let pid = std::process::id();
+    format!("{pid}.{}", crate::orphans::start_time(pid).unwrap_or(0))
+}
+
+/// Whether the supervisor an owner label names is alive.
+fn owner_alive(owner: &str) -> bool {
+    let Some((pid, start)) = owner.split_once('.') else {
+        return false;
+    };
+    let (Ok(pid), Ok(start)) = (pid.parse::<u32>(), start.parse::<u64>()) else {
+        return false;
+    };
+    crate::orphans::start_time(pid) == Some(start)
+}
+
+impl Container {
+    /// The command line of a start of `run` for `model` (after the
+    /// engine's program), and the container it makes. `gpus`: the UUIDs
+    /// of the GPUs placement gave the model.
+    pub(crate) fn plan(
+        model: &str,
+        run: &RunCommand,
+        gpus: &[String],
+        host: &Host,
+    ) -> Result<(Container, Vec<String>), String> {
+        let cgroup_v2 = host.cgroup_v2;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let safe: String = model
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '_' || c == '.' || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let name = format!(
+            "berth-{safe}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let dir = std::env::temp_dir().join("berth-containers");
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        let cidfile = dir.join(format!("{name}.cid"));
+        let _ = std::fs::remove_file(&cidfile);
+        let podman = run.engine == Engine::Podman;
+        let mut args = run.globals.clone();
+        if podman
+            && !cgroup_v2
+            && !run
+                .globals
+                .iter()
+                .any(|g| g.starts_with("--cgroup-manager"))
+        {
+            // `--cgroup-parent` is a path only to the cgroupfs manager.
+            args.push("--cgroup-manager=cgroupfs".into());
+        }
+        let given = |flag: &str| {
+            run.globals
+                .iter()
+                .chain(&run.options)
+                .any(|o| o == flag || o.starts_with(&format!("{flag}=")))
+        };
+        if podman && !cgroup_v2 && host.runc && !given("--runtime") {
+            // crun refuses cgroup v1 and hybrid hosts; runc runs there.
+            args.push("--runtime=runc".into());
+        }
+        args.extend(["run", "--rm", "--init"].map(String::from));
+        if podman {
+            args.push("--replace".into());
+            args.push("--sdnotify=ignore".into());
+        }
+        args.extend([
+            "--name".into(),
+            name.clone(),
+            "--cidfile".into(),
+            cidfile.display().to_string(),
+            "--label".into(),
+            format!("{OWNER_LABEL}={}", owner()),
+            "--label".into(),
+            format!("{MODEL_LABEL}={model}"),
+            // From the client's environment: the worker's mark.
+            "--env".into(),
+            crate::orphans::ENV_WORKER_MARK.into(),
+        ]);
+        if podman && cgroup_v2 {
+            args.push(SPLIT.into());
+        } else {
+            args.push(format!("--cgroup-parent={CGROUP}"));
+        }
+        if !gpus.is_empty() {
+            match run.engine {
+                Engine::Podman => {
+                    for uuid in gpus {
+                        args.push("--device".into());
+                        args.push(format!("nvidia.com/gpu={uuid}"));
+                    }
+                }
+                Engine::Docker => {
+                    args.push("--gpus".into());
+                    args.push(format!("\"device={}\"", gpus.join(",")));
+                }
+            }
+        }
+        // The limits a worker of berth's has (its own), where the command
+        // gives none: an engine's defaults for root (1,048,576 open files,
+        // podman's process limit) may be above what this host lets a
+        // runtime set, and then every container fails to start.
+        let ulimit_given = |name: &str| {
+            run.options.iter().enumerate().any(|(i, o)| {
+                let value = match o.strip_prefix("--ulimit") {
+                    Some(v) if v.starts_with('=') => &v[1..],
+                    Some("") => run.options.get(i + 1).map_or("", String::as_str),
+                    _ => return false,
+                };
+                value.starts_with(&format!("{name}="))
+            })
+        };
+        for (name, limit) in [("nofile", host.nofile), ("nproc", host.nproc)] {
+            if let Some(limit) = limit
+                && !ulimit_given(name)
+            {
+                args.push(format!("--ulimit={name}={limit}:{limit}"));
+            }
+        }
+        args.extend(loopback_only(&run.options));
+        args.push(run.image.clone());
+        args.extend(run.args.iter().cloned());
+        Ok((
+            Container {
+                engine: run.engine,
+                listener_in_cgroup: podman || run.host_network(),
+                program: run.program.clone(),
+                globals: run.globals.clone(),
+                name,
+                cidfile,
+            },
+            args,
+        ))
+    }
+
+    /// The container's id, once the engine wrote it.
+    pub(crate) fn id(&self) -> Option<String> {
+        let id = std::fs::read_to_string(&self.cidfile).ok()?;
+        let id = id.trim();
+        (!id.is_empty()).then(|| id.to_string())
+    }
+
+    /// The engine's stop, with `grace` before its SIGKILL; whether it
+    /// succeeded.
+    pub(crate) async fn stop(&self, model: &str, grace: Duration) -> bool {
+        let secs = grace.as_secs().max(1).to_string();
+        let ok = self
+            .engine(["stop", "-t", &secs, &self.name], grace + ENGINE_TIMEOUT)
+            .await
+            .is_ok_and(|out| out.status.success());
+        tracing::info!(
+            model,
+            container = self.name,
+            ok,
+            "asked the engine to stop the container"
+        );
+        ok
+    }
+
+    /// Its forced removal (kill, then remove), then whether the engine
+    /// still knows it.
+    pub(crate) async fn remove(&self, model: &str) -> Gone {
+        let removal = self.engine(["rm", "-f", &self.name], ENGINE_TIMEOUT).await;
+        if let Ok(out) = &removal
+            && !out.status.success()
+        {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            if !is_no_such(&stderr) {
+                tracing::warn!(
+                    model,
+                    container = self.name,
+                    "`rm -f` failed: {}",
+                    stderr.trim()
+                );
+            }
+        }
+        let _ = std::fs::remove_file(&self.cidfile);
+        match exists(&self.program, &self.globals, self.engine, &self.name).await {
+            Ok(false) => Gone::Removed,
+            Ok(true) => Gone::StillThere,
+            Err(e) => Gone::Unknown(e),
+        }
+    }
+
+    async fn engine<const N: usize>(
+        &self,
+        args: [&str; N],
+        timeout: Duration,
+    ) -> Result<std::process::Output, String> {
+        run_engine(&self.program, &self.globals, &args, timeout).await
+    }
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.cidfile);
+    }
+}
+
+/// The options with a port published on every interface (`-p
+/// {port}:8080`, as llama-swap's examples write it) published on the
+/// loopback only: berth's front door is the way in, with its tokens.
+fn loopback_only(options: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(options.len());
+    let mut publish_next = false;
+    for option in options {
+        let fixed = match option.split_once('=') {
+            _ if publish_next => loopback(option),
+            Some((flag, value)) if flag == "-p" || flag == "--publish" => {
+                format!("{flag}={}", loopback(value))
+            }
+            _ => option.clone(),
+        };
+        publish_next = option == "-p" || option == "--publish";
+        out.push(fixed);
+    }
+    out
+}
+
+/// `HOST_PORT:CONTAINER_PORT` bound to 127.0.0.1 (an address given is kept).
+fn loopback(mapping: &str) -> String {
+    if mapping.matches(':').count() == 1 {
+        format!("127.0.0.1:{mapping}")
+    } else {
+        mapping.to_string()
+    }
+}
+
+/// What a container's start needs to know of this host.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Host {
+    /// Workers' cgroups are v2.
+    pub cgroup_v2: bool,
+    /// runc is on the PATH.
+    pub runc: bool,
+    /// The open-files and processes limits a container gets where its
+    /// command gives none: this process's hard limits (the processes limit
+    /// at most `kernel.pid_max`, above which the kernel refuses one).
+    pub nofile: Option<u64>,
+    pub nproc: Option<u64>,
+}
+
+impl Host {
+    /// This host, now.
+    pub(crate) fn now() -> Host {
+        let hard = |resource| {
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes the struct we own.
+            let read = unsafe { libc::getrlimit(resource, &mut limit) } == 0;
+            (read && limit.rlim_max != libc::RLIM_INFINITY).then_some(limit.rlim_max)
+        };
+        let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok());
+        let nproc = match (hard(libc::RLIMIT_NPROC), pid_max) {
+            (Some(n), Some(max)) => Some(n.min(max)),
+            (n, max) => n.or(max),
+        };
+        Host {
+            cgroup_v2: crate::child::limits::cgroup_version()
+                == Some(crate::base::CapMechanism::CgroupV2),
+            runc: std::env::var_os("PATH").is_some_and(|path| {
+                std::env::split_paths(&path).any(|dir| dir.join("runc").is_file())
+            }),
+            nofile: hard(libc::RLIMIT_NOFILE),
+            nproc,
+        }
+    }
+}
+
+/// What the engine said of a container after its removal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Gone {
+    Removed,
+    StillThere,
+    /// The engine could not be asked.
+    Unknown(String),
+}
+
+fn is_no_such(stderr: &str) -> bool {
+    let lower = stderr.to_ascii_lowercase();
+    lower.contains("no such container") || lower.contains("no container with name")
+}
+
+/// Runs the engine with `args`, its environment berth's pass-through one,
+/// for at most `timeout`.
+async fn run_engine(
+    program: &str,
+    globals: &[String],
+    args: &[&str],
+    timeout: Duration,
+) -> Result<std::process::Output, String> {
+    let mut command = tokio::process::Command::new(program);
+    command
+        .args(globals)
+        .args(args)
+        .env_clear()
+        .envs(crate::child::spawn::passthrough_env())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    match tokio::time::timeout(timeout, command.output()).await {
+        Ok(Ok(out)) => Ok(out),
+        Ok(Err(e)) => Err(format!("cannot run {program}: {e}")),
+        Err(_) => Err(format!(
+            "`{program} {}` did not answer within {timeout:?}",
+            args.join(" ")
+        )),
+    }
+}
+
+/// Whether the engine knows a container by `name`.
+async fn exists(
+    program: &str,
+    globals: &[String],
+    engine: Engine,
+    name: &str,
+) -> Result<bool, String> {
+    let out = match engine {
+        Engine::Podman => {
+            run_engine(
+                program,
+                globals,
+                &["container", "exists", name],
+                ENGINE_TIMEOUT,
+            )
+            .await?
+        }
+        Engine::Docker => {
+            run_engine(
+                program,
+                globals,
+                &["container", "inspect", name],
+                ENGINE_TIMEOUT,
+            )
+            .await?
+        }
+    };
+    match out.status.code() {
+        Some(0) => Ok(true),
+        Some(1) if engine == Engine::Podman => Ok(false),
+        _ if is_no_such(&String::from_utf8_lossy(&out.stderr)) => Ok(false),
+        _ => Err(format!(
+            "`{program}` could not say whether {name} exists ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+    }
+}
+
+/// What a sweep found of one engine's containers.
+#[derive(Debug, Default)]
+pub struct Swept {
+    /// Containers of a berth no longer running, removed.
+    pub removed: Vec<String>,
+    /// Such containers the engine would not remove, with its words.
+    pub failed: Vec<(String, String)>,
+}
+
+/// Removes every container berth started (it carries the owner label)
+/// whose supervisor is no longer running: what a berth killed by SIGKILL
+/// left (its `conmon` and server outlive it where no systemd unit's cgroup
+/// takes them). Containers of a live berth are left alone.
+pub async fn sweep(program: &str) -> Result<Swept, String> {
+    let Some(engine) = Engine::of(program) else {
+        return Err(format!("{program} is not podman or docker"));
+    };
+    let filter = format!("label={OWNER_LABEL}");
+    let listed = run_engine(
+        program,
+        &[],
+        &["ps", "-a", "--filter", &filter, "--format", "{{.Names}}"],
+        ENGINE_TIMEOUT,
+    )
+    .await?;
+    if !listed.status.success() {
+        return Err(format!(
+            "`{program} ps` failed ({}): {}",
+            listed.status,
+            String::from_utf8_lossy(&listed.stderr).trim()
+        ));
+    }
+    let mut swept = Swept::default();
+    for name in String::from_utf8_lossy(&listed.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect::<Vec<_>>()
+    {
+        let format = format!("{{{{index .Config.Labels \"{OWNER_LABEL}\"}}}}");
+        let inspected = run_engine(
+            program,
+            &[],
+            &["inspect", "--format", &format, &name],
+            ENGINE_TIMEOUT,
+        )
+        .await?;
+        let owner = String::from_utf8_lossy(&inspected.stdout)
+            .trim()
+            .to_string();
+        if !inspected.status.success() || owner_alive(&owner) {
+            continue;
+        }
+        let removal = run_engine(program, &[], &["rm", "-f", &name], ENGINE_TIMEOUT).await?;
+        match exists(program, &[], engine, &name).await {
+            Ok(false) => swept.removed.push(name),
+            Ok(true) => swept.failed.push((
+                name,
+                String::from_utf8_lossy(&removal.stderr).trim().to_string(),
+            )),
+            Err(e) => swept.failed.push((name, e)),
+        }
+    }
+    Ok(swept)
+}
+
+/// Fills the model's cgroup into a container's command line: `{cgroup}`
+/// becomes its path in its hierarchy and [`SPLIT`] podman's
+/// `--cgroups=split`; without a cgroup both arguments are left out (and
+/// the container runs where its engine puts it, said by the caller).
+pub(crate) fn fill_cgroup(
+    args: &[String],
+    cgroup: Option<&crate::child::limits::Cgroup>,
+) -> Vec<String> {
+    args.iter()
+        .filter_map(|arg| match (arg.as_str(), cgroup) {
+            (SPLIT, Some(_)) => Some("--cgroups=split".to_string()),
+            (SPLIT, None) => None,
+            (a, Some(cgroup)) if a.contains(CGROUP) => {
+                Some(a.replace(CGROUP, &cgroup.path_in_hierarchy()))
+            }
+            (a, None) if a.contains(CGROUP) => None,
+            _ => Some(arg.clone()),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(line: &str) -> Vec<String> {
+        line.split_whitespace().map(String::from).collect()
+    }
+
+    /// Every start: berth's flags, a name of its own, the owner and model
+    /// labels, the mark, the cgroup, the GPUs by UUID; the operator's
+    /// options and the server's arguments as given.
+    #[test]
+    fn a_start_carries_berths_flags_and_a_name_of_its_own() {
+        let run = RunCommand::parse(&argv(
+            "podman --runtime=runc run --name mine --rm --network=host img:1 --port {port}",
+        ))
+        .unwrap()
+        .unwrap();
+        let gpus = vec!["GPU-1111".to_string(), "GPU-2222".to_string()];
+        let v1 = Host {
+            cgroup_v2: false,
+            runc: true,
+            nofile: Some(20000),
+            nproc: Some(32768),
+        };
+        let (first, args) = Container::plan("m/x", &run, &gpus, &v1).unwrap();
+        let (second, _) = Container::plan("m/x", &run, &gpus, &v1).unwrap();
+        assert_ne!(first.name, second.name);
+        assert!(first.name.starts_with("berth-m_x-"), "{}", first.name);
+        let line = args.join(" ");
+        for want in [
+            "--runtime=runc --cgroup-manager=cgroupfs run --rm --init --replace --sdnotify=ignore",
+            &format!("--name {}", first.name),
+            &format!("--label {OWNER_LABEL}={}", owner()),
+            &format!("--label {MODEL_LABEL}=m/x"),
+            "--env BERTH_WORKER_MARK",
+            "--cgroup-parent={cgroup}",
+            "--ulimit=nofile=20000:20000 --ulimit=nproc=32768:32768",
+            "--device nvidia.com/gpu=GPU-1111 --device nvidia.com/gpu=GPU-2222",
+            "--network=host img:1 --port {port}",
+        ] {
+            assert!(line.contains(want), "{want:?} not in {line}");
+        }
+        assert!(!line.contains("mine"), "{line}");
+        assert!(owner_alive(&owner()));
+        assert!(!owner_alive("1.0") && !owner_alive("junk"));
+        // The command's own runtime is kept, no second one given.
+        assert_eq!(line.matches("--runtime").count(), 1, "{line}");
+        let v2 = Host {
+            cgroup_v2: true,
+            ..v1.clone()
+        };
+        let (_, args) = Container::plan("m", &run, &[], &v2).unwrap();
+        assert!(args.contains(&SPLIT.to_string()) && !args.join(" ").contains("cgroup-parent"));
+        // On a v1 host, runc where none is named; the command's limits kept.
+        let bare = RunCommand::parse(&argv("podman run --ulimit nofile=10:10 img"))
+            .unwrap()
+            .unwrap();
+        let (_, args) = Container::plan("m", &bare, &[], &v1).unwrap();
+        let line = args.join(" ");
+        assert!(line.contains("--runtime=runc"), "{line}");
+        assert!(
+            !line.contains("nofile=20000") && line.contains("--ulimit=nproc=32768:32768"),
+            "{line}"
+        );
+        let (_, args) = Container::plan("m", &bare, &[], &v2).unwrap();
+        assert!(!args.join(" ").contains("--runtime"));
+        let docker = RunCommand::parse(&argv("docker run img")).unwrap().unwrap();
+        let (_, d) = Container::plan("m", &docker, &gpus, &v1).unwrap();
+        let d = d.join(" ");
+        assert!(d.contains("--gpus \"device=GPU-1111,GPU-2222\""), "{d}");
+        assert!(!d.contains("--replace") && !d.contains("sdnotify"), "{d}");
+    }
+
+    #[test]
+    fn a_port_published_everywhere_is_published_on_the_loopback() {
+        let options = argv("-p {port}:8080 --publish=9000:80 -p 10.0.0.1:1:2 -v a:b");
+        assert_eq!(
+            loopback_only(&options),
+            argv("-p 127.0.0.1:{port}:8080 --publish=127.0.0.1:9000:80 -p 10.0.0.1:1:2 -v a:b")
+        );
+    }
+
+    #[test]
+    fn without_a_cgroup_its_arguments_are_left_out() {
+        let args = argv("run --cgroup-parent={cgroup} {cgroups=split} img");
+        assert_eq!(fill_cgroup(&args, None), argv("run img"));
+    }
+}
