@@ -275,3 +275,31 @@ fn containers_of_a_killed_berth_are_swept_at_the_next_start_and_by_reap() {
     let _ = std::fs::remove_file(&log);
     let _ = std::fs::remove_file(&config_file);
 }
+
+/// A container's VRAM is what NVML lists for its processes by their host
+/// pids: counted in `ps` as the model's, and the unload waits until none
+/// of them is in NVML's list and the device's used memory came back (the
+/// fake driver stands for NVML; the server's pid holds 2 GiB on it).
+#[test]
+fn a_containers_vram_is_counted_by_its_host_pids_and_proven_back() {
+    use berth_tests::fake_gpu::{FakeGpu, GIB, u};
+    let fake = FakeGpu::new();
+    let server = Server::start_env(&config("gpuboxed", "", ""), &[], &fake.env());
+    let (status, report) = server.post("/api/models/gpuboxed/load", json!({}));
+    assert_eq!(status, 200, "{report}");
+    let payload = payload_pids(port_of(&report));
+    fake.hold(payload[0], 0, 2 * GIB);
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            ps_of(&server, "gpuboxed")["vram_bytes"].as_u64() == Some(2 * GIB)
+        }),
+        "{}",
+        ps_of(&server, "gpuboxed")
+    );
+    let (status, report) = server.post("/api/models/gpuboxed/unload", json!({}));
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(u(&report["vram_at_stop_bytes"]), 2 * GIB, "{report}");
+    assert_eq!(u(&report["gpu_reclaimed_bytes"]), 2 * GIB, "{report}");
+    assert_eq!(report["gpu_pid_gone"], true, "{report}");
+    assert_eq!(report["container"]["removed"], true, "{report}");
+}
