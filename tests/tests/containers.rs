@@ -245,6 +245,25 @@ fn containers_of_a_killed_berth_are_swept_at_the_next_start_and_by_reap() {
         left
     };
     let left = kill_with_a_container();
+    // The model's cgroup the dead berth made, as the container's label says.
+    let label = std::process::Command::new(podman())
+        .args([
+            "inspect",
+            "--format",
+            "{{index .Config.Labels \"berth.cgroup\"}}",
+            &left[0],
+        ])
+        .output()
+        .unwrap();
+    let cgroup = String::from_utf8_lossy(&label.stdout).trim().to_string();
+    let cgroup_dirs = [
+        format!("/sys/fs/cgroup{cgroup}"),
+        format!("/sys/fs/cgroup/memory{cgroup}"),
+    ];
+    assert!(
+        cgroup.starts_with('/') && cgroup_dirs.iter().any(|d| std::path::Path::new(d).is_dir()),
+        "{cgroup:?}"
+    );
     let log = std::env::temp_dir().join(format!("berth-orphan-{}.log", std::process::id()));
     let log_file = std::fs::File::create(&log).unwrap();
     std::fs::write(&config_file, &toml).unwrap();
@@ -261,6 +280,9 @@ fn containers_of_a_killed_berth_are_swept_at_the_next_start_and_by_reap() {
         said.contains("removed 1 container(s)") && said.contains(&left[0]),
         "{said}"
     );
+    for dir in &cgroup_dirs {
+        assert!(!std::path::Path::new(dir).exists(), "{dir} was left");
+    }
     drop(next);
     let left = kill_with_a_container();
     let out = std::process::Command::new(berth_bin())

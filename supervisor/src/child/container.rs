@@ -34,6 +34,8 @@ use crate::config::{Engine, RunCommand};
 pub const OWNER_LABEL: &str = "berth.owner";
 /// The label naming the model a container serves.
 pub const MODEL_LABEL: &str = "berth.model";
+/// The label naming the model's cgroup (its path in its hierarchy).
+pub const CGROUP_LABEL: &str = "berth.cgroup";
 /// Stands for the model's cgroup in the command line (`start.rs` fills
 /// it, or drops the argument where the model has no cgroup).
 pub(crate) const CGROUP: &str = "{cgroup}";
@@ -143,6 +145,9 @@ impl Container {
             format!("{OWNER_LABEL}={}", owner()),
             "--label".into(),
             format!("{MODEL_LABEL}={model}"),
+            // The model's cgroup, for a sweep after this berth is gone
+            // (left out where it has none).
+            format!("--label={CGROUP_LABEL}={CGROUP}"),
             // From the client's environment: the worker's mark.
             "--env".into(),
             crate::orphans::ENV_WORKER_MARK.into(),
@@ -460,7 +465,9 @@ pub async fn sweep(program: &str) -> Result<Swept, String> {
         .map(str::to_string)
         .collect::<Vec<_>>()
     {
-        let format = format!("{{{{index .Config.Labels \"{OWNER_LABEL}\"}}}}");
+        let format = format!(
+            "{{{{index .Config.Labels \"{OWNER_LABEL}\"}}}} {{{{index .Config.Labels \"{CGROUP_LABEL}\"}}}}"
+        );
         let inspected = run_engine(
             program,
             &[],
@@ -468,13 +475,26 @@ pub async fn sweep(program: &str) -> Result<Swept, String> {
             ENGINE_TIMEOUT,
         )
         .await?;
-        let owner = String::from_utf8_lossy(&inspected.stdout)
-            .trim()
-            .to_string();
-        if !inspected.status.success() || owner_alive(&owner) {
+        let labels = String::from_utf8_lossy(&inspected.stdout).to_string();
+        let mut labels = labels.split_whitespace();
+        let (owner, cgroup) = (labels.next().unwrap_or(""), labels.next());
+        if !inspected.status.success() || owner_alive(owner) {
             continue;
         }
         let removal = run_engine(program, &[], &["rm", "-f", &name], ENGINE_TIMEOUT).await?;
+        // What the engine left in the dead berth's cgroup for the model
+        // (its conmon, where the engine could not stop it), and the cgroup.
+        if let Some(dir) = cgroup.and_then(crate::child::limits::worker_cgroup_at)
+            && let Some(version) = crate::child::limits::is_worker_cgroup(&dir)
+        {
+            crate::child::limits::kill_cgroup(&dir, version);
+            for _ in 0..50 {
+                if crate::child::limits::remove_cgroup(&dir) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         match exists(program, &[], engine, &name).await {
             Ok(false) => swept.removed.push(name),
             Ok(true) => swept.failed.push((
@@ -544,6 +564,7 @@ mod tests {
             &format!("--label {OWNER_LABEL}={}", owner()),
             &format!("--label {MODEL_LABEL}=m/x"),
             "--env BERTH_WORKER_MARK",
+            "--label=berth.cgroup={cgroup}",
             "--cgroup-parent={cgroup}",
             "--ulimit=nofile=20000:20000 --ulimit=nproc=32768:32768",
             "--device nvidia.com/gpu=GPU-1111 --device nvidia.com/gpu=GPU-2222",

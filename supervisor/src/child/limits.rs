@@ -312,12 +312,39 @@ pub(crate) fn kill_cgroup(dir: &Path, version: CapMechanism) {
 }
 
 /// Removes the (empty) cgroup at `dir` and those below it, deepest first;
-/// whether it is gone.
+/// whether it is gone. On cgroup v1, the same path in the other
+/// hierarchies too, where something made it: a container engine given the
+/// model's cgroup as its parent makes it in every controller's hierarchy.
 pub(crate) fn remove_cgroup(dir: &Path) -> bool {
+    let v1 = Path::new("/sys/fs/cgroup/memory");
+    if let Ok(inner) = dir.strip_prefix(v1)
+        && let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup")
+    {
+        for hierarchy in hierarchies.filter_map(|e| e.ok()).map(|e| e.path()) {
+            let twin = hierarchy.join(inner);
+            if hierarchy != v1 && twin.is_dir() {
+                for d in subtree(&twin).iter().rev() {
+                    let _ = std::fs::remove_dir(d);
+                }
+            }
+        }
+    }
     for d in subtree(dir).iter().rev() {
         let _ = std::fs::remove_dir(d);
     }
     !dir.exists()
+}
+
+/// The folder of the cgroup at `path` in the hierarchy workers' cgroups
+/// are made in (as [`Cgroup::path_in_hierarchy`] gives it).
+pub(crate) fn worker_cgroup_at(path: &str) -> Option<PathBuf> {
+    let (version, _) = cgroup_base()?;
+    let root = match version {
+        CapMechanism::CgroupV2 => Path::new("/sys/fs/cgroup"),
+        _ => Path::new("/sys/fs/cgroup/memory"),
+    };
+    let path = path.trim_start_matches('/');
+    (!path.is_empty()).then(|| root.join(path))
 }
 
 /// Whether `dir` is a worker cgroup a berth supervisor made: a leaf of a

@@ -354,13 +354,21 @@ async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Nex
     response
 }
 
+/// The answer to a body over `max_body`, read only in part: the connection
+/// closes after it (the rest of the body is never read), and says so, so a
+/// client does not send its next request into a connection that is closing.
 fn too_large(max: usize, what: String) -> Response {
-    ApiError::new(
+    let mut response = ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
         "body_too_large",
         format!("the request body {what}, over max_body ({max} bytes)"),
     )
-    .into_response()
+    .into_response();
+    response.headers_mut().insert(
+        header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    response
 }
 
 /// Turns axum's own plain-text rejections (413 body too large, 405, 415,
