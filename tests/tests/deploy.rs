@@ -25,6 +25,7 @@ fn the_systemd_unit_and_its_container_drop_in_verify_without_a_warning() {
         "PrivateTmp=yes",
         "User=berth",
         "KillMode=mixed",
+        "ExecReload=/bin/kill -HUP $MAINPID",
     ] {
         assert!(unit.contains(line), "the unit lacks `{line}`");
     }

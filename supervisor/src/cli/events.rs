@@ -189,6 +189,19 @@ fn line_for(event: &Value) -> String {
             event["version"].as_str().unwrap_or("?"),
             event["listen"].as_str().unwrap_or("?")
         ),
+        "config_reloaded" => {
+            match serde_json::from_value::<berth::server::reload::ReloadReport>(
+                event["report"].clone(),
+            ) {
+                Ok(report) => format!("{} ({})", report, event["trigger"].as_str().unwrap_or("")),
+                Err(_) => event["report"].to_string(),
+            }
+        }
+        "config_rejected" => format!(
+            "{}: {}",
+            event["trigger"].as_str().unwrap_or(""),
+            event["error"].as_str().unwrap_or("")
+        ),
         _ => String::new(),
     };
     format!(

@@ -1,9 +1,11 @@
 //! `berth load` and `berth unload`: one model by name, and the daemon's
-//! report of it. One file because the two differ only in the route and the
-//! report they print.
+//! report of it; `berth reload`: the daemon's config read again, and what
+//! changed. One file because they differ only in the route and the report
+//! they print.
 
 use std::process::ExitCode;
 
+use berth::server::reload::ReloadReport;
 use berth::{LoadReport, UnloadReport};
 use clap::Args;
 
@@ -32,5 +34,13 @@ pub fn unload(args: NameArgs) -> ExitCode {
     done(
         result.map(|v| report::<UnloadReport>(v, args.remote.json)),
         args.remote.json,
+    )
+}
+
+pub fn reload(remote: Remote) -> ExitCode {
+    let result = Client::new(&remote).post("/api/reload", None);
+    done(
+        result.map(|v| report::<ReloadReport>(v, remote.json)),
+        remote.json,
     )
 }

@@ -51,6 +51,9 @@ enum Commands {
     Load(load::NameArgs),
     /// Unload a model and print the proof of what came back.
     Unload(load::NameArgs),
+    /// Make a running `berth serve` read its config again and apply it
+    /// (as `SIGHUP` does), and print what changed.
+    Reload(http::Remote),
     /// Replace a model's worker (new weights or options) without dropping requests.
     Swap(swap::SwapArgs),
     /// Embed texts with a model of a running `berth serve`.
@@ -135,6 +138,7 @@ pub fn main() -> ExitCode {
             Commands::Events(args) => events::run(args),
             Commands::Load(args) => load::load(args),
             Commands::Unload(args) => load::unload(args),
+            Commands::Reload(remote) => load::reload(remote),
             Commands::Swap(args) => swap::run(args),
             Commands::Embed(args) => embed::run(args),
             Commands::Generate(args) => generate::run(args),

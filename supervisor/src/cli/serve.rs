@@ -11,7 +11,7 @@ use berth::server::{Listen, serve};
 use berth::{ModelSpec, Supervisor};
 use clap::Args;
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// A TOML config (see docs/configuration.md); without one, the default models are
     /// served (fetched by package name if missing).
@@ -31,6 +31,10 @@ pub struct ServeArgs {
     /// berth says at start what it ignores).
     #[arg(long, value_name = "CONFIG_YAML")]
     llama_swap: Option<PathBuf>,
+    /// Reload the config when its file (or the llama-swap file) changes,
+    /// as `SIGHUP` and `berth reload` do.
+    #[arg(long)]
+    watch_config: bool,
 }
 
 pub async fn run(args: ServeArgs) -> ExitCode {
@@ -40,7 +44,12 @@ pub async fn run(args: ServeArgs) -> ExitCode {
     }
 }
 
-async fn start(args: ServeArgs) -> Result<(), String> {
+/// The config files read and checked, as at start and at each reload: the
+/// config (the defaults without one), with a llama-swap file's models and
+/// kinds merged in, and that file's API layer.
+fn read_files(
+    args: &ServeArgs,
+) -> Result<(ServeConfig, Option<berth::server::llama_swap::Migrated>), String> {
     let mut config = match &args.config {
         Some(path) => {
             let config = ServeConfig::read(path)?;
@@ -56,18 +65,44 @@ async fn start(args: ServeArgs) -> Result<(), String> {
         Some(path) => Some(add_llama_swap(&mut config, path)?),
         None => None,
     };
+    Ok((config, llama_swap))
+}
+
+/// The token: the command line's (or `BERTH_TOKEN`) over the config's.
+fn token_of(args: &ServeArgs, config: &ServeConfig) -> Result<Option<String>, String> {
+    match args.token.clone().or(config.token.clone()) {
+        Some(t) if t.trim().is_empty() => {
+            Err("the token is blank; give a real token or none".into())
+        }
+        token => Ok(token),
+    }
+}
+
+/// The front door's options from a config: its limits and tokens, and a
+/// llama-swap file's keys and API layer.
+fn front_door(
+    config: &ServeConfig,
+    listen: Listen,
+    token: Option<String>,
+    llama_swap: Option<&mut berth::server::llama_swap::Migrated>,
+) -> berth::server::ServeOptions {
+    let mut options = config.serve_options(listen, token);
+    if let Some(migrated) = llama_swap {
+        options.api_keys = std::mem::take(&mut migrated.api_keys);
+        options.llama_swap = Some(std::sync::Arc::new(std::mem::take(&mut migrated.compat)));
+    }
+    options
+}
+
+async fn start(args: ServeArgs) -> Result<(), String> {
+    let (config, mut llama_swap) = read_files(&args)?;
     let listen = Listen::parse(
         args.listen
             .as_deref()
             .or(config.listen.as_deref())
             .unwrap_or(DEFAULT_LISTEN),
     )?;
-    let token = match args.token.clone().or(config.token.clone()) {
-        Some(t) if t.trim().is_empty() => {
-            return Err("the token is blank; give a real token or none".into());
-        }
-        token => token,
-    };
+    let token = token_of(&args, &config)?;
     let models_root = config.models_root();
     // Before anything is read, written or started: this server's state
     // file must be its own.
@@ -78,14 +113,13 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .unwrap_or_else(|| default_state_file(&listen)),
     )?;
     super::reap::sweep_engines(&config.container_engines()).await;
-    let supervisor = Supervisor::new(config.supervisor_config(
-        super::default_worker(args.worker.clone()),
-        models_root.clone(),
-    ));
+    let worker = super::default_worker(args.worker.clone());
+    let supervisor = Supervisor::new(config.supervisor_config(worker.clone(), models_root.clone()));
     supervisor
         .check_workers()
         .map_err(|e| format!("cannot start workers: {e}"))?;
-    let models = if args.config.is_some() || args.llama_swap.is_some() {
+    let has_files = args.config.is_some() || args.llama_swap.is_some();
+    let models = if has_files {
         config.models.clone()
     } else {
         default_catalogue(&models_root)?
@@ -97,10 +131,21 @@ async fn start(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
     }
     berth::server::listen::raise_descriptor_limit();
-    let mut options = config.serve_options(listen, token);
+    let mut options = front_door(&config, listen.clone(), token, llama_swap.as_mut());
+    if has_files {
+        options.reload = Some(reloader(&args, &supervisor, config, listen, worker));
+        if args.watch_config {
+            options.watch_config = args
+                .config
+                .iter()
+                .chain(&args.llama_swap)
+                .cloned()
+                .collect();
+        }
+    } else if args.watch_config {
+        return Err("--watch-config needs a config file (--config or --llama-swap)".into());
+    }
     if let Some(migrated) = llama_swap {
-        options.api_keys = migrated.api_keys;
-        options.llama_swap = Some(std::sync::Arc::new(migrated.compat));
         // `hooks.on_startup.preload`: one after another, in the
         // background, as llama-swap does.
         let preloader = supervisor.clone();
@@ -114,6 +159,42 @@ async fn start(args: ServeArgs) -> Result<(), String> {
         });
     }
     serve(supervisor, options).await
+}
+
+/// How the daemon reloads (`SIGHUP`, `berth reload`, `--watch-config`):
+/// the files read and checked as at start, the worker kinds probed, and
+/// only then the change applied over `applied`, the config in force.
+fn reloader(
+    args: &ServeArgs,
+    supervisor: &Supervisor,
+    applied: ServeConfig,
+    listen: Listen,
+    worker: (Option<PathBuf>, Vec<String>),
+) -> berth::server::reload::ReloadFn {
+    let applied = std::sync::Arc::new(tokio::sync::Mutex::new(applied));
+    let (args, supervisor) = (args.clone(), supervisor.clone());
+    std::sync::Arc::new(move || {
+        let (args, supervisor, applied) = (args.clone(), supervisor.clone(), applied.clone());
+        let (listen, worker) = (listen.clone(), worker.clone());
+        Box::pin(async move {
+            let mut applied = applied.lock().await;
+            let (config, mut llama_swap, new) = tokio::task::spawn_blocking(move || {
+                let (config, llama_swap) = read_files(&args)?;
+                let token = token_of(&args, &config)?;
+                let new = config.supervisor_config(worker, config.models_root());
+                new.check_workers()
+                    .map_err(|e| format!("cannot start workers: {e}"))?;
+                Ok::<_, String>(((config, token), llama_swap, new))
+            })
+            .await
+            .map_err(|e| format!("the reload's reading of the files failed: {e}"))??;
+            let (config, token) = config;
+            let report = berth::server::reload::apply(&supervisor, &applied, &config, new).await;
+            let options = front_door(&config, listen, token, llama_swap.as_mut());
+            *applied = config;
+            Ok((report, options))
+        })
+    })
 }
 
 /// Reaps what workers fork, and stops what a killed predecessor left.

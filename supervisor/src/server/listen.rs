@@ -198,7 +198,7 @@ fn refusal(max: usize) -> Vec<u8> {
 /// connections so the caller can wait for them as long as it chooses.
 pub async fn serve(
     bound: &Bound,
-    app: Router,
+    app: watch::Receiver<Router>,
     limits: ConnectionLimits,
     mut stop: watch::Receiver<bool>,
 ) -> Connections {
@@ -267,13 +267,18 @@ async fn accept(bound: &Bound) -> std::io::Result<Stream> {
 
 async fn serve_one<S>(
     stream: S,
-    app: Router,
+    app: watch::Receiver<Router>,
     limits: ConnectionLimits,
     mut stop: watch::Receiver<bool>,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let service = TowerToHyperService::new(app);
+    // Each request is served by the front door current when it comes (a
+    // reload replaces it), kept-alive connections included.
+    let service = hyper::service::service_fn(move |request| {
+        use hyper::service::Service;
+        TowerToHyperService::new(app.borrow().clone()).call(request)
+    });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())

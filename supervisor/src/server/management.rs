@@ -274,3 +274,24 @@ pub async fn swap(
     }
     Ok(Json(json!(app.supervisor.swap_with(spec, load).await?)))
 }
+
+/// Reads the config files again and applies them (as `SIGHUP` does): what
+/// changed, or why nothing did.
+pub async fn reload(State(app): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let Some(live) = app.live.as_ref().and_then(std::sync::Weak::upgrade) else {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "no_config",
+            "this berth serve has no config file to reload: start it with --config (or \
+             --llama-swap)",
+        ));
+    };
+    match live.reload("POST /api/reload").await {
+        Ok(report) => Ok(Json(json!(report))),
+        Err(why) => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_config",
+            format!("the config was not reloaded, nothing changed: {why}"),
+        )),
+    }
+}

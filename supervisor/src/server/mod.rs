@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod notify;
 mod openai;
 mod relay;
+pub mod reload;
 
 pub use error::ApiError;
 pub use listen::Listen;
@@ -41,6 +42,9 @@ pub(crate) struct AppState {
     pub test_backends: bool,
     /// A llama-swap config's layer (`--llama-swap`).
     pub llama_swap: Option<Arc<llama_swap::layer::Compat>>,
+    /// The daemon's reloads (`POST /api/reload`); weak, as the front door
+    /// it builds holds this state.
+    pub live: Option<std::sync::Weak<reload::Live>>,
 }
 
 /// Backends that exist to test berth: they hold memory, crash or hang on
@@ -48,7 +52,7 @@ pub(crate) struct AppState {
 pub const TEST_BACKENDS: &[&str] = &["hog", "fault", "gpu-hog"];
 
 /// How the sidecar serves: its address, who may call it, and its limits.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServeOptions {
     pub listen: Listen,
     pub token: Option<String>,
@@ -66,6 +70,23 @@ pub struct ServeOptions {
     pub api_keys: Vec<String>,
     /// A llama-swap config's layer: its API and request rewriting.
     pub llama_swap: Option<Arc<llama_swap::layer::Compat>>,
+    /// How to read the config again and apply it (`SIGHUP`, `POST
+    /// /api/reload`); without it, there is nothing to reload.
+    pub reload: Option<reload::ReloadFn>,
+    /// Files whose change reloads the config (`--watch-config`).
+    pub watch_config: Vec<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for ServeOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeOptions")
+            .field("listen", &self.listen)
+            .field("max_body", &self.max_body)
+            .field("allowed_hosts", &self.allowed_hosts)
+            .field("reload", &self.reload.is_some())
+            .field("watch_config", &self.watch_config)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ServeOptions {
@@ -88,6 +109,8 @@ impl ServeOptions {
             test_backends: false,
             api_keys: Vec::new(),
             llama_swap: None,
+            reload: None,
+            watch_config: Vec::new(),
         }
     }
 }
@@ -132,12 +155,17 @@ impl AppState {
 }
 
 /// The router over `supervisor`.
-pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
+pub(crate) fn router(
+    supervisor: Supervisor,
+    options: &ServeOptions,
+    live: Option<&Arc<reload::Live>>,
+) -> Router {
     let state = AppState {
         supervisor,
         max_inputs: options.max_inputs,
         test_backends: options.test_backends,
         llama_swap: options.llama_swap.clone(),
+        live: live.map(Arc::downgrade),
     };
     let tokens = options
         .token
@@ -174,6 +202,7 @@ pub fn router(supervisor: Supervisor, options: &ServeOptions) -> Router {
         .route("/api/models/{name}/unload", post(management::unload))
         .route("/api/models/{name}/swap", post(management::swap))
         .route("/api/models/{name}/infer", post(infer::infer))
+        .route("/api/reload", post(management::reload))
         .route("/metrics", get(metrics))
         .route("/readyz", get(readyz));
     Router::new()
@@ -448,9 +477,24 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
         ));
     }
     let bound = listen::bind(&options.listen).await?;
-    let app = router(supervisor.clone(), &options);
+    // The front door, replaced whole by a reload; each request takes the
+    // one current when it comes.
+    let (app_tx, app) = tokio::sync::watch::channel(Router::new());
+    let live = options
+        .reload
+        .clone()
+        .map(|reload| reload::Live::new(reload, app_tx.clone(), supervisor.clone()));
+    let _ = app_tx.send_replace(router(supervisor.clone(), &options, live.as_ref()));
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    tokio::spawn(signals(stop_tx));
+    tokio::spawn(signals(stop_tx, live.clone()));
+    if let Some(live) = &live
+        && !options.watch_config.is_empty()
+    {
+        tokio::spawn(reload::watch_files(
+            Arc::downgrade(live),
+            options.watch_config.clone(),
+        ));
+    }
     tokio::spawn(crate::heap::run_heap_trimmer());
     tracing::info!("berth serve listening on {}", options.listen);
     supervisor.emit(EventKind::ServerStarted {
@@ -501,17 +545,33 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
 
 /// The first SIGTERM or SIGINT starts the shutdown; a second one kills every
 /// worker's group and exits at once.
-async fn signals(stop: tokio::sync::watch::Sender<bool>) {
+async fn signals(stop: tokio::sync::watch::Sender<bool>, live: Option<Arc<reload::Live>>) {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
     ) else {
-        tracing::error!("cannot install the SIGTERM/SIGINT handlers; stop berth with SIGKILL");
+        tracing::error!(
+            "cannot install the SIGTERM/SIGINT/SIGHUP handlers; stop berth with SIGKILL"
+        );
         // Keep the sender: dropping it would read as a stop.
         std::future::pending::<()>().await;
         return;
     };
+    // SIGHUP reloads the config (its default action would end berth and
+    // every model with it), at any time, draining included.
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            match &live {
+                Some(live) => {
+                    let live = Arc::clone(live);
+                    tokio::spawn(async move { live.reload("SIGHUP").await });
+                }
+                None => tracing::warn!("SIGHUP: no config file to reload; nothing changed"),
+            }
+        }
+    });
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}

@@ -192,11 +192,11 @@ impl Supervisor {
     /// [`plan`]'s; this carries it out.
     pub(super) async fn make_room(&self, model: &str, need: &Need) -> Result<Option<Vec<u32>>> {
         let limits = Limits {
-            budget: self.inner.config.memory_budget,
-            max_loaded: self.inner.config.max_loaded,
+            budget: self.config().memory_budget,
+            max_loaded: self.config().max_loaded,
         };
         // Long enough for a drain and a stop to finish.
-        let room_wait = self.inner.config.drain_timeout + Duration::from_secs(10);
+        let room_wait = self.config().drain_timeout + Duration::from_secs(10);
         let waiting_since = Instant::now();
         loop {
             self.check_running(model)?;
@@ -221,7 +221,7 @@ impl Supervisor {
                         request,
                         devices,
                         *vram,
-                        self.inner.config.gpu_memory_budget,
+                        self.config().gpu_memory_budget,
                         &gpu_holders(&state, model),
                     )),
                     _ => None,

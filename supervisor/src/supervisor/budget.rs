@@ -22,9 +22,9 @@ const EVERY: Duration = Duration::from_secs(1);
 /// The most often "over the budget, nothing idle" is logged.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
-/// Once a second while the supervisor lives: the memory budget (`ram`)
-/// and the per-GPU budget (`gpu`, `gpu_budget.rs`), whichever are set.
-pub(super) async fn budget_watch(inner: Weak<Inner>, ram: Option<u64>, gpu: Option<u64>) {
+/// Once a second while the supervisor lives: the memory budget and the
+/// per-GPU budget (`gpu_budget.rs`), whichever are set then.
+pub(super) async fn budget_watch(inner: Weak<Inner>) {
     let mut ticker = tokio::time::interval(EVERY);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (mut warned_ram, mut warned_gpu): (Option<Instant>, Option<Instant>) = (None, None);
@@ -37,6 +37,9 @@ pub(super) async fn budget_watch(inner: Weak<Inner>, ram: Option<u64>, gpu: Opti
         if supervisor.is_shutting_down() {
             return;
         }
+        // Read at each check: a reload may set or change them.
+        let config = supervisor.config();
+        let (ram, gpu) = (config.memory_budget, config.gpu_memory_budget);
         if let Some(budget) = ram {
             ram_step(&supervisor, budget, &mut warned_ram).await;
         }

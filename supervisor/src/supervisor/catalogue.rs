@@ -11,7 +11,7 @@ impl Supervisor {
     /// Adds a model to the catalogue (or replaces an unloaded one's spec).
     /// It loads on its first request, or with [`Supervisor::load_registered`].
     pub fn register(&self, mut spec: ModelSpec) -> Result<()> {
-        if spec.backend.is_empty() && spec.http_spec(&self.inner.config).is_some() {
+        if spec.backend.is_empty() && spec.http_spec(&self.config()).is_some() {
             spec.backend = crate::child::handle::HTTP_BACKEND.into();
         }
         self.check_spec(&spec)?;
@@ -28,7 +28,7 @@ impl Supervisor {
         // Looked up in the index: bounded work under the lock, whatever
         // the catalogue holds.
         check_names(&state, &spec)?;
-        let max = self.inner.config.max_models;
+        let max = self.config().max_models;
         if !state.catalogue.contains_key(&name) && state.catalogue.len() >= max {
             return Err(Error::CatalogueFull { model: name, max });
         }
@@ -44,7 +44,7 @@ impl Supervisor {
         let entry = Entry::carry_over(
             old,
             spec,
-            self.inner.config.default_keep_alive,
+            self.config().default_keep_alive,
             Change::Register,
         );
         state.catalogue.insert(name.clone(), entry);
@@ -57,8 +57,8 @@ impl Supervisor {
     /// fields and ranges, its worker kind, that its worker program can be
     /// found and offers its backend.
     pub(super) fn check_spec(&self, spec: &ModelSpec) -> Result<()> {
-        spec.validate_for(&self.inner.config)?;
-        let program = crate::child::program::worker_program(spec, &self.inner.config)?;
+        spec.validate_for(&self.config())?;
+        let program = crate::child::program::worker_program(spec, &self.config())?;
         if program.wire == crate::child::program::Wire::Http {
             // A server is not asked for backends; its command is checked
             // for its placeholders (a fixed port's freedom at each start).
@@ -126,39 +126,9 @@ impl Supervisor {
     /// Asks the default worker program, and every declared worker kind,
     /// which backends it offers: what `berth serve` checks before it says
     /// it is listening, so a missing or broken worker is found at start and
-    /// not at the first request.
+    /// not at the first request ([`SupervisorConfig::check_workers`]).
     pub fn check_workers(&self) -> std::result::Result<(), String> {
-        use crate::child::probe::offered_backends;
-        use crate::child::program::{default_program, worker_program};
-        let config = &self.inner.config;
-        let mut programs = vec![default_program(config).map_err(|e| e.to_string())?];
-        for (name, kind) in &config.workers {
-            kind.check(name)?;
-            if kind.http.is_some() {
-                // An HTTP server is not a berth worker: nothing to ask.
-                continue;
-            }
-            let mut spec = ModelSpec::new("check", "any");
-            spec.worker = Some(name.clone());
-            programs.push(worker_program(&spec, config).map_err(|e| e.to_string())?);
-        }
-        for program in programs {
-            if let Err(why) = offered_backends(&program) {
-                let advice = crate::child::handshake::cannot_start(std::slice::from_ref(&why))
-                    .unwrap_or_else(|| {
-                        "a worker program is a berth worker (`berth worker`, `berth-worker`, or \
-                         a binary built on the berth-worker library, a `command` worker built \
-                         on the berth_worker Python package), or a wrapper that execs one \
-                         passing its arguments on"
-                            .into()
-                    });
-                return Err(format!(
-                    "worker program `{program}` did not answer `--backends` with its \
-                     backends: {why}; {advice}"
-                ));
-            }
-        }
-        Ok(())
+        self.config().check_workers()
     }
 
     /// Removes a model from the catalogue, unloading it first if loaded.
@@ -214,7 +184,7 @@ impl Supervisor {
         self.lock()
             .catalogue
             .get(model)
-            .is_some_and(|e| e.spec.http_spec(&self.inner.config).is_some())
+            .is_some_and(|e| e.spec.http_spec(&self.config()).is_some())
     }
 
     /// Every registered model with its state.
@@ -282,5 +252,45 @@ pub(super) fn index_aliases(state: &mut State, model: &str, old: &[String], new:
     }
     for alias in new {
         state.aliases.insert(alias.clone(), model.to_string());
+    }
+}
+
+impl crate::SupervisorConfig {
+    /// Asks the default worker program, and every declared worker kind,
+    /// which backends it offers: what `berth serve` checks before it says
+    /// it is listening, so a missing or broken worker is found at start and
+    /// not at the first request (and at a reload, before anything changes).
+    pub fn check_workers(&self) -> std::result::Result<(), String> {
+        use crate::child::probe::offered_backends;
+        use crate::child::program::{default_program, worker_program};
+        let config = self;
+        let mut programs = vec![default_program(config).map_err(|e| e.to_string())?];
+        for (name, kind) in &config.workers {
+            kind.check(name)?;
+            if kind.http.is_some() {
+                // An HTTP server is not a berth worker: nothing to ask.
+                continue;
+            }
+            let mut spec = ModelSpec::new("check", "any");
+            spec.worker = Some(name.clone());
+            programs.push(worker_program(&spec, config).map_err(|e| e.to_string())?);
+        }
+        for program in programs {
+            if let Err(why) = offered_backends(&program) {
+                let advice = crate::child::handshake::cannot_start(std::slice::from_ref(&why))
+                    .unwrap_or_else(|| {
+                        "a worker program is a berth worker (`berth worker`, `berth-worker`, or \
+                         a binary built on the berth-worker library, a `command` worker built \
+                         on the berth_worker Python package), or a wrapper that execs one \
+                         passing its arguments on"
+                            .into()
+                    });
+                return Err(format!(
+                    "worker program `{program}` did not answer `--backends` with its \
+                     backends: {why}; {advice}"
+                ));
+            }
+        }
+        Ok(())
     }
 }

@@ -48,6 +48,17 @@ pub enum EventKind {
     ServerDraining,
     /// Every worker has stopped; the process exits.
     ServerStopped,
+    /// The config was reloaded (`trigger`: what asked), and what changed.
+    ConfigReloaded {
+        trigger: String,
+        report: crate::server::reload::ReloadReport,
+    },
+    /// A reload was refused (the new config did not read or check):
+    /// nothing changed.
+    ConfigRejected {
+        trigger: String,
+        error: String,
+    },
     Registered {
         model: String,
     },

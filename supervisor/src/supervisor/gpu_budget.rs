@@ -41,7 +41,7 @@ impl Supervisor {
         worker: &Arc<WorkerHandle>,
         gpus: &[u32],
     ) -> Result<()> {
-        let Some(budget) = self.inner.config.gpu_memory_budget else {
+        let Some(budget) = self.config().gpu_memory_budget else {
             return Ok(());
         };
         let model = spec.name.as_str();

@@ -73,7 +73,7 @@ impl Supervisor {
         let chose_ms = choosing.elapsed().as_secs_f64() * 1e3;
         let (worker, mut report) = launch::launch(
             spec,
-            &self.inner.config,
+            &self.config(),
             gpus,
             &|pid| self.note_incoming_pid(model, pid),
             start,
@@ -85,7 +85,7 @@ impl Supervisor {
         if let Some(gpus) = report.gpus.clone()
             && let Err(e) = self.fit_measured(spec, &worker, &gpus).await
         {
-            stop::stop(&worker, self.inner.config.stop_graces).await;
+            stop::stop(&worker, self.config().stop_graces).await;
             return Err(e);
         }
         let installed = install(&mut self.lock(), &worker, &report);
@@ -103,7 +103,7 @@ impl Supervisor {
                 Ok(Some((worker, report, value)))
             }
             None => {
-                stop::stop(&worker, self.inner.config.stop_graces).await;
+                stop::stop(&worker, self.config().stop_graces).await;
                 Ok(None)
             }
         }
@@ -237,7 +237,7 @@ impl Supervisor {
         if !counts_against_the_model(e) {
             return None;
         }
-        let base = self.inner.config.restart_backoff;
+        let base = self.config().restart_backoff;
         let entry = state.catalogue.get_mut(model)?;
         let message = e.to_string();
         match entry.health.load_failed(&message, &entry.spec, base) {
@@ -405,7 +405,7 @@ impl Supervisor {
             }
         };
         self.inner.notify_changed();
-        if !worker.drain(self.inner.config.drain_timeout).await {
+        if !worker.drain(self.config().drain_timeout).await {
             tracing::warn!(
                 model,
                 in_flight = worker.in_flight(),
@@ -416,7 +416,7 @@ impl Supervisor {
             slot.stopping();
         }
         self.inner.notify_changed();
-        let report = stop::stop(&worker, self.inner.config.stop_graces).await;
+        let report = stop::stop(&worker, self.config().stop_graces).await;
         {
             let mut state = self.lock();
             state.slots.remove(model);

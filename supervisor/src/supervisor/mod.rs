@@ -85,7 +85,9 @@ struct Retiring {
 }
 
 struct Inner {
-    config: SupervisorConfig,
+    /// Replaced whole by a reload ([`Supervisor::set_config`]); each use
+    /// reads the one current then.
+    config: std::sync::RwLock<Arc<SupervisorConfig>>,
     state: Mutex<State>,
     /// Woken whenever a slot changes state.
     changed: Notify,
@@ -108,6 +110,10 @@ struct Inner {
 }
 
 impl Inner {
+    fn config(&self) -> Arc<SupervisorConfig> {
+        Arc::clone(&self.config.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// Records an event, and the memory sample a load or unload adds.
     fn emit(&self, what: EventKind) {
         self.history.record(&what);
@@ -158,7 +164,7 @@ impl fmt::Debug for Supervisor {
 impl Supervisor {
     pub fn new(config: SupervisorConfig) -> Self {
         let inner = Arc::new(Inner {
-            config,
+            config: std::sync::RwLock::new(Arc::new(config)),
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             expiry_changed: Arc::default(),
@@ -179,16 +185,50 @@ impl Supervisor {
                 Arc::clone(&inner.expiry_changed),
             ));
             runtime.spawn(history::sampler(Arc::downgrade(&inner)));
-            let (ram, gpu) = (inner.config.memory_budget, inner.config.gpu_memory_budget);
-            if ram.is_some() || gpu.is_some() {
-                runtime.spawn(budget::budget_watch(Arc::downgrade(&inner), ram, gpu));
-            }
+            // The budgets are read at each check: a reload may set them.
+            runtime.spawn(budget::budget_watch(Arc::downgrade(&inner)));
         }
         Supervisor { inner }
     }
 
-    pub fn config(&self) -> &SupervisorConfig {
-        &self.inner.config
+    /// The configuration now (a reload may replace it).
+    pub fn config(&self) -> Arc<SupervisorConfig> {
+        self.inner.config()
+    }
+
+    /// Replaces the configuration: budgets, limits, timeouts, keep-alive
+    /// and worker kinds apply from the next use of each (a load, a stop, the
+    /// next budget check); what runs is left as it is. The preloaded
+    /// interpreter of a worker kind that changed or went is stopped (the
+    /// next load starts one of the new kind); a kind that now preloads at
+    /// start gets its interpreter.
+    pub async fn set_config(&self, config: SupervisorConfig) {
+        let retired = self.replace_config(config).await;
+        for preloader in retired {
+            preloader.stop().await;
+        }
+    }
+
+    /// [`Supervisor::set_config`], handing back the preloaders of the
+    /// kinds that changed or went rather than stopping them: what was
+    /// forked from them runs on until the caller (a reload, once it has
+    /// swapped those models) stops them.
+    pub(crate) async fn replace_config(
+        &self,
+        config: SupervisorConfig,
+    ) -> Vec<Arc<crate::child::preload::Preloader>> {
+        let old = self.config();
+        let changed: Vec<String> = old
+            .workers
+            .iter()
+            .filter(|(name, kind)| config.workers.get(*name) != Some(kind))
+            .map(|(name, _)| name.clone())
+            .collect();
+        *self.inner.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(config);
+        let retired = self.detach_preloaders(&changed).await;
+        self.inner.notify_changed();
+        self.start_preloaders_now();
+        retired
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

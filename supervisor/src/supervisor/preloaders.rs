@@ -107,7 +107,8 @@ impl Supervisor {
     /// How the next worker for `spec` begins: forked from its kind's
     /// preloader (started now if need be), or cold, and then why.
     pub(super) async fn worker_start(&self, spec: &ModelSpec) -> Start {
-        let Some((kind, declared)) = preloading_kind(spec, &self.inner.config.workers) else {
+        let config = self.config();
+        let Some((kind, declared)) = preloading_kind(spec, &config.workers) else {
             return Start::Cold;
         };
         let slot = self.inner.preloaders.slot(kind);
@@ -193,7 +194,7 @@ impl Supervisor {
             &env,
             &declared.preload,
             // Half the load's time: a cold start still has the rest.
-            self.inner.config.load_timeout / 2,
+            self.config().load_timeout / 2,
         )
         .await?;
         self.watch_preloaders();
@@ -203,7 +204,7 @@ impl Supervisor {
     /// Starts the preloaders of the kinds that ask to start with the
     /// supervisor (`preload_at_start`), each in a task of its own.
     pub(super) fn start_preloaders_now(&self) {
-        for (kind, declared) in &self.inner.config.workers {
+        for (kind, declared) in &self.config().workers {
             if declared.preload.is_empty() || !declared.preload_at_start {
                 continue;
             }
@@ -279,8 +280,7 @@ impl Supervisor {
     }
 
     fn keep_alive_of(&self, kind: &str) -> Duration {
-        self.inner
-            .config
+        self.config()
             .workers
             .get(kind)
             .and_then(|k| k.preload_keep_alive)
@@ -315,6 +315,20 @@ impl Supervisor {
         }
     }
 
+    /// Takes the preloaders of `kinds` out of their slots (their next
+    /// start is a new one, with a clean record), for the caller to stop.
+    pub(super) async fn detach_preloaders(&self, kinds: &[String]) -> Vec<Arc<Preloader>> {
+        let mut out = Vec::new();
+        for (kind, slot) in self.inner.preloaders.all() {
+            if kinds.contains(&kind) {
+                let mut slot = slot.lock().await;
+                out.extend(slot.preloader.take());
+                *slot = KindSlot::default();
+            }
+        }
+        out
+    }
+
     /// Stops every preloader (at shutdown, after the workers).
     pub(super) async fn stop_preloaders(&self) {
         for (_, slot) in self.inner.preloaders.all() {
@@ -335,8 +349,7 @@ async fn preloader_reaper(inner: Weak<Inner>) {
         };
         let this = Supervisor { inner: strong };
         let shortest = this
-            .inner
-            .config
+            .config()
             .workers
             .values()
             .filter(|k| !k.preload.is_empty())

@@ -206,7 +206,7 @@ impl Supervisor {
             }
         };
         let give_up = started
-            .checked_add(self.inner.config.load_timeout.saturating_mul(2))
+            .checked_add(self.config().load_timeout.saturating_mul(2))
             .unwrap_or(started + Duration::from_secs(3600));
         while Instant::now() < give_up {
             within(deadline, model, started, self.ensure_loaded(model))

@@ -21,7 +21,7 @@ impl Supervisor {
         mut gate: MutexGuard<'a, ()>,
         swapping_to: Option<&crate::config::ModelSpec>,
     ) -> Result<MutexGuard<'a, ()>> {
-        let config = &self.inner.config;
+        let config = &self.config();
         let deadline = Instant::now() + config.drain_timeout + Duration::from_secs(60);
         loop {
             self.check_running(model)?;

@@ -48,7 +48,7 @@ impl Supervisor {
             let death = worker.death().await;
             if let Some(inner) = inner.upgrade() {
                 if !worker.process().is_stopping() {
-                    crate::child::stop::after_death(&worker, inner.config.stop_graces).await;
+                    crate::child::stop::after_death(&worker, inner.config().stop_graces).await;
                 }
                 Supervisor { inner }.on_death(&model, &worker, &death);
             }
@@ -56,7 +56,7 @@ impl Supervisor {
     }
 
     pub(super) fn on_death(&self, model: &str, worker: &Arc<WorkerHandle>, death: &Death) {
-        let base = self.inner.config.restart_backoff;
+        let base = self.config().restart_backoff;
         let restart = {
             let mut state = self.lock();
             let State {
@@ -272,7 +272,7 @@ impl Supervisor {
                         match entry.health.next_restart(
                             Duration::ZERO,
                             &entry.spec,
-                            self.inner.config.restart_backoff,
+                            self.config().restart_backoff,
                         ) {
                             Some(d) => {
                                 // The next attempt places afresh.

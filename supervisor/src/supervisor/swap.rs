@@ -221,7 +221,7 @@ impl Supervisor {
                     let mut entry = Entry::carry_over(
                         Some(entry),
                         spec,
-                        self.inner.config.default_keep_alive,
+                        self.config().default_keep_alive,
                         Change::Swap,
                     );
                     entry.loaded(load);
@@ -257,14 +257,14 @@ impl Supervisor {
             // Stopped before the new one started.
             Some(unload) => (unload, true),
             None => {
-                if !old.drain(self.inner.config.drain_timeout).await {
+                if !old.drain(self.config().drain_timeout).await {
                     tracing::warn!(
                         model,
                         in_flight = old.in_flight(),
                         "old worker missed the drain deadline"
                     );
                 }
-                let unload = stop::stop(&old, self.inner.config.stop_graces).await;
+                let unload = stop::stop(&old, self.config().stop_graces).await;
                 {
                     let mut state = self.lock();
                     state.retiring.remove(&old.pid());
@@ -312,7 +312,8 @@ impl Supervisor {
     /// fixed port `spec`'s server is to listen on (or one a server that
     /// chooses its own port likely chooses too).
     fn fixed_port_held(&self, model: &str, spec: &ModelSpec) -> Option<Arc<WorkerHandle>> {
-        let http = spec.http_spec(&self.inner.config)?;
+        let config = self.config();
+        let http = spec.http_spec(&config)?;
         let state = self.lock();
         let worker = state.slots.get(model)?.worker.clone()?;
         match worker.upstream_server()?.address() {
@@ -338,14 +339,14 @@ impl Supervisor {
             pid = old.pid(),
             "its server listens on a fixed port: stopping the old one before the new one starts"
         );
-        if !old.drain(self.inner.config.drain_timeout).await {
+        if !old.drain(self.config().drain_timeout).await {
             tracing::warn!(
                 model,
                 in_flight = old.in_flight(),
                 "old worker missed the drain deadline"
             );
         }
-        let unload = stop::stop(old, self.inner.config.stop_graces).await;
+        let unload = stop::stop(old, self.config().stop_graces).await;
         if let Some(entry) = self.lock().catalogue.get(model) {
             entry.counters.record_unload(&unload);
         }

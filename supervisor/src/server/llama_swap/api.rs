@@ -112,7 +112,7 @@ fn running(app: &AppState, compat: &Compat) -> Response {
             .and_then(|k| k.command.as_ref())
             .map(|c| c.join(" "))
             .unwrap_or_default();
-        let proxy = match spec.http_spec(config).and_then(|h| h.port) {
+        let proxy = match spec.http_spec(&config).and_then(|h| h.port) {
             Some(port) => format!("http://127.0.0.1:{port}"),
             None => "http://127.0.0.1:${PORT}".into(),
         };
