@@ -189,8 +189,15 @@ fn reloader(
             .await
             .map_err(|e| format!("the reload's reading of the files failed: {e}"))??;
             let (config, token) = config;
+            let options = front_door(&config, listen.clone(), token, llama_swap.as_mut());
+            if !listen.is_private() && options.token.is_none() && options.api_keys.is_empty() {
+                return Err(format!(
+                    "the new config has no token, and berth listens on {listen}: anyone who \
+                     could reach it could run models; keep a token (or restart berth on \
+                     127.0.0.1)"
+                ));
+            }
             let report = berth::server::reload::apply(&supervisor, &applied, &config, new).await;
-            let options = front_door(&config, listen, token, llama_swap.as_mut());
             *applied = config;
             Ok((report, options))
         })

@@ -126,7 +126,7 @@ impl Supervisor {
     /// Asks the default worker program, and every declared worker kind,
     /// which backends it offers: what `berth serve` checks before it says
     /// it is listening, so a missing or broken worker is found at start and
-    /// not at the first request ([`SupervisorConfig::check_workers`]).
+    /// not at the first request ([`crate::SupervisorConfig::check_workers`]).
     pub fn check_workers(&self) -> std::result::Result<(), String> {
         self.config().check_workers()
     }
