@@ -34,18 +34,14 @@ pub fn podman() -> PathBuf {
 /// as its entrypoint, its arguments the container's.
 pub fn test_image() -> String {
     let podman = podman();
-    let files = [
+    let files = vec![
         repo_root().join("tests/python/fake_upstream.py"),
         repo_root().join("tests/python/container_rootfs.py"),
     ];
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for file in &files {
-        for b in std::fs::read(file).expect("the image's files") {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    let tag = format!("localhost/berth-test-server:{h:016x}");
+    let tag = format!(
+        "localhost/berth-test-server:{}",
+        crate::python::digest(&files)
+    );
     let lock = std::fs::File::create(crate::target_dir().join("podman-image.lock"))
         .expect("the image lock");
     let held = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)

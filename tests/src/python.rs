@@ -19,7 +19,7 @@ pub fn repo_root() -> PathBuf {
 }
 
 /// A stable digest of some files' contents (FNV-1a; only change matters).
-fn digest(files: &[PathBuf]) -> String {
+pub(crate) fn digest(files: &[PathBuf]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for file in files {
         let bytes = std::fs::read(file).unwrap_or_default();

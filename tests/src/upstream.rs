@@ -80,3 +80,46 @@ pub fn llamacpp_model(name: &str) -> String {
         default_model("smollm2").display()
     )
 }
+
+/// `clients` clients streaming chat completions from `model` (`chunks`
+/// pieces, 20 ms apart, each answer whole and error-free) while `during` runs:
+/// what `during` gave, the failures (status and answer) and how many were
+/// sent.
+pub fn streaming_while<R>(
+    server: &Server,
+    model: &str,
+    (clients, chunks): (usize, u32),
+    during: impl FnOnce() -> R,
+) -> (R, Vec<String>, usize) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let _stop = crate::StopOnDrop(&stop);
+        let clients: Vec<_> = (0..clients)
+            .map(|_| {
+                scope.spawn(|| {
+                    let (mut failed, mut sent) = (Vec::new(), 0);
+                    while !stop.load(Ordering::Relaxed) {
+                        sent += 1;
+                        let (status, text) = server.post_text(
+                            "/v1/chat/completions",
+                            serde_json::json!({"model": model, "stream": true, "chunks": chunks, "interval_ms": 20}),
+                        );
+                        if status != 200 || !text.contains("[DONE]") || text.contains("error") {
+                            failed.push(format!("{status}: {text}"));
+                        }
+                    }
+                    (failed, sent)
+                })
+            })
+            .collect();
+        let out = during();
+        stop.store(true, Ordering::Relaxed);
+        let (failed, sent) = clients.into_iter().fold((Vec::new(), 0), |(mut f, n), c| {
+            let (failed, sent) = c.join().unwrap();
+            f.extend(failed);
+            (f, n + sent)
+        });
+        (out, failed, sent)
+    })
+}

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use berth_tests::podman::{command_config, config, containers, podman};
-use berth_tests::upstream::ps_of;
+use berth_tests::upstream::{ps_of, streaming_while};
 use berth_tests::*;
 use serde_json::json;
 
@@ -115,36 +115,10 @@ fn a_swap_under_load_fails_no_request_and_leaves_one_container() {
     let before = containers("swapped");
     let (_, catalogue) = server.get("/api/models");
     let spec = catalogue["models"][0]["spec"].clone();
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let (failures, total) = std::thread::scope(|scope| {
-        let _stop = StopOnDrop(&stop);
-        let clients: Vec<_> = (0..3)
-            .map(|_| {
-                scope.spawn(|| {
-                    let (mut failed, mut sent) = (Vec::new(), 0);
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        sent += 1;
-                        let (status, text) = server.post_text(
-                            "/v1/chat/completions",
-                            json!({"model": "swapped", "stream": true, "chunks": 4, "interval_ms": 20}),
-                        );
-                        if status != 200 || !text.contains("[DONE]") {
-                            failed.push(format!("{status}: {text}"));
-                        }
-                    }
-                    (failed, sent)
-                })
-            })
-            .collect();
+    let ((), failures, total) = streaming_while(&server, "swapped", (3, 4), || {
         let (status, reply) = server.post("/api/models/swapped/swap", spec.clone());
         assert_eq!(status, 200, "{reply}");
         assert_ne!(reply["old_pid"], reply["new_pid"]);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        clients.into_iter().fold((Vec::new(), 0), |(mut f, n), c| {
-            let (failed, sent) = c.join().unwrap();
-            f.extend(failed);
-            (f, n + sent)
-        })
     });
     assert!(total > 3, "{total} requests");
     assert!(

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use berth_tests::upstream::{config, marked_with_the_mark_of, ps_of};
+use berth_tests::upstream::{config, marked_with_the_mark_of, ps_of, streaming_while};
 use berth_tests::*;
 use serde_json::json;
 
@@ -240,38 +240,12 @@ fn swaps_under_load_fail_no_request() {
     let first = ps_of(&server, "fake")["pid"].as_u64().unwrap();
     let (_, catalogue) = server.get("/api/models");
     let spec = catalogue["models"][0]["spec"].clone();
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let (failures, total) = std::thread::scope(|scope| {
-        let _stop = StopOnDrop(&stop);
-        let clients: Vec<_> = (0..4)
-            .map(|_| {
-                scope.spawn(|| {
-                    let (mut failed, mut sent) = (Vec::new(), 0);
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        sent += 1;
-                        let (status, text) = server.post_text(
-                            "/v1/chat/completions",
-                            json!({"model": "fake", "stream": true, "chunks": 5, "interval_ms": 20}),
-                        );
-                        if status != 200 || !text.contains("[DONE]") || text.contains("error") {
-                            failed.push(format!("{status}: {text}"));
-                        }
-                    }
-                    (failed, sent)
-                })
-            })
-            .collect();
+    let ((), failures, total) = streaming_while(&server, "fake", (4, 5), || {
         for _ in 0..3 {
             let (status, reply) = server.post("/api/models/fake/swap", spec.clone());
             assert_eq!(status, 200, "{reply}");
             assert_ne!(reply["old_pid"], reply["new_pid"]);
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        clients.into_iter().fold((Vec::new(), 0), |(mut f, n), c| {
-            let (failed, sent) = c.join().unwrap();
-            f.extend(failed);
-            (f, n + sent)
-        })
     });
     assert!(total > 4, "{total} requests");
     assert!(
