@@ -118,7 +118,7 @@ fn receive(socket: &UnixDatagram, want: &str) -> String {
 }
 
 #[test]
-fn berth_tells_the_service_manager_when_it_is_ready_and_when_it_stops() {
+fn berth_tells_the_service_manager_when_it_is_ready_reloading_and_stopping() {
     let dir = std::env::temp_dir().join(format!("berth-notify-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("notify.sock");
@@ -144,6 +144,16 @@ fn berth_tells_the_service_manager_when_it_is_ready_and_when_it_stops() {
     // The watchdog is petted at half of WATCHDOG_USEC.
     receive(&socket, "WATCHDOG=1");
     receive(&socket, "WATCHDOG=1");
+    // SIGHUP (`ExecReload=`): a reload, framed as systemd's notify-reload
+    // asks, then ready again.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.pid() as i32),
+        nix::sys::signal::Signal::SIGHUP,
+    );
+    let reloading = receive(&socket, "RELOADING=1");
+    assert!(reloading.contains("MONOTONIC_USEC="), "{reloading}");
+    let ready = receive(&socket, "READY=1");
+    assert!(ready.contains("STATUS=serving"), "{ready}");
     // SIGTERM: it says it is stopping, then exits 0.
     let pid = server.pid();
     let status = {

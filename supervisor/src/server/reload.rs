@@ -196,7 +196,15 @@ impl Live {
     /// (`SIGHUP`, `POST /api/reload`, a file's change).
     pub(crate) async fn reload(self: &Arc<Self>, trigger: &str) -> Result<ReloadReport, String> {
         let _one = self.one_at_a_time.lock().await;
-        match (self.reload)().await {
+        // The service manager is told a reload runs, then that it is over
+        // (systemd's `Type=notify-reload` waits for both).
+        crate::server::notify::notify(&format!(
+            "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=reloading the config ({trigger})",
+            monotonic_usec()
+        ));
+        let reloaded = (self.reload)().await;
+        crate::server::notify::notify("READY=1\nSTATUS=serving");
+        match reloaded {
             Ok((report, mut options)) => {
                 options.reload = Some(Arc::clone(&self.reload));
                 let _ =
@@ -224,6 +232,18 @@ impl Live {
             }
         }
     }
+}
+
+/// `CLOCK_MONOTONIC` now, in microseconds (what `RELOADING=1` is sent
+/// with).
+fn monotonic_usec() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the struct we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
 }
 
 /// Reloads when one of `files` changes (its size or modification time,
