@@ -46,13 +46,22 @@ pub fn ensure(
             install.push("--no-install-recommends");
         }
         install.extend_from_slice(packages);
-        for args in [&["update", "-qq"][..], &install[..]] {
+        // One `apt-get update` a run of the tests, whichever test asks first.
+        let updated = crate::target_dir().join("apt-updated");
+        let fresh = std::fs::metadata(&updated)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age.as_secs() < 3600));
+        let update: &[&str] = if fresh { &[] } else { &["update", "-qq"] };
+        for args in [update, &install[..]].into_iter().filter(|a| !a.is_empty()) {
             let status = Command::new("apt-get")
                 .args(args)
                 .env("DEBIAN_FRONTEND", "noninteractive")
                 .status()
                 .expect("apt-get runs");
             assert!(status.success(), "apt-get {args:?} failed: {status}");
+            if args == update {
+                let _ = std::fs::write(&updated, "");
+            }
         }
     }
     drop(held);
