@@ -90,7 +90,11 @@ pub(crate) fn venv_built(
         );
     }
     let req_files: Vec<PathBuf> = requirements.iter().map(|r| root.join(r)).collect();
-    let req_stamp = digest(&req_files);
+    // The build's environment is part of what the venv is made from.
+    let mut req_stamp = digest(&req_files);
+    for (name, value) in build {
+        req_stamp.push_str(&format!(" {name}={value}"));
+    }
     let stamp_file = dir.join(".berth-requirements");
     if std::fs::read_to_string(&stamp_file).ok().as_deref() != Some(req_stamp.as_str()) {
         let _ = std::fs::remove_dir_all(&dir);
@@ -205,7 +209,10 @@ pub fn deploy_python() -> PathBuf {
 /// built from source by pip the first time, and the OpenAI client).
 /// llama.cpp is built for any x86-64 CPU (`GGML_NATIVE=OFF`): built for
 /// the machine's own (AVX-512 and AMX on an Intel Xeon VM here), its
-/// server died of SIGSEGV at its first request.
+/// server died of SIGSEGV at its first request. Without its multimodal
+/// library (`LLAVA_BUILD=OFF`: the tests serve text models, and
+/// llama-cpp-python loads it only for an image chat handler), which is a
+/// large part of the build's time.
 pub fn llamacpp_python() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
     PYTHON
@@ -214,7 +221,7 @@ pub fn llamacpp_python() -> PathBuf {
                 "python-llamacpp-venv",
                 &["tests/python/requirements-llamacpp.txt"],
                 false,
-                &[("CMAKE_ARGS", "-DGGML_NATIVE=OFF")],
+                &[("CMAKE_ARGS", "-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF")],
             )
         })
         .clone()

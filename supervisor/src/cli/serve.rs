@@ -95,6 +95,10 @@ fn front_door(
 }
 
 async fn start(args: ServeArgs) -> Result<(), String> {
+    let has_files = args.config.is_some() || args.llama_swap.is_some();
+    if args.watch_config && !has_files {
+        return Err("--watch-config needs a config file (--config or --llama-swap)".into());
+    }
     let (config, mut llama_swap) = read_files(&args)?;
     let listen = Listen::parse(
         args.listen
@@ -118,7 +122,6 @@ async fn start(args: ServeArgs) -> Result<(), String> {
     supervisor
         .check_workers()
         .map_err(|e| format!("cannot start workers: {e}"))?;
-    let has_files = args.config.is_some() || args.llama_swap.is_some();
     let models = if has_files {
         config.models.clone()
     } else {
@@ -142,8 +145,6 @@ async fn start(args: ServeArgs) -> Result<(), String> {
                 .cloned()
                 .collect();
         }
-    } else if args.watch_config {
-        return Err("--watch-config needs a config file (--config or --llama-swap)".into());
     }
     if let Some(migrated) = llama_swap {
         // `hooks.on_startup.preload`: one after another, in the
