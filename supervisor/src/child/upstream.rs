@@ -357,12 +357,27 @@ impl Upstream {
     /// read; the connection goes back to the pool once the body is read to
     /// its end, and is closed if the body is dropped before (a client that
     /// went away: the server sees its request end).
+    ///
+    /// A request written into a pooled connection that the server closed
+    /// without a byte of answer (it closed the idle connection as the
+    /// request came: uvicorn's keep-alive) is sent again, once, on a new
+    /// connection: the server never read it.
     pub(crate) async fn send(
         self: &Arc<Self>,
-        request: Request<Body>,
+        request: Request<axum::body::Bytes>,
     ) -> Result<Response<PooledBody>, RelayError> {
+        let (parts, bytes) = request.into_parts();
+        let again = || {
+            let mut request = Request::new(Body::from(bytes.clone()));
+            *request.method_mut() = parts.method.clone();
+            *request.uri_mut() = parts.uri.clone();
+            *request.version_mut() = parts.version;
+            *request.headers_mut() = parts.headers.clone();
+            request
+        };
         let mut conn = self.checkout().await.map_err(RelayError::Connect)?;
-        let mut request = request;
+        let mut request = again();
+        let mut resent = false;
         let response = loop {
             let reused = conn.idle_since.is_some();
             if reused {
@@ -388,6 +403,11 @@ impl Upstream {
                     match e.take_message() {
                         Some(unsent) if reused => {
                             request = unsent;
+                            conn = self.connect().await.map_err(RelayError::Connect)?;
+                        }
+                        None if reused && !resent && e.error().is_incomplete_message() => {
+                            resent = true;
+                            request = again();
                             conn = self.connect().await.map_err(RelayError::Connect)?;
                         }
                         _ => return Err(RelayError::Http(e.into_error())),

@@ -149,7 +149,7 @@ pub(crate) async fn relay(
     let mut request = axum::http::Request::builder()
         .method(method.clone())
         .uri(path)
-        .body(Body::from(body))
+        .body(body)
         .expect("a method and path from a request are valid");
     for (name, value) in headers {
         if !NOT_PASSED.contains(&name.as_str()) {
