@@ -337,13 +337,17 @@ impl Host {
         Host {
             cgroup_v2: crate::child::limits::cgroup_version()
                 == Some(crate::base::CapMechanism::CgroupV2),
-            runc: std::env::var_os("PATH").is_some_and(|path| {
-                std::env::split_paths(&path).any(|dir| dir.join("runc").is_file())
-            }),
+            runc: on_path("runc"),
             nofile: hard(libc::RLIMIT_NOFILE),
             nproc,
         }
     }
+}
+
+/// Whether `program` is on the PATH.
+pub fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
 }
 
 /// What the engine said of a container after its removal.

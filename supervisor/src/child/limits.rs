@@ -136,6 +136,14 @@ fn own_cgroup_v2() -> Option<PathBuf> {
     Some(Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/')))
 }
 
+/// The folder of the hierarchy workers' cgroups of `version` are made in.
+fn hierarchy_root(version: CapMechanism) -> &'static Path {
+    match version {
+        CapMechanism::CgroupV2 => Path::new("/sys/fs/cgroup"),
+        _ => Path::new("/sys/fs/cgroup/memory"),
+    }
+}
+
 /// The cgroup version workers' cgroups are made in, if any can be.
 pub(crate) fn cgroup_version() -> Option<CapMechanism> {
     if cgroups_off() {
@@ -225,10 +233,7 @@ impl Cgroup {
     /// Its path within its hierarchy (`/process_api/x/berth/m-1-2`), as a
     /// container engine's `--cgroup-parent` takes it.
     pub fn path_in_hierarchy(&self) -> String {
-        let root = match self.version {
-            CapMechanism::CgroupV2 => Path::new("/sys/fs/cgroup"),
-            _ => Path::new("/sys/fs/cgroup/memory"),
-        };
+        let root = hierarchy_root(self.version);
         let inner = self.dir.strip_prefix(root).unwrap_or(&self.dir);
         format!("/{}", inner.display())
     }
@@ -339,10 +344,7 @@ pub(crate) fn remove_cgroup(dir: &Path) -> bool {
 /// are made in (as [`Cgroup::path_in_hierarchy`] gives it).
 pub(crate) fn worker_cgroup_at(path: &str) -> Option<PathBuf> {
     let (version, _) = cgroup_base()?;
-    let root = match version {
-        CapMechanism::CgroupV2 => Path::new("/sys/fs/cgroup"),
-        _ => Path::new("/sys/fs/cgroup/memory"),
-    };
+    let root = hierarchy_root(version);
     let path = path.trim_start_matches('/');
     (!path.is_empty()).then(|| root.join(path))
 }
@@ -353,10 +355,7 @@ pub(crate) fn worker_cgroup_at(path: &str) -> Option<PathBuf> {
 /// left behind.
 pub(crate) fn is_worker_cgroup(dir: &Path) -> Option<CapMechanism> {
     let (version, _) = cgroup_base()?;
-    let under = match version {
-        CapMechanism::CgroupV2 => Path::new("/sys/fs/cgroup"),
-        _ => Path::new("/sys/fs/cgroup/memory"),
-    };
+    let under = hierarchy_root(version);
     let parent = dir.parent()?;
     let named = dir
         .file_name()?

@@ -31,7 +31,7 @@ pub async fn run(args: ReapArgs) -> ExitCode {
     if engines.is_empty() {
         engines = ["podman", "docker"]
             .into_iter()
-            .filter(|e| on_path(e))
+            .filter(|e| berth::child::container::on_path(e))
             .map(String::from)
             .collect();
     }
@@ -73,9 +73,4 @@ pub async fn sweep_engines(engines: &[String]) -> bool {
         }
     }
     ok
-}
-
-fn on_path(program: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
 }
