@@ -30,6 +30,7 @@ mod report;
 pub mod server;
 mod supervisor;
 mod units;
+pub mod upgrade;
 
 pub use base::{CapMechanism, KillCause, StopGraces};
 pub use berth_protocol as protocol;

@@ -3,5 +3,11 @@
 mod cli;
 
 fn main() -> std::process::ExitCode {
-    cli::main()
+    if cli::is_worker_role() {
+        return cli::main();
+    }
+    // Workers are forked, and an in-place upgrade execs, from this (the
+    // main) thread, the one that lives as long as the process: see
+    // `berth::child::spawn::main_thread_spawns`.
+    berth::child::spawn::main_thread_spawns(cli::main)
 }

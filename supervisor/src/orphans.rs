@@ -161,6 +161,11 @@ pub(crate) fn unregister(pid: u32) {
     persist();
 }
 
+/// The state file this process keeps, once it has one.
+pub fn state_file() -> Option<&'static Path> {
+    STATE_FILE.get().map(PathBuf::as_path)
+}
+
 /// Pids of this process's live workers.
 pub fn live_pids() -> Vec<u32> {
     live().keys().copied().collect()
@@ -367,6 +372,13 @@ pub fn reap_strays(which: Strays) -> usize {
 /// previous supervisor recorded there and left running, then keeps the file
 /// up to date. Returns how many processes were stopped.
 pub fn use_state_file(path: &Path) -> Result<usize, String> {
+    use_state_file_keeping(path, &[])
+}
+
+/// [`use_state_file`], leaving alone the workers in `keep` (those an
+/// in-place upgrade hands over: this process's own children, named in the
+/// state file it wrote before its exec).
+pub fn use_state_file_keeping(path: &Path, keep: &[u32]) -> Result<usize, String> {
     // Checked before anything is created or locked: a path that is not a
     // state file of berth's is refused and left as it is.
     trusted_state_file(path)?;
@@ -376,7 +388,9 @@ pub fn use_state_file(path: &Path) -> Result<usize, String> {
     }
     lock_state_file(path)?;
     let previous = trusted_state_file(path)?;
-    let stopped = previous.as_ref().map_or(0, stop_leftovers);
+    let stopped = previous
+        .as_ref()
+        .map_or(0, |previous| stop_leftovers(previous, keep));
     STATE_FILE
         .set(path.to_path_buf())
         .map_err(|_| "a state file is already in use".to_string())?;
@@ -436,7 +450,7 @@ fn trusted_state_file(path: &Path) -> Result<Option<StateFile>, String> {
     }
 }
 
-fn stop_leftovers(previous: &StateFile) -> usize {
+fn stop_leftovers(previous: &StateFile, keep: &[u32]) -> usize {
     if previous.boot_id != boot_id() {
         return 0; // another boot: every pid in it is gone or someone else's
     }
@@ -460,7 +474,7 @@ fn stop_leftovers(previous: &StateFile) -> usize {
         .filter_map(|p| p.stat().ok())
         .collect();
     let own_group = nix::unistd::getpgrp().as_raw() as u32;
-    for record in &previous.workers {
+    for record in previous.workers.iter().filter(|r| !keep.contains(&r.pid)) {
         let Some(leader_alive) = is_provably_ours(record, own_group, &stats) else {
             continue;
         };
@@ -493,7 +507,7 @@ fn stop_leftovers(previous: &StateFile) -> usize {
         }
         stopped += members.len();
     }
-    for record in &previous.workers {
+    for record in previous.workers.iter().filter(|r| !keep.contains(&r.pid)) {
         if is_provably_ours(record, own_group, &stats).is_none() {
             continue;
         }

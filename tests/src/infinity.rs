@@ -32,13 +32,7 @@ pub struct Infinity {
 pub fn infinity_python() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
     PYTHON
-        .get_or_init(|| {
-            crate::python::venv(
-                "python-infinity-venv",
-                &["tests/python/requirements-infinity.txt"],
-                false,
-            )
-        })
+        .get_or_init(|| crate::python::venv("python-infinity-venv"))
         .clone()
 }
 

@@ -44,8 +44,8 @@ pub(crate) const SPLIT: &str = "{cgroups=split}";
 /// How long an engine command may take before berth gives up on it.
 const ENGINE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// One start of a container.
-#[derive(Debug)]
+/// One start of a container (an in-place upgrade hands it over whole).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Container {
     pub engine: Engine,
     /// Its listener is a process in the model's cgroup: the server's own

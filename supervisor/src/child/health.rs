@@ -9,6 +9,7 @@
 //! any crash.
 
 use std::sync::Weak;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::base::KillCause;
@@ -36,6 +37,22 @@ pub(crate) fn aligned(interval: Duration) -> tokio::time::Instant {
     (epoch + offset).into()
 }
 
+/// Heartbeats are held (an in-place upgrade's handover: no ping may be
+/// answered into a wire while it changes hands).
+static PAUSED: AtomicBool = AtomicBool::new(false);
+/// Pings sent and not yet answered or given up, all workers together.
+static OUTSTANDING: AtomicUsize = AtomicUsize::new(0);
+
+/// Holds (or resumes) every worker's heartbeats.
+pub(crate) fn pause(paused: bool) {
+    PAUSED.store(paused, Ordering::SeqCst);
+}
+
+/// Pings still waiting for their pong.
+pub(crate) fn outstanding() -> usize {
+    OUTSTANDING.load(Ordering::SeqCst)
+}
+
 /// Starts the heartbeat task. It ends when the worker dies or its handle is dropped.
 pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
     tokio::spawn(async move {
@@ -52,12 +69,18 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
             if !worker.is_alive() || worker.process().is_stopping() {
                 return;
             }
+            if PAUSED.load(Ordering::SeqCst) {
+                continue;
+            }
             // RSS alone (one `statm` read) keeps admission's budget fresh;
             // the full reading (smaps_rollup, status) is taken when asked
             // for, by `ps` or an unload.
             worker.sample_rss();
             let asked = Instant::now();
-            let stats = match worker.heartbeat(policy.heartbeat_timeout).await {
+            OUTSTANDING.fetch_add(1, Ordering::SeqCst);
+            let answer = worker.heartbeat(policy.heartbeat_timeout).await;
+            OUTSTANDING.fetch_sub(1, Ordering::SeqCst);
+            let stats = match answer {
                 Ok(stats) => Some(stats),
                 Err(why) => {
                     // A worker that died (a crash, a kill from outside)

@@ -18,7 +18,7 @@ use crate::child::process::ProcessWatch;
 use crate::child::program::{Wire, WorkerProgram, worker_program};
 use crate::child::spawn::Connect;
 use crate::child::start::{Start, Started, start_process};
-use crate::child::{container, health, stop, stream, upstream};
+use crate::child::{container, health, link, stop, stream, upstream};
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
@@ -128,6 +128,8 @@ async fn start_and_load(
     let mut listening = listen()?;
     let mut start = start;
     let program_line = program.to_string();
+    // The stream wire's socket, as an in-place upgrade hands it over.
+    let mut stream_copy = None;
     // A forked worker that fails before its hello (its setup in the fork:
     // a folder, a cgroup) is started again cold: no load fails for a
     // preloader's sake.
@@ -165,6 +167,7 @@ async fn start_and_load(
             }
             Listening::Stream(ours, theirs) => {
                 drop(theirs);
+                stream_copy = ours.try_clone().ok();
                 let (reader, writer) =
                     stream::connect(ours).map_err(io_error("cannot watch the worker's socket"))?;
                 handshake::accept_stream(
@@ -207,11 +210,24 @@ async fn start_and_load(
     let pid = process.pid();
     let spawn_ms = ms(started.elapsed());
     let backends = accepted.2.backends.clone();
+    let (events, link, hello) = accepted;
+    let (events, wire_fds) = match link::keep_for_handover(events, stream_copy) {
+        Ok(kept) => kept,
+        Err(source) => {
+            kill_and_reap(&process).await;
+            return Err(Error::Io {
+                model: model.into(),
+                what: "cannot set the worker's wire aside for in-place upgrades",
+                source,
+            });
+        }
+    };
     let handle = WorkerHandle::new(
         model,
         &spec.backend,
         Arc::clone(&process),
-        accepted,
+        (events, link, hello),
+        wire_fds,
         started,
         (config.max_response, config.answer_spin),
     )?;

@@ -157,7 +157,48 @@ fn cgroups_off() -> bool {
     std::env::var_os("BERTH_NO_CGROUPS").is_some_and(|v| v == "1")
 }
 
+/// A cgroup as an in-place upgrade hands it over.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(crate) struct HandedCgroup {
+    pub dir: PathBuf,
+    pub version: CapMechanism,
+}
+
+/// A memory cap as an in-place upgrade hands it over.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(crate) struct HandedCap {
+    pub limit: u64,
+    pub mechanism: CapMechanism,
+    pub cgroup: Option<HandedCgroup>,
+}
+
 impl Cgroup {
+    /// What an in-place upgrade hands over of it.
+    pub(crate) fn handed(&self) -> HandedCgroup {
+        HandedCgroup {
+            dir: self.dir.clone(),
+            version: self.version,
+        }
+    }
+
+    /// The cgroup a predecessor of this process (an in-place upgrade)
+    /// created; removed once empty, as one created here.
+    pub(crate) fn taken_over(handed: HandedCgroup) -> Result<Cgroup, String> {
+        let procs = CString::new(
+            handed
+                .dir
+                .join("cgroup.procs")
+                .into_os_string()
+                .into_encoded_bytes(),
+        )
+        .map_err(|_| "a cgroup path with a NUL byte".to_string())?;
+        Ok(Cgroup {
+            dir: handed.dir,
+            procs,
+            version: handed.version,
+        })
+    }
+
     /// A new cgroup for a worker of `model` about to start, capped at
     /// `limit` bytes if given.
     pub fn create(model: &str, limit: Option<u64>) -> Result<Cgroup, String> {
@@ -373,6 +414,24 @@ pub(crate) fn is_worker_cgroup(dir: &Path) -> Option<CapMechanism> {
 }
 
 impl MemoryCap {
+    /// What an in-place upgrade hands over of it.
+    pub(crate) fn handed(&self) -> HandedCap {
+        HandedCap {
+            limit: self.limit,
+            mechanism: self.mechanism,
+            cgroup: self.cgroup.as_ref().map(Cgroup::handed),
+        }
+    }
+
+    /// The cap a predecessor of this process (an in-place upgrade) set.
+    pub(crate) fn taken_over(handed: HandedCap) -> Result<MemoryCap, String> {
+        Ok(MemoryCap {
+            limit: handed.limit,
+            mechanism: handed.mechanism,
+            cgroup: handed.cgroup.map(Cgroup::taken_over).transpose()?,
+        })
+    }
+
     /// A cap of `limit` bytes for a worker about to start.
     pub fn prepare(model: &str, limit: u64) -> MemoryCap {
         match Cgroup::create(model, Some(limit)) {

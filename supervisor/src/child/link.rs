@@ -6,7 +6,10 @@
 use berth_protocol::{Body, Bulk, Command, Event};
 use ipc_channel::ipc::{IpcReceiver, IpcSender, IpcSharedMemory};
 
+use std::os::fd::{AsFd, OwnedFd};
+
 use crate::child::stream::{SendError, StreamReader, StreamWriter};
+use crate::upgrade::ipc::Captured;
 
 /// Where commands go.
 #[derive(Debug, Clone)]
@@ -23,6 +26,46 @@ pub(crate) enum Link {
 pub(crate) enum Events {
     Ipc(IpcReceiver<Event>),
     Stream(StreamReader),
+}
+
+/// What of a worker's wire an in-place upgrade hands over
+/// (`crate::upgrade`), kept aside close-on-exec while the worker runs: the
+/// reader owns the live endpoint, and exec ends the reader.
+#[derive(Debug, Default)]
+pub(crate) struct WireFds {
+    /// `ipc-channel`: the events receiver, as captured.
+    pub events: Option<Captured>,
+    /// The stream wire: a copy of the socket.
+    pub socket: Option<OwnedFd>,
+}
+
+/// Sets a handover's copy aside from `events`, and returns the events to
+/// read: an `ipc-channel` receiver captured and rebuilt (`upgrade::ipc`),
+/// or the stream wire's `socket` as it is.
+pub(crate) fn keep_for_handover(
+    events: Events,
+    socket: Option<OwnedFd>,
+) -> std::io::Result<(Events, WireFds)> {
+    match events {
+        Events::Ipc(receiver) => {
+            let captured = crate::upgrade::ipc::capture(receiver)?;
+            let receiver = crate::upgrade::ipc::rebuild(&captured.packet, captured.fd.as_fd())?;
+            Ok((
+                Events::Ipc(receiver),
+                WireFds {
+                    events: Some(captured),
+                    socket: None,
+                },
+            ))
+        }
+        Events::Stream(reader) => Ok((
+            Events::Stream(reader),
+            WireFds {
+                events: None,
+                socket,
+            },
+        )),
+    }
 }
 
 /// What a worker said about itself in its hello, on either wire.

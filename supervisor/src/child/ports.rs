@@ -38,6 +38,37 @@ impl Reserved {
     }
 }
 
+impl Reserved {
+    /// What a server handed over by an in-place upgrade holds: its port
+    /// (kept from other servers again) or its socket's folder (removed
+    /// with it).
+    pub(crate) fn taken_over(address: &super::upstream::Address) -> Reserved {
+        match address {
+            super::upstream::Address::Tcp(addr) => {
+                let port = addr.port();
+                IN_USE
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(port);
+                Reserved {
+                    port: Some(port),
+                    dir: None,
+                }
+            }
+            super::upstream::Address::Unix(path) => Reserved {
+                port: None,
+                dir: path
+                    .parent()
+                    .filter(|d| {
+                        d.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with("berth-"))
+                    })
+                    .map(std::path::Path::to_path_buf),
+            },
+        }
+    }
+}
+
 impl Drop for Reserved {
     fn drop(&mut self) {
         if let Some(port) = self.port {

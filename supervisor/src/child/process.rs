@@ -50,6 +50,9 @@ pub(crate) struct ProcessWatch {
     stopping: std::sync::atomic::AtomicBool,
     /// How it began: started cold, or forked from a preloaded interpreter.
     start: WorkerStart,
+    /// Copies of the read ends of its stdout and stderr, which an in-place
+    /// upgrade hands over (the readers own the live ones).
+    output_fds: Option<(OwnedFd, OwnedFd)>,
 }
 
 impl ProcessWatch {
@@ -112,6 +115,14 @@ impl ProcessWatch {
     ) -> Self {
         let stderr = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
         let (closed_tx, stderr_closed) = watch::channel(false);
+        let output_fds = match (&out, &err) {
+            (Some(out), Some(err)) => out
+                .try_clone()
+                .ok()
+                .zip(err.try_clone().ok())
+                .map(|(out, err)| (OwnedFd::from(out), OwnedFd::from(err))),
+            _ => None,
+        };
         if let Some(out) = out {
             forward_lines(model, pid, "stdout", out, None, None);
         }
@@ -153,7 +164,26 @@ impl ProcessWatch {
             polled_peak: std::sync::atomic::AtomicU64::new(0),
             stopping: std::sync::atomic::AtomicBool::new(false),
             start: WorkerStart::Cold,
+            output_fds,
         }
+    }
+
+    /// The copies of its output's read ends an in-place upgrade hands over.
+    pub(crate) fn output_fds(&self) -> Option<&(OwnedFd, OwnedFd)> {
+        self.output_fds.as_ref()
+    }
+
+    /// Its memory cap or own cgroup as an in-place upgrade hands them over.
+    pub(crate) fn handed_limits(
+        &self,
+    ) -> (
+        Option<crate::child::limits::HandedCap>,
+        Option<crate::child::limits::HandedCgroup>,
+    ) {
+        (
+            self.cap.as_ref().map(MemoryCap::handed),
+            self.fence.as_ref().map(Cgroup::handed),
+        )
     }
 
     /// Says how it began (cold by default).

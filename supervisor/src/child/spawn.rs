@@ -17,8 +17,8 @@ use std::io;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use std::os::fd::RawFd;
 
@@ -54,22 +54,153 @@ pub(crate) fn passthrough_env() -> impl Iterator<Item = (&'static str, String)> 
         .filter_map(|k| std::env::var(k).ok().map(|v| (*k, v)))
 }
 
-type SpawnJob = (Command, oneshot::Sender<io::Result<Child>>);
+/// What the spawner thread does: start a worker, or replace the whole
+/// process image (an in-place upgrade, `crate::upgrade`).
+enum Job {
+    Spawn(Command, oneshot::Sender<io::Result<Child>>),
+    Exec(Exec, oneshot::Sender<io::Error>),
+    /// The program run beside the main thread's spawner has returned.
+    Done,
+}
 
-fn spawner() -> &'static std_mpsc::Sender<SpawnJob> {
-    static SPAWNER: OnceLock<std_mpsc::Sender<SpawnJob>> = OnceLock::new();
+/// An `execve` of this process, from the thread that forked every worker:
+/// the parent-death signal fires when the forking *thread* ends, and
+/// `execve` ends every thread but its caller, so any other thread's exec
+/// would kill every worker.
+pub(crate) struct Exec {
+    /// The program: a path, or a descriptor of it (`fexecve`: a binary
+    /// replaced or removed on disk since it was opened).
+    pub program: ExecProgram,
+    pub argv: Vec<std::ffi::CString>,
+    pub env: Vec<std::ffi::CString>,
+    /// Descriptors the new image inherits: close-on-exec is cleared on
+    /// them right before the exec (never earlier, so no worker spawned
+    /// meanwhile takes them), and set again if the exec fails.
+    pub keep: Vec<RawFd>,
+}
+
+pub(crate) enum ExecProgram {
+    Path(std::ffi::CString),
+    Fd(RawFd),
+}
+
+fn spawner() -> &'static std_mpsc::Sender<Job> {
+    if let Some(main) = MAIN_SPAWNER.get() {
+        return main;
+    }
+    static SPAWNER: OnceLock<std_mpsc::Sender<Job>> = OnceLock::new();
     SPAWNER.get_or_init(|| {
-        let (tx, rx) = std_mpsc::channel::<SpawnJob>();
+        let (tx, rx) = std_mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("berth-spawner".into())
             .spawn(move || {
-                for (mut command, reply) in rx {
-                    let _ = reply.send(command.spawn());
+                for job in rx {
+                    if !run_job(job) {
+                        break;
+                    }
                 }
             })
             .expect("cannot start the berth spawner thread");
         tx
     })
+}
+
+/// The process's main thread as the spawner, where a program installed it
+/// ([`main_thread_spawns`]).
+static MAIN_SPAWNER: OnceLock<std_mpsc::Sender<Job>> = OnceLock::new();
+
+/// Runs one job; false once the loop should end.
+fn run_job(job: Job) -> bool {
+    match job {
+        Job::Spawn(mut command, reply) => {
+            let _ = reply.send(command.spawn());
+        }
+        Job::Exec(exec, reply) => {
+            let _ = reply.send(exec_now(&exec));
+        }
+        Job::Done => return false,
+    }
+    true
+}
+
+/// Replaces the process image; returns only on failure, with every kept
+/// descriptor close-on-exec again.
+fn exec_now(exec: &Exec) -> io::Error {
+    let set_cloexec = |on: bool| {
+        for &fd in &exec.keep {
+            // SAFETY: fcntl on descriptors the caller keeps open.
+            unsafe { libc::fcntl(fd, libc::F_SETFD, if on { libc::FD_CLOEXEC } else { 0 }) };
+        }
+    };
+    let mut argv: Vec<*const libc::c_char> = exec.argv.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut env: Vec<*const libc::c_char> = exec.env.iter().map(|e| e.as_ptr()).collect();
+    env.push(std::ptr::null());
+    set_cloexec(false);
+    // SAFETY: argv and env are NUL-terminated arrays of C strings that
+    // outlive the call; on success nothing after it runs.
+    unsafe {
+        match &exec.program {
+            ExecProgram::Path(path) => libc::execve(path.as_ptr(), argv.as_ptr(), env.as_ptr()),
+            ExecProgram::Fd(fd) => libc::fexecve(*fd, argv.as_ptr(), env.as_ptr()),
+        }
+    };
+    let error = io::Error::last_os_error();
+    set_cloexec(true);
+    error
+}
+
+/// Runs `program` on a thread of its own while this thread, the process's
+/// main one, spawns every worker and performs any in-place upgrade's exec;
+/// returns what `program` returned. Workers spawned (or adopted as
+/// orphans) then all have the main thread as their parent, which lives as
+/// long as the process and survives its `execve`: an upgraded berth keeps
+/// them, and can upgrade again. Call it first thing in `main`.
+pub fn main_thread_spawns<T: Send + 'static>(program: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std_mpsc::channel::<Job>();
+    if MAIN_SPAWNER.set(tx.clone()).is_err() {
+        return program();
+    }
+    let result = Arc::new(Mutex::new(None));
+    let slot = Arc::clone(&result);
+    let runner = std::thread::Builder::new()
+        .name("berth-main".into())
+        // A main thread's stack, as the program would have had.
+        .stack_size(8 << 20)
+        .spawn(move || {
+            // Sent even when `program` panics, so this thread ends too.
+            struct Finished(std_mpsc::Sender<Job>);
+            impl Drop for Finished {
+                fn drop(&mut self) {
+                    let _ = self.0.send(Job::Done);
+                }
+            }
+            let _finished = Finished(tx);
+            let value = program();
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(value);
+        })
+        .expect("cannot start berth's main thread");
+    for job in rx {
+        if !run_job(job) {
+            break;
+        }
+    }
+    if let Err(panic) = runner.join() {
+        std::panic::resume_unwind(panic);
+    }
+    let value = result.lock().unwrap_or_else(|e| e.into_inner()).take();
+    value.expect("the program returned")
+}
+
+/// Replaces this process with `exec` from the thread that spawns workers;
+/// returns only if the exec failed, with why.
+pub(crate) async fn exec(exec: Exec) -> io::Error {
+    let (reply, rx) = oneshot::channel();
+    if spawner().send(Job::Exec(exec, reply)).is_err() {
+        return io::Error::other("the spawner thread is gone");
+    }
+    rx.await
+        .unwrap_or_else(|_| io::Error::other("the spawner thread is gone"))
 }
 
 /// Finds the worker binary: next to the running executable, or one folder
@@ -271,7 +402,7 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
         source,
     };
     spawner()
-        .send((command, reply))
+        .send(Job::Spawn(command, reply))
         .map_err(|_| spawn_error(io::Error::other("the spawner thread is gone")))?;
     rx.await
         .map_err(|_| spawn_error(io::Error::other("the spawner thread is gone")))?

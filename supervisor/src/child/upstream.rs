@@ -44,7 +44,7 @@ pub const DEFAULT_UNHEALTHY_AFTER: Duration = Duration::from_secs(30);
 const POOL: usize = 32;
 
 /// Where a server listens.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Address {
     Tcp(std::net::SocketAddr),
     Unix(PathBuf),

@@ -197,6 +197,33 @@ fn line_for(event: &Value) -> String {
                 Err(_) => event["report"].to_string(),
             }
         }
+        "upgrade_started" => format!(
+            "{}: to {}",
+            event["trigger"].as_str().unwrap_or(""),
+            event["binary"].as_str().unwrap_or("?")
+        ),
+        "upgrade_failed" => format!(
+            "{}: {}",
+            event["binary"].as_str().unwrap_or("?"),
+            event["reason"].as_str().unwrap_or("")
+        ),
+        "upgraded" => {
+            let list = |v: &serde_json::Value| v.as_array().map_or(0, Vec::len);
+            let mut line = format!(
+                "{} -> {}: {} workers kept, {} lost, connections held {} ms",
+                event["from"].as_str().unwrap_or("?"),
+                event["to"].as_str().unwrap_or("?"),
+                list(&event["adopted"]),
+                list(&event["lost"]),
+                event["held_ms"]
+            );
+            if let Some(why) = event["fell_back"].as_str() {
+                line.push_str(&format!(
+                    " (the new binary gave up, the old one serves: {why})"
+                ));
+            }
+            line
+        }
         "config_rejected" => format!(
             "{}: {}",
             event["trigger"].as_str().unwrap_or(""),

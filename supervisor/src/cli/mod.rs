@@ -19,6 +19,7 @@ mod reap;
 mod run;
 mod serve;
 mod swap;
+mod upgrade;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -54,6 +55,10 @@ enum Commands {
     /// Make a running `berth serve` read its config again and apply it
     /// (as `SIGHUP` does), and print what changed.
     Reload(http::Remote),
+    /// Replace a running `berth serve`'s own program with a new binary in
+    /// place (`SIGUSR2` does the same): the same pid, every model still
+    /// loaded, no request failed; prints how it went.
+    Upgrade(upgrade::UpgradeArgs),
     /// Replace a model's worker (new weights or options) without dropping requests.
     Swap(swap::SwapArgs),
     /// Embed texts with a model of a running `berth serve`.
@@ -83,6 +88,11 @@ pub(crate) fn default_worker(
             _ => (None, Vec::new()),
         },
     }
+}
+
+/// True when this process was started as a worker (`berth worker`).
+pub fn is_worker_role() -> bool {
+    std::env::args_os().nth(1).is_some_and(|a| a == WORKER_ROLE)
 }
 
 pub fn main() -> ExitCode {
@@ -139,6 +149,7 @@ pub fn main() -> ExitCode {
             Commands::Load(args) => load::load(args),
             Commands::Unload(args) => load::unload(args),
             Commands::Reload(remote) => load::reload(remote),
+            Commands::Upgrade(args) => upgrade::run(args),
             Commands::Swap(args) => swap::run(args),
             Commands::Embed(args) => embed::run(args),
             Commands::Generate(args) => generate::run(args),

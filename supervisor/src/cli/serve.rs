@@ -35,11 +35,34 @@ pub struct ServeArgs {
     /// as `SIGHUP` and `berth reload` do.
     #[arg(long)]
     watch_config: bool,
+    /// Check that this binary could take over from a running berth started
+    /// with the same arguments (an in-place upgrade asks it first), print
+    /// what it reads, and exit.
+    #[arg(long = "upgrade-check", hide = true)]
+    upgrade_check: bool,
 }
 
 pub async fn run(args: ServeArgs) -> ExitCode {
+    if args.upgrade_check {
+        return match read_files(&args) {
+            Ok(_) => {
+                let answer = berth::upgrade::CheckAnswer::mine();
+                println!("{}", serde_json::to_string(&answer).unwrap_or_default());
+                ExitCode::SUCCESS
+            }
+            Err(message) => super::fail("upgrade_check_failed", &message, false),
+        };
+    }
+    let upgrading = berth::upgrade::is_upgrade();
     match start(args).await {
         Ok(()) => ExitCode::SUCCESS,
+        // Exec'd by an in-place upgrade and unable to serve: the previous
+        // binary takes every worker back (this returns only if it cannot).
+        Err(message) if upgrading => {
+            eprintln!("berth: the upgraded binary cannot serve: {message}; going back");
+            let why = berth::upgrade::fall_back(&message).await;
+            super::fail("serve_failed", &format!("{message}; {why}"), false)
+        }
         Err(message) => super::fail("serve_failed", &message, false),
     }
 }
@@ -108,13 +131,21 @@ async fn start(args: ServeArgs) -> Result<(), String> {
     )?;
     let token = token_of(&args, &config)?;
     let models_root = config.models_root();
+    // Exec'd by an in-place upgrade: the previous berth's workers and
+    // listening socket are this one's.
+    let takeover = berth::upgrade::Takeover::from_env().transpose()?;
+    let state_file = config
+        .state_file
+        .clone()
+        .unwrap_or_else(|| default_state_file(&listen));
     // Before anything is read, written or started: this server's state
     // file must be its own.
     adopt_orphans(
-        config
-            .state_file
-            .clone()
-            .unwrap_or_else(|| default_state_file(&listen)),
+        state_file.clone(),
+        takeover
+            .as_ref()
+            .map(|t| t.worker_pids())
+            .unwrap_or_default(),
     )?;
     super::reap::sweep_engines(&config.container_engines()).await;
     let worker = super::default_worker(args.worker.clone());
@@ -135,8 +166,10 @@ async fn start(args: ServeArgs) -> Result<(), String> {
     }
     berth::server::listen::raise_descriptor_limit();
     let mut options = front_door(&config, listen.clone(), token, llama_swap.as_mut());
+    options.state_file = Some(state_file);
+    berth::server::refuse_open_door(&options)?;
     if has_files {
-        options.reload = Some(reloader(&args, &supervisor, config, listen, worker));
+        options.reload = Some(reloader(&args, &supervisor, config, listen.clone(), worker));
         if args.watch_config {
             options.watch_config = args
                 .config
@@ -145,6 +178,11 @@ async fn start(args: ServeArgs) -> Result<(), String> {
                 .cloned()
                 .collect();
         }
+    }
+    if let Some(mut takeover) = takeover {
+        let bound = takeover.listener(&listen)?;
+        let upgraded = takeover_into(takeover, &supervisor);
+        return berth::server::serve_on(supervisor, options, bound, Some(upgraded)).await;
     }
     if let Some(migrated) = llama_swap {
         // `hooks.on_startup.preload`: one after another, in the
@@ -205,12 +243,37 @@ fn reloader(
     })
 }
 
-/// Reaps what workers fork, and stops what a killed predecessor left.
-fn adopt_orphans(state_file: PathBuf) -> Result<(), String> {
+/// Adopts the workers an in-place upgrade handed over (those it cannot are
+/// stopped and named in the event returned).
+fn takeover_into(takeover: berth::upgrade::Takeover, supervisor: &Supervisor) -> berth::EventKind {
+    let event = takeover.adopt(supervisor);
+    if let berth::EventKind::Upgraded {
+        from,
+        to,
+        adopted,
+        lost,
+        ..
+    } = &event
+    {
+        eprintln!(
+            "berth: upgraded in place from {from} to {to}: {} workers kept, {} lost",
+            adopted.len(),
+            lost.len()
+        );
+        for line in lost {
+            eprintln!("berth: not kept: {line}");
+        }
+    }
+    event
+}
+
+/// Reaps what workers fork, and stops what a killed predecessor left (but
+/// `keep`: the workers an in-place upgrade hands over).
+fn adopt_orphans(state_file: PathBuf, keep: Vec<u32>) -> Result<(), String> {
     if let Err(e) = orphans::become_subreaper() {
         tracing::warn!("cannot become a child subreaper ({e}); orphans of workers go to init");
     }
-    let stopped = orphans::use_state_file(&state_file)?;
+    let stopped = orphans::use_state_file_keeping(&state_file, &keep)?;
     if stopped > 0 {
         eprintln!(
             "berth: stopped {stopped} processes left by a previous supervisor ({})",

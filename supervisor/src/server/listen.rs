@@ -97,6 +97,57 @@ impl Drop for Bound {
     }
 }
 
+impl Bound {
+    /// A copy of the listening socket (close-on-exec), which an in-place
+    /// upgrade hands over.
+    pub(crate) fn duplicate(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::AsFd;
+        match self {
+            Bound::Tcp(listener) => listener.as_fd().try_clone_to_owned(),
+            Bound::Unix { listener, .. } => listener.as_fd().try_clone_to_owned(),
+        }
+    }
+
+    /// The listening socket an in-place upgrade handed over, for `listen`
+    /// (what the command line and config say; the socket is what the
+    /// previous berth listened on).
+    pub(crate) fn handed_over(listen: &Listen, fd: std::os::fd::OwnedFd) -> Result<Bound, String> {
+        let fail = |e: std::io::Error| format!("cannot take over the listening socket: {e}");
+        match listen {
+            Listen::Tcp(addr) => {
+                let std = std::net::TcpListener::from(fd);
+                let at = std.local_addr().map_err(fail)?;
+                if at != *addr {
+                    tracing::warn!(
+                        "the handed-over socket listens on {at}, the config says {addr}:                          berth listens on {at} (restart it to change the address)"
+                    );
+                }
+                std.set_nonblocking(true).map_err(fail)?;
+                tokio::net::TcpListener::from_std(std)
+                    .map(Bound::Tcp)
+                    .map_err(fail)
+            }
+            Listen::Unix(path) => {
+                let std = std::os::unix::net::UnixListener::from(fd);
+                let at = std.local_addr().map_err(fail)?;
+                if at.as_pathname() != Some(path.as_path()) {
+                    return Err(format!(
+                        "the handed-over socket is {at:?}, not {}: restart berth to change                          the address",
+                        path.display()
+                    ));
+                }
+                std.set_nonblocking(true).map_err(fail)?;
+                let meta = std::fs::symlink_metadata(path).map_err(fail)?;
+                Ok(Bound::Unix {
+                    listener: tokio::net::UnixListener::from_std(std).map_err(fail)?,
+                    path: path.clone(),
+                    identity: (meta.dev(), meta.ino()),
+                })
+            }
+        }
+    }
+}
+
 /// Binds `listen`. A unix socket path is taken over only when it holds a
 /// socket that nothing answers on (a crashed server's); a live socket, or
 /// anything that is not a socket, is refused and left where it is.

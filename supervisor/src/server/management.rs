@@ -295,3 +295,60 @@ pub async fn reload(State(app): State<AppState>) -> Result<Json<Value>, ApiError
         )),
     }
 }
+
+/// Upgrades berth in place to the binary it was started from, as the file
+/// is now (`berth upgrade`): answered once the new binary has passed its
+/// check (202), before the handover, which then waits for this request's
+/// connection to close like every other. A request that names a binary is
+/// refused: which program runs is the operator's choice, not a client's.
+pub async fn upgrade(State(app): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    if !body.iter().all(u8::is_ascii_whitespace) {
+        let named: Value = parse(&body)?;
+        if named.get("binary").is_some_and(|b| !b.is_null()) {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "binary_not_allowed",
+                "an HTTP client does not choose which program berth runs: replace the binary \
+                 berth was started from and ask again, or name one with `berth upgrade \
+                 --binary PATH` on the server's host (as its user: it signals berth)",
+            ));
+        }
+    }
+    let Some(upgrades) = &app.upgrades else {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "no_upgrades",
+            "this server does not upgrade in place",
+        ));
+    };
+    match upgrades.request("POST /api/upgrade", None).await {
+        Ok(answer) => Ok((
+            StatusCode::ACCEPTED,
+            Json(json!({
+                "upgrading": true,
+                "from": crate::upgrade::this_build(),
+                "to": format!("{} ({})", answer.version, answer.build),
+            })),
+        )
+            .into_response()),
+        Err(why) => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "upgrade_refused",
+            format!("berth was not upgraded, nothing changed: {why}"),
+        )),
+    }
+}
+
+/// Which berth this is: its version and build mark, its pid, its state
+/// file (where `berth upgrade --binary` leaves its request), and the
+/// number of its last event (what a follower of an upgrade starts after).
+pub async fn version(State(app): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "build": crate::upgrade::build_mark(),
+        "pid": std::process::id(),
+        "state_file": crate::orphans::state_file(),
+        "last_event": app.supervisor.last_event_id(),
+        "handover_versions": crate::upgrade::READS,
+    }))
+}

@@ -29,6 +29,7 @@ pub mod notify;
 mod openai;
 mod relay;
 pub mod reload;
+pub mod upgrade;
 
 pub use error::ApiError;
 pub use listen::Listen;
@@ -45,6 +46,8 @@ pub(crate) struct AppState {
     /// The daemon's reloads (`POST /api/reload`); weak, as the front door
     /// it builds holds this state.
     pub live: Option<std::sync::Weak<reload::Live>>,
+    /// The daemon's in-place upgrades (`POST /api/upgrade`).
+    pub upgrades: Option<upgrade::Upgrades>,
 }
 
 /// Backends that exist to test berth: they hold memory, crash or hang on
@@ -75,6 +78,9 @@ pub struct ServeOptions {
     pub reload: Option<reload::ReloadFn>,
     /// Files whose change reloads the config (`--watch-config`).
     pub watch_config: Vec<std::path::PathBuf>,
+    /// The server's state file: `berth upgrade --binary` leaves its
+    /// request beside it.
+    pub state_file: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for ServeOptions {
@@ -111,6 +117,7 @@ impl ServeOptions {
             llama_swap: None,
             reload: None,
             watch_config: Vec::new(),
+            state_file: None,
         }
     }
 }
@@ -159,6 +166,7 @@ pub(crate) fn router(
     supervisor: Supervisor,
     options: &ServeOptions,
     live: Option<&Arc<reload::Live>>,
+    upgrades: &upgrade::Upgrades,
 ) -> Router {
     let state = AppState {
         supervisor,
@@ -166,6 +174,7 @@ pub(crate) fn router(
         test_backends: options.test_backends,
         llama_swap: options.llama_swap.clone(),
         live: live.map(Arc::downgrade),
+        upgrades: Some(upgrades.clone()),
     };
     let tokens = options
         .token
@@ -203,6 +212,8 @@ pub(crate) fn router(
         .route("/api/models/{name}/swap", post(management::swap))
         .route("/api/models/{name}/infer", post(infer::infer))
         .route("/api/reload", post(management::reload))
+        .route("/api/upgrade", post(management::upgrade))
+        .route("/api/version", get(management::version))
         .route("/metrics", get(metrics))
         .route("/readyz", get(readyz));
     Router::new()
@@ -469,6 +480,13 @@ async fn readyz(State(app): State<AppState>) -> Response {
 /// A second signal stops at once: every worker's group is killed and the
 /// process exits with status 130.
 pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), String> {
+    refuse_open_door(&options)?;
+    let bound = listen::bind(&options.listen).await?;
+    serve_on(supervisor, options, bound, None).await
+}
+
+/// Listening on 0.0.0.0 without a token is refused.
+pub fn refuse_open_door(options: &ServeOptions) -> Result<(), String> {
     if !options.listen.is_private() && options.token.is_none() && options.api_keys.is_empty() {
         return Err(format!(
             "refusing to listen on {} without a token: anyone who can reach it could run models; \
@@ -476,17 +494,38 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
             options.listen
         ));
     }
-    let bound = listen::bind(&options.listen).await?;
+    Ok(())
+}
+
+/// [`serve`] on a socket already bound: the one an in-place upgrade handed
+/// over, with what the new binary says once it serves (`adopted`).
+pub async fn serve_on(
+    supervisor: Supervisor,
+    options: ServeOptions,
+    bound: listen::Bound,
+    adopted: Option<EventKind>,
+) -> Result<(), String> {
+    refuse_open_door(&options)?;
+    let (upgrades, mut checked) = upgrade::Upgrades::new(supervisor.clone());
     // The front door, replaced whole by a reload; each request takes the
     // one current when it comes.
     let (app_tx, app) = tokio::sync::watch::channel(Router::new());
-    let live = options
-        .reload
-        .clone()
-        .map(|reload| reload::Live::new(reload, app_tx.clone(), supervisor.clone()));
-    let _ = app_tx.send_replace(router(supervisor.clone(), &options, live.as_ref()));
-    let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    tokio::spawn(signals(stop_tx, live.clone()));
+    let live = options.reload.clone().map(|reload| {
+        reload::Live::new(reload, app_tx.clone(), supervisor.clone(), upgrades.clone())
+    });
+    let _ = app_tx.send_replace(router(
+        supervisor.clone(),
+        &options,
+        live.as_ref(),
+        &upgrades,
+    ));
+    let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
+    tokio::spawn(signals(
+        stop_tx,
+        live.clone(),
+        upgrades.clone(),
+        options.state_file.clone(),
+    ));
     if let Some(live) = &live
         && !options.watch_config.is_empty()
     {
@@ -497,18 +536,51 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
     }
     tokio::spawn(crate::heap::run_heap_trimmer());
     tracing::info!("berth serve listening on {}", options.listen);
-    supervisor.emit(EventKind::ServerStarted {
-        listen: options.listen.to_string(),
-        version: env!("CARGO_PKG_VERSION").to_string(),
-    });
-    eprintln!("berth: listening on {}", options.listen);
+    match adopted {
+        Some(upgraded) => supervisor.emit(upgraded),
+        None => {
+            supervisor.emit(EventKind::ServerStarted {
+                listen: options.listen.to_string(),
+                version: env!("CARGO_PKG_VERSION").to_string(),
+            });
+            eprintln!("berth: listening on {}", options.listen);
+        }
+    }
     notify::notify(&format!(
         "READY=1\nSTATUS=listening on {}\nMAINPID={}",
         options.listen,
         std::process::id()
     ));
     tokio::spawn(notify::watchdog());
-    let connections = listen::serve(&bound, app, options.connections, stop).await;
+    let connections = loop {
+        // Until a shutdown, or an upgrade whose binary passed its check:
+        // then no connection is accepted (new ones wait in the backlog), and
+        // open ones are told to close after their request.
+        let (pause_tx, pause) = tokio::sync::watch::channel(false);
+        let listening = listen::serve(&bound, app.clone(), options.connections, pause);
+        tokio::pin!(listening);
+        // The accept loop ends only once paused; were it to end sooner,
+        // that ends the serving too.
+        let mut ended = None;
+        let why = tokio::select! {
+            _ = stop.wait_for(|s| *s) => None,
+            Some(checked) = checked.recv() => Some(checked),
+            connections = &mut listening => {
+                ended = Some(connections);
+                None
+            }
+        };
+        let _ = pause_tx.send(true);
+        let connections = match ended {
+            Some(connections) => connections,
+            None => listening.await,
+        };
+        let Some(checked) = why else {
+            break connections;
+        };
+        // Returns only when the upgrade was called off: serve on.
+        upgrade::hand_over(&supervisor, &bound, &connections, &checked, &stop).await;
+    };
     drop(bound);
     supervisor.emit(EventKind::ServerDraining);
     notify::notify(&format!(
@@ -544,16 +616,24 @@ pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), 
 }
 
 /// The first SIGTERM or SIGINT starts the shutdown; a second one kills every
-/// worker's group and exits at once.
-async fn signals(stop: tokio::sync::watch::Sender<bool>, live: Option<Arc<reload::Live>>) {
+/// worker's group and exits at once. SIGHUP reloads the config; SIGUSR2
+/// upgrades in place (to the binary a request file beside the state file
+/// names, else to the one berth was started from).
+async fn signals(
+    stop: tokio::sync::watch::Sender<bool>,
+    live: Option<Arc<reload::Live>>,
+    upgrades: upgrade::Upgrades,
+    state_file: Option<std::path::PathBuf>,
+) {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+    let (Ok(mut term), Ok(mut int), Ok(mut hup), Ok(mut usr2)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
         signal(SignalKind::hangup()),
+        signal(SignalKind::user_defined2()),
     ) else {
         tracing::error!(
-            "cannot install the SIGTERM/SIGINT/SIGHUP handlers; stop berth with SIGKILL"
+            "cannot install the SIGTERM/SIGINT/SIGHUP/SIGUSR2 handlers; stop berth with SIGKILL"
         );
         // Keep the sender: dropping it would read as a stop.
         std::future::pending::<()>().await;
@@ -570,6 +650,21 @@ async fn signals(stop: tokio::sync::watch::Sender<bool>, live: Option<Arc<reload
                 }
                 None => tracing::warn!("SIGHUP: no config file to reload; nothing changed"),
             }
+        }
+    });
+    // SIGUSR2 upgrades in place (its default action would end berth).
+    tokio::spawn(async move {
+        while usr2.recv().await.is_some() {
+            let binary = match state_file.as_deref().map(upgrade::requested_binary) {
+                Some(Err(e)) => {
+                    tracing::warn!("SIGUSR2: {e}");
+                    continue;
+                }
+                Some(Ok(binary)) => binary,
+                None => None,
+            };
+            let upgrades = upgrades.clone();
+            tokio::spawn(async move { upgrades.request("SIGUSR2", binary).await });
         }
     });
     tokio::select! {

@@ -175,6 +175,7 @@ pub(crate) struct Live {
     reload: ReloadFn,
     app: tokio::sync::watch::Sender<axum::Router>,
     supervisor: Supervisor,
+    upgrades: crate::server::upgrade::Upgrades,
     one_at_a_time: tokio::sync::Mutex<()>,
 }
 
@@ -183,11 +184,13 @@ impl Live {
         reload: ReloadFn,
         app: tokio::sync::watch::Sender<axum::Router>,
         supervisor: Supervisor,
+        upgrades: crate::server::upgrade::Upgrades,
     ) -> Arc<Live> {
         Arc::new(Live {
             reload,
             app,
             supervisor,
+            upgrades,
             one_at_a_time: tokio::sync::Mutex::new(()),
         })
     }
@@ -207,9 +210,12 @@ impl Live {
         match reloaded {
             Ok((report, mut options)) => {
                 options.reload = Some(Arc::clone(&self.reload));
-                let _ =
-                    self.app
-                        .send_replace(router(self.supervisor.clone(), &options, Some(self)));
+                let _ = self.app.send_replace(router(
+                    self.supervisor.clone(),
+                    &options,
+                    Some(self),
+                    &self.upgrades,
+                ));
                 tracing::info!(trigger, "{report}");
                 self.supervisor
                     .emit(crate::supervisor::EventKind::ConfigReloaded {
@@ -236,7 +242,7 @@ impl Live {
 
 /// `CLOCK_MONOTONIC` now, in microseconds (what `RELOADING=1` is sent
 /// with).
-fn monotonic_usec() -> u64 {
+pub(crate) fn monotonic_usec() -> u64 {
     let mut now = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

@@ -44,6 +44,33 @@ pub enum EventKind {
         listen: String,
         version: String,
     },
+    /// An in-place upgrade began (`trigger`: what asked): berth stops
+    /// accepting (new connections wait in the backlog), waits for what is
+    /// in flight, and hands its workers to `binary`.
+    UpgradeStarted {
+        trigger: String,
+        binary: String,
+    },
+    /// The upgrade was called off before the exec; berth serves on as it
+    /// was, every model with it.
+    UpgradeFailed {
+        binary: String,
+        reason: String,
+    },
+    /// A new binary took over: `from` and `to` are each build's version
+    /// (and mark), `adopted` the workers it took over, `lost` those it
+    /// could not (each with why), `held_ms` how long new connections waited.
+    Upgraded {
+        from: String,
+        to: String,
+        adopted: Vec<String>,
+        lost: Vec<String>,
+        held_ms: u64,
+        /// Set when the new binary could not serve and this one, the old,
+        /// took its workers back: why.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fell_back: Option<String>,
+    },
     /// `berth serve` began to drain: no new work, every model unloads.
     ServerDraining,
     /// Every worker has stopped; the process exits.
@@ -223,6 +250,36 @@ impl Events {
         history.push_back(event.clone());
         // No follower: nothing to do.
         let _ = self.live.send(event);
+    }
+
+    /// The number of the last event (0 before the first).
+    pub(super) fn last_id(&self) -> u64 {
+        let history = self.history.lock().unwrap_or_else(|e| e.into_inner());
+        history.back().map_or(0, |e| e.id)
+    }
+
+    /// Every event kept.
+    pub(super) fn kept(&self) -> Vec<Event> {
+        let history = self.history.lock().unwrap_or_else(|e| e.into_inner());
+        history.iter().cloned().collect()
+    }
+
+    /// Takes up the log a previous process of this berth kept (an in-place
+    /// upgrade): numbering goes on from its last event.
+    pub(super) fn resume(&self, events: Vec<Event>) {
+        let mut history = self.history.lock().unwrap_or_else(|e| e.into_inner());
+        let mine: Vec<Event> = history.drain(..).collect();
+        let last = events.last().map_or(0, |e| e.id);
+        let skip = events.len().saturating_sub(HISTORY);
+        history.extend(events.into_iter().skip(skip));
+        // Anything this process said before it took the log up follows it.
+        for (n, mut event) in mine.into_iter().enumerate() {
+            event.id = last + 1 + n as u64;
+            if history.len() == HISTORY {
+                history.pop_front();
+            }
+            history.push_back(event);
+        }
     }
 
     /// The events after `since` that are still kept, how many after it are

@@ -365,6 +365,7 @@ impl Supervisor {
     }
 
     pub(super) async fn unload_inner(&self, model: &str) -> Result<UnloadReport> {
+        self.check_not_frozen(model)?;
         let worker = {
             let mut state = self.lock();
             let known = state.catalogue.contains_key(model);

@@ -36,6 +36,7 @@ mod crashes;
 mod events;
 mod footprint;
 mod gpu_budget;
+mod handover;
 mod history;
 mod keep_alive;
 mod lifecycle;
@@ -98,6 +99,9 @@ struct Inner {
     /// the same free memory.
     load_gate: tokio::sync::Mutex<()>,
     shutting_down: AtomicBool,
+    /// Set while an in-place upgrade hands the workers over: nothing
+    /// starts, stops or swaps meanwhile (`handover.rs`).
+    frozen: AtomicBool,
     /// Turns true when shutdown begins: whoever waits for a load stops
     /// waiting and is told so, rather than be cut off when the process ends.
     stopping: tokio::sync::watch::Sender<bool>,
@@ -170,6 +174,7 @@ impl Supervisor {
             expiry_changed: Arc::default(),
             load_gate: tokio::sync::Mutex::new(()),
             shutting_down: AtomicBool::new(false),
+            frozen: AtomicBool::new(false),
             stopping: tokio::sync::watch::Sender::new(false),
             preloaders: Default::default(),
             events: Default::default(),
@@ -239,6 +244,19 @@ impl Supervisor {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
             return Err(Error::ShuttingDown {
                 model: model.into(),
+            });
+        }
+        self.check_not_frozen(model)
+    }
+
+    /// Refuses a start, stop or swap while an upgrade hands over.
+    fn check_not_frozen(&self, model: &str) -> Result<()> {
+        if self.inner.frozen.load(Ordering::SeqCst) {
+            return Err(Error::Busy {
+                model: model.into(),
+                reason: "berth is handing its workers over to a new binary (an in-place \
+                         upgrade); retry in a moment"
+                    .into(),
             });
         }
         Ok(())

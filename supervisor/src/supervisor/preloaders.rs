@@ -329,6 +329,18 @@ impl Supervisor {
         out
     }
 
+    /// Stops every preloader (an in-place upgrade's handover: the next
+    /// berth starts its own).
+    pub(crate) async fn stop_all_preloaders(&self) {
+        self.stop_preloaders().await;
+    }
+
+    /// Starts the preloaders configured to start at once again (an
+    /// upgrade called off after they were stopped).
+    pub(crate) fn restart_preloaders(&self) {
+        self.start_preloaders_now();
+    }
+
     /// Stops every preloader (at shutdown, after the workers).
     pub(super) async fn stop_preloaders(&self) {
         for (_, slot) in self.inner.preloaders.all() {

@@ -59,6 +59,7 @@ impl Slot {
             hold: false,
             restart_at: None,
             failure: None,
+            report: None,
         }
     }
 
@@ -85,10 +86,29 @@ impl Slot {
         self.restart_at = None;
         self.clear_reservation();
         self.gpus = report.gpus.clone().unwrap_or_default();
+        self.report = Some(report.clone());
         if let Some(entry) = entry {
             entry.loaded(report);
             self.expires_at = expiry(entry.keep_alive);
         }
+    }
+
+    /// A worker an in-place upgrade handed over serves from now on, as its
+    /// load left it: its entry takes what the load measured, and counts no
+    /// load.
+    pub(super) fn adopt(
+        &mut self,
+        entry: &mut Entry,
+        worker: &Arc<WorkerHandle>,
+        report: &LoadReport,
+    ) {
+        self.state = ModelState::Ready;
+        self.worker = Some(Arc::clone(worker));
+        self.loading = None;
+        self.clear_reservation();
+        self.gpus = report.gpus.clone().unwrap_or_default();
+        self.report = Some(report.clone());
+        entry.measured(report);
     }
 
     /// A swap or recycle starts; refused unless the model is ready and no
@@ -130,6 +150,7 @@ impl Slot {
             .replace(Arc::clone(new))
             .expect("a ready slot has a worker");
         let old_gpus = std::mem::replace(&mut self.gpus, report.gpus.clone().unwrap_or_default());
+        self.report = Some(report.clone());
         self.state = ModelState::Ready;
         self.end_swap();
         (old, old_gpus)
@@ -255,6 +276,8 @@ pub(super) struct Slot {
     pub(super) restart_at: Option<Instant>,
     /// Why the model failed (state `Failed`, no worker).
     pub(super) failure: Option<String>,
+    /// The current worker's load report (an in-place upgrade hands it on).
+    pub(super) report: Option<LoadReport>,
 }
 
 /// GPU placement of a worker still loading, counted until it is in.
@@ -358,6 +381,14 @@ impl Entry {
     /// A worker of this model finished loading: what it measured plans the
     /// next load.
     pub(super) fn loaded(&mut self, report: &LoadReport) {
+        self.measured(report);
+        self.counters.loads.fetch_add(1, Ordering::Relaxed);
+        self.health.load_succeeded();
+    }
+
+    /// What a worker's load measured, which plans the model's next load
+    /// and its concurrency.
+    pub(super) fn measured(&mut self, report: &LoadReport) {
         // A backend that batches gets enough requests to fill a batch,
         // unless the operator bounded them.
         if self.spec.max_concurrency.is_none() {
@@ -370,8 +401,6 @@ impl Entry {
         }
         self.last_peak_bytes = Some(report.peak_rss_bytes);
         self.last_vram_bytes = vram_per_gpu(report).or(self.last_vram_bytes);
-        self.counters.loads.fetch_add(1, Ordering::Relaxed);
-        self.health.load_succeeded();
     }
 }
 

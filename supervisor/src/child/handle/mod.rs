@@ -35,7 +35,7 @@ use tokio::sync::{mpsc, watch};
 use crate::base::KillCause;
 use crate::child::death::Death;
 use crate::child::handshake::Accepted;
-use crate::child::link::{Events, Link};
+use crate::child::link::{Events, Link, WireFds};
 use crate::child::memory::ProcessMemory;
 use crate::child::process::ProcessWatch;
 use crate::child::routes::{Backlog, Dispatch, Routes, Waiting};
@@ -95,6 +95,8 @@ pub struct WorkerHandle {
     /// For a model served by an HTTP server: how it is reached. Its
     /// commands, routes and pongs are then unused.
     upstream: Option<Arc<Upstream>>,
+    /// What an in-place upgrade hands over of its wire.
+    wire_fds: WireFds,
 }
 
 impl std::fmt::Debug for WorkerHandle {
@@ -121,6 +123,7 @@ struct Wiring {
     reader_done: watch::Receiver<bool>,
     answer_time: Arc<spin::AnswerTime>,
     upstream: Option<Arc<Upstream>>,
+    wire_fds: WireFds,
 }
 
 impl WorkerHandle {
@@ -131,6 +134,7 @@ impl WorkerHandle {
         backend: &str,
         process: Arc<ProcessWatch>,
         (events, link, hello): Accepted,
+        wire_fds: WireFds,
         started_at: Instant,
         (max_response, answer_spin): (u64, Duration),
     ) -> Result<Arc<Self>> {
@@ -184,6 +188,7 @@ impl WorkerHandle {
                 reader_done,
                 answer_time,
                 upstream: None,
+                wire_fds,
             },
         ))
     }
@@ -211,6 +216,7 @@ impl WorkerHandle {
                 reader_done: watch::channel(true).1,
                 answer_time: Arc::new(spin::AnswerTime::new(Duration::ZERO)),
                 upstream: Some(upstream),
+                wire_fds: WireFds::default(),
             },
         )
     }
@@ -246,6 +252,7 @@ impl WorkerHandle {
             load_micros: AtomicU64::new(0),
             died_tx: watch::channel(None).0,
             upstream: w.upstream,
+            wire_fds: w.wire_fds,
         });
         handle.watch_death();
         handle
@@ -333,6 +340,38 @@ impl WorkerHandle {
     }
 
     /// What the worker said when the model loaded.
+    /// What an in-place upgrade hands over of this worker's wire: its
+    /// commands (captured now) and its events or socket (kept aside).
+    pub(crate) fn wire_for_handover(
+        &self,
+    ) -> std::io::Result<(Option<crate::upgrade::ipc::Captured>, &WireFds)> {
+        let commands = match &self.commands {
+            Link::Ipc(sender) => Some(crate::upgrade::ipc::capture(sender.clone())?),
+            Link::Stream(_) | Link::None => None,
+        };
+        Ok((commands, &self.wire_fds))
+    }
+
+    /// What an adopted worker's handle takes over from its handover: the
+    /// requests it served, its load's figures.
+    pub(crate) fn resume(
+        &self,
+        requests: u64,
+        info: Option<LoadInfo>,
+        baseline_rss: u64,
+        load_micros: u64,
+    ) {
+        self.requests.store(requests, Ordering::Relaxed);
+        *self.load_info.lock().unwrap_or_else(|e| e.into_inner()) = info;
+        self.baseline_rss.store(baseline_rss, Ordering::Relaxed);
+        self.load_micros.store(load_micros, Ordering::Relaxed);
+    }
+
+    /// Resident memory right after load.
+    pub(crate) fn baseline_rss(&self) -> u64 {
+        self.baseline_rss.load(Ordering::Relaxed)
+    }
+
     pub fn load_info(&self) -> Option<LoadInfo> {
         self.load_info
             .lock()

@@ -1,0 +1,186 @@
+//! `berth upgrade`: a running `berth serve` replaces its own program with
+//! a new binary in place (same pid, every model still loaded), and this
+//! prints how it went. Without `--binary`, the daemon is asked over HTTP to
+//! run the binary it was started from, as that file is now. With
+//! `--binary`, the request goes through the host: a request file beside the
+//! daemon's state file, which only its own user can write, and `SIGUSR2`
+//! (an HTTP client never names a program).
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde_json::Value;
+
+use super::http::{Client, Failure, Remote};
+use super::output::done;
+
+#[derive(Debug, Args)]
+pub struct UpgradeArgs {
+    /// The new binary (default: the one the daemon was started from, as the
+    /// file is now). Run on the daemon's host, as its user: the request is
+    /// a file beside its state file and a signal.
+    #[arg(long)]
+    binary: Option<PathBuf>,
+    /// How long to wait for the daemon to say how the upgrade went.
+    #[arg(long, default_value = "5m", value_parser = berth::parse_duration)]
+    wait: Duration,
+    #[command(flatten)]
+    remote: Remote,
+}
+
+pub fn run(args: UpgradeArgs) -> ExitCode {
+    let json = args.remote.json;
+    done(upgrade(&args), json)
+}
+
+fn upgrade(args: &UpgradeArgs) -> Result<ExitCode, Failure> {
+    let client = Client::new(&args.remote);
+    let before = client.get("/api/version")?;
+    let since = before["last_event"].as_u64().unwrap_or(0);
+    match &args.binary {
+        None => {
+            client.post("/api/upgrade", None)?;
+        }
+        Some(binary) => ask_by_signal(&before, binary)?,
+    }
+    let event = wait_for_outcome(&client, since, args.wait)?;
+    if args.remote.json {
+        println!("{event}");
+    }
+    match event["type"].as_str() {
+        Some("upgraded") if event["fell_back"].is_null() => {
+            if !args.remote.json {
+                let list = |v: &Value| -> Vec<String> {
+                    v.as_array()
+                        .map(|a| {
+                            a.iter()
+                                .filter_map(|s| s.as_str().map(str::to_owned))
+                                .collect()
+                        })
+                        .unwrap_or_default()
+                };
+                println!(
+                    "upgraded in place: {} -> {} (pid {} kept); new connections waited {} ms",
+                    event["from"].as_str().unwrap_or("?"),
+                    event["to"].as_str().unwrap_or("?"),
+                    before["pid"],
+                    event["held_ms"]
+                );
+                for kept in list(&event["adopted"]) {
+                    println!("  kept {kept}");
+                }
+                for lost in list(&event["lost"]) {
+                    println!("  lost {lost}");
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some("upgraded") => Err((
+            "upgrade_fell_back".into(),
+            format!(
+                "the new binary could not serve, and the previous one took every worker \
+                 back: {}",
+                event["fell_back"].as_str().unwrap_or("?")
+            ),
+        )),
+        _ => Err((
+            "upgrade_failed".into(),
+            format!(
+                "berth was not upgraded, nothing changed: {}",
+                event["reason"].as_str().unwrap_or("?")
+            ),
+        )),
+    }
+}
+
+/// Leaves the request file beside the daemon's state file and signals it.
+fn ask_by_signal(version: &Value, binary: &std::path::Path) -> Result<(), Failure> {
+    let fail = |what: String| ("upgrade_refused".to_string(), what);
+    let binary = std::fs::canonicalize(binary)
+        .map_err(|e| fail(format!("cannot find `{}`: {e}", binary.display())))?;
+    let pid = version["pid"]
+        .as_u64()
+        .and_then(|p| i32::try_from(p).ok())
+        .ok_or_else(|| fail("the daemon did not say its pid".into()))?;
+    let Some(state_file) = version["state_file"].as_str() else {
+        return Err(fail(
+            "the daemon keeps no state file, so `--binary` cannot reach it; replace the \
+             binary it was started from and run `berth upgrade` without `--binary`"
+                .into(),
+        ));
+    };
+    let path = berth::server::upgrade::request_file(std::path::Path::new(state_file));
+    let request = berth::server::upgrade::RequestFile { binary };
+    let text = serde_json::to_string(&request).map_err(|e| fail(e.to_string()))?;
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = std::fs::remove_file(&path);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| {
+                fail(format!(
+                    "cannot write {} (run this as the daemon's user, on its host): {e}",
+                    path.display()
+                ))
+            })?;
+        file.write_all(text.as_bytes())
+            .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGUSR2,
+    )
+    .map_err(|e| {
+        let _ = std::fs::remove_file(&path);
+        fail(format!(
+            "cannot signal the daemon (pid {pid}): {e}; run this as its user, on its host"
+        ))
+    })
+}
+
+/// Follows the daemon's events after `since` until the upgrade's outcome:
+/// an `upgraded` or `upgrade_failed` event (the log goes on across the
+/// exec). While the handover runs, requests wait in the backlog.
+fn wait_for_outcome(client: &Client, since: u64, wait: Duration) -> Result<Value, Failure> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let path = format!("/api/events?since={since}&follow=false");
+        if let Ok(reply) = client.send("GET", &path, None) {
+            let mut text = String::new();
+            let mut body = reply.body;
+            if body.read_to_string(&mut text).is_ok() {
+                for line in text.lines() {
+                    let Some(data) = line.strip_prefix("data: ") else {
+                        continue;
+                    };
+                    let Ok(event) = serde_json::from_str::<Value>(data) else {
+                        continue;
+                    };
+                    if matches!(
+                        event["type"].as_str(),
+                        Some("upgraded") | Some("upgrade_failed")
+                    ) {
+                        return Ok(event);
+                    }
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err((
+                "timed_out".into(),
+                format!(
+                    "the daemon did not say how the upgrade went within {}; see `berth events`",
+                    humantime::format_duration(wait)
+                ),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

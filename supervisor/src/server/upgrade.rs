@@ -1,0 +1,258 @@
+//! The daemon's in-place upgrade (`crate::upgrade` has the mechanism):
+//! who may ask for one (`SIGUSR2`, `POST /api/upgrade`, and `berth upgrade
+//! --binary`, which signals), the check of the new binary while berth still
+//! serves, and the handover itself, run by the serve loop once it has
+//! stopped accepting: wait for what is in flight, write the state, exec.
+//! Whatever fails before the exec calls the upgrade off, and berth serves
+//! on as it was.
+//!
+//! Which binary runs is the operator's choice: the one berth was started
+//! from (as the file is now: replace it, then ask), or one named in a
+//! request file only the server's own user can have written, next to its
+//! state file, which `berth upgrade --binary` writes before it signals.
+//! No HTTP client names a program.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+
+use crate::server::listen::{Bound, Connections};
+use crate::server::notify::notify;
+use crate::upgrade::{self, CheckAnswer};
+use crate::{EventKind, Supervisor};
+
+/// An upgrade whose binary passed its check, for the serve loop to run.
+pub(crate) struct Checked {
+    pub binary: PathBuf,
+    pub answer: CheckAnswer,
+    pub trigger: String,
+}
+
+/// Where upgrade requests go: checked here, run by the serve loop.
+#[derive(Clone)]
+pub(crate) struct Upgrades {
+    to_loop: mpsc::Sender<Checked>,
+    supervisor: Supervisor,
+    /// One upgrade at a time, from its check to its end.
+    running: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Upgrades {
+    pub(crate) fn new(supervisor: Supervisor) -> (Upgrades, mpsc::Receiver<Checked>) {
+        let (to_loop, from) = mpsc::channel(1);
+        (
+            Upgrades {
+                to_loop,
+                supervisor,
+                running: Arc::default(),
+            },
+            from,
+        )
+    }
+
+    /// Checks `binary` (default: the one berth was started from) and hands
+    /// it to the serve loop; `Err` says why not, and nothing changed.
+    pub(crate) async fn request(
+        &self,
+        trigger: &str,
+        binary: Option<PathBuf>,
+    ) -> Result<CheckAnswer, String> {
+        let Ok(_one) = self.running.try_lock() else {
+            return Err("an upgrade is already under way".into());
+        };
+        let binary = match binary {
+            Some(binary) => binary,
+            None => upgrade::default_binary()?,
+        };
+        self.supervisor.emit(EventKind::UpgradeStarted {
+            trigger: trigger.to_string(),
+            binary: binary.display().to_string(),
+        });
+        let failed = |reason: String| {
+            tracing::warn!("upgrade to {} called off: {reason}", binary.display());
+            self.supervisor.emit(EventKind::UpgradeFailed {
+                binary: binary.display().to_string(),
+                reason: reason.clone(),
+            });
+            reason
+        };
+        let answer = upgrade::check_binary(&binary).await.map_err(failed)?;
+        tracing::info!(
+            "upgrade ({trigger}): `{}` (berth {} {}) passed its check; handing over",
+            binary.display(),
+            answer.version,
+            answer.build
+        );
+        self.to_loop
+            .send(Checked {
+                binary: binary.clone(),
+                answer: answer.clone(),
+                trigger: trigger.to_string(),
+            })
+            .await
+            .map_err(|_| failed("berth is shutting down".into()))?;
+        Ok(answer)
+    }
+}
+
+/// The file `berth upgrade --binary` writes next to the state file.
+pub fn request_file(state_file: &Path) -> PathBuf {
+    state_file.with_extension("upgrade")
+}
+
+/// What a request file asks for.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct RequestFile {
+    pub binary: PathBuf,
+}
+
+/// The binary a request file next to `state_file` names, if there is one
+/// this server's own user wrote (and no one else could); it is removed.
+pub(crate) fn requested_binary(state_file: &Path) -> Result<Option<PathBuf>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let path = request_file(state_file);
+    let meta = match std::fs::symlink_metadata(&path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+    };
+    let text = std::fs::read_to_string(&path);
+    let _ = std::fs::remove_file(&path);
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_file() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} is not a request file of this server's user (a regular file of uid {me}, \
+             writable by no one else); it was removed, nothing changed",
+            path.display()
+        ));
+    }
+    let text = text.map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let request: RequestFile = serde_json::from_str(&text)
+        .map_err(|e| format!("{} is not an upgrade request: {e}", path.display()))?;
+    Ok(Some(request.binary))
+}
+
+/// How long heartbeats already sent may take to come back before the
+/// wires change hands anyway (a pong arriving later is dropped by nobody:
+/// it waits in the socket for the new berth, which ignores it).
+const PONGS_WAIT: Duration = Duration::from_secs(2);
+
+/// Runs a checked upgrade: the listener is no longer polled, and the open
+/// connections were told to close after their request. Returns only if the
+/// upgrade was called off, with why; berth then serves on.
+pub(crate) async fn hand_over(
+    supervisor: &Supervisor,
+    bound: &Bound,
+    connections: &Connections,
+    checked: &Checked,
+    stop: &watch::Receiver<bool>,
+) -> String {
+    let paused = Instant::now();
+    let paused_at_unix_ms = crate::base::unix_ms();
+    let wait = supervisor.config().drain_timeout;
+    notify(&format!(
+        "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=upgrading in place to {}",
+        crate::server::reload::monotonic_usec(),
+        checked.binary.display()
+    ));
+    let reason = hand_over_steps(
+        supervisor,
+        (bound, connections, stop),
+        checked,
+        (paused, paused_at_unix_ms),
+        wait,
+    )
+    .await;
+    // Called off: everything as it was.
+    supervisor.freeze(false);
+    crate::child::health::pause(false);
+    supervisor.restart_preloaders();
+    notify("READY=1\nSTATUS=serving (the upgrade was called off)");
+    supervisor.emit(EventKind::UpgradeFailed {
+        binary: checked.binary.display().to_string(),
+        reason: reason.clone(),
+    });
+    tracing::warn!("upgrade called off: {reason}");
+    reason
+}
+
+async fn hand_over_steps(
+    supervisor: &Supervisor,
+    (bound, connections, stop): (&Bound, &Connections, &watch::Receiver<bool>),
+    checked: &Checked,
+    (paused, paused_at_unix_ms): (Instant, u64),
+    wait: Duration,
+) -> String {
+    let stopping = || *stop.borrow();
+    const STOPPING: &str = "berth was asked to stop";
+    if !connections.wait_closed(wait).await {
+        return format!(
+            "{} connections were still open after {} (a long answer streaming?); nothing \
+             changed: ask again when they are done",
+            connections.open(),
+            humantime::format_duration(wait)
+        );
+    }
+    if stopping() {
+        return STOPPING.into();
+    }
+    supervisor.freeze(true);
+    let deadline = paused + wait;
+    loop {
+        if stopping() {
+            return STOPPING.into();
+        }
+        match supervisor.busy() {
+            None => break,
+            Some(what) if Instant::now() >= deadline => {
+                return format!(
+                    "{what} after {}; nothing changed: ask again when it is done",
+                    humantime::format_duration(wait)
+                );
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    // Preloaded interpreters hold no model: the new berth starts its own.
+    supervisor.stop_all_preloaders().await;
+    crate::child::health::pause(true);
+    let pongs = Instant::now() + PONGS_WAIT;
+    while crate::child::health::outstanding() > 0 && Instant::now() < pongs {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (workers, mut keep) = match supervisor.hand_over() {
+        Ok(handed) => handed,
+        Err(e) => return e,
+    };
+    let listener = match bound.duplicate() {
+        Ok(fd) => fd,
+        Err(e) => return format!("cannot hand the listening socket over: {e}"),
+    };
+    let state = upgrade::state::Handover {
+        version: upgrade::VERSION,
+        ipc_channel: upgrade::ipc::IPC_CHANNEL_VERSION.to_string(),
+        from: upgrade::this_build(),
+        listener: std::os::fd::AsRawFd::as_raw_fd(&listener),
+        previous_binary: -1,
+        workers,
+        events: supervisor.event_log(),
+        fell_back: None,
+        paused_at_unix_ms,
+    };
+    keep.push(listener);
+    if stopping() {
+        return STOPPING.into();
+    }
+    tracing::info!(
+        "upgrade ({}): handing {} workers to {} (berth {} {})",
+        checked.trigger,
+        state.workers.len(),
+        checked.binary.display(),
+        checked.answer.version,
+        checked.answer.build
+    );
+    upgrade::exec(&checked.binary, upgrade::Prepared { state, keep }).await
+}

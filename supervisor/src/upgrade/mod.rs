@@ -1,0 +1,328 @@
+//! In-place upgrade: berth replaces its own program with a new binary, in
+//! the same process, and keeps every worker.
+//!
+//! The pid stays (systemd's main pid, every worker's parent), so the
+//! workers' parent-death signal never fires: they are forked from the
+//! process's main thread (`child::spawn::main_thread_spawns`), and the
+//! exec is made from that thread too. What the new program needs to take
+//! the workers over is written to a memfd ([`state`]): each worker's pid
+//! and start time, its wire (an `ipc-channel` endpoint crosses as the
+//! packet `ipc-channel` itself wrote, [`ipc`]; a stream-wire socket and
+//! stdout/stderr pipes as descriptors), its cgroup, its load report, and
+//! the event log. The listening socket crosses too, so a client that
+//! connects meanwhile waits in the kernel's backlog.
+//!
+//! The steps, and what happens if any fails (`server::upgrade` runs them):
+//! 1. the new binary is checked: run with the same arguments and
+//!    `--upgrade-check`, it reads the config and says which state versions
+//!    and which `ipc-channel` it reads ([`check_binary`]); a binary that
+//!    fails here is refused and nothing changes;
+//! 2. berth stops accepting (the socket stays open), tells open connections
+//!    to close after their request, and waits for them and for every load,
+//!    swap and stop to finish; past the wait, the upgrade is called off and
+//!    berth serves on;
+//! 3. heartbeats are held, the state is written, and the main thread execs;
+//!    an exec that fails (the binary vanished) calls the upgrade off;
+//! 4. the new program adopts each worker (alive, its child, the same start
+//!    time) and serves; if it cannot serve (its config, its state), it
+//!    execs the previous binary (a descriptor of it crossed too) with the
+//!    same state, which takes every worker back ([`fall_back`]).
+//!
+//! A SIGKILL at any step kills the process, and with it every worker.
+
+use std::ffi::{CString, OsString};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::child::spawn::{Exec, ExecProgram};
+
+pub mod ipc;
+pub(crate) mod state;
+mod takeover;
+pub(crate) mod workers;
+
+pub use state::{READS, VERSION};
+pub use takeover::Takeover;
+
+/// The environment variable naming the previous binary's descriptor, set
+/// with [`state::ENV_STATE_FD`] for the new program.
+const ENV_PREVIOUS_FD: &str = "BERTH_UPGRADE_PREVIOUS_FD";
+
+/// The flag that makes `berth serve` check it could take over, and exit.
+pub const CHECK_FLAG: &str = "--upgrade-check";
+
+/// This build's mark: `unmarked`, unless the bytes after the prefix were
+/// set in the binary (tests tell two builds apart so; a packager may stamp
+/// a build id the same way). Read through a volatile load, so the
+/// compiler cannot fold the placeholder in.
+pub fn build_mark() -> String {
+    #[used]
+    static MARK: [u8; 64] = placeholder();
+    // SAFETY: a read of a static's bytes.
+    let bytes = unsafe { std::ptr::read_volatile(&raw const MARK) };
+    let text = &bytes[MARK_PREFIX.len()..];
+    let end = text.iter().position(|b| *b == 0).unwrap_or(text.len());
+    String::from_utf8_lossy(&text[..end]).into_owned()
+}
+
+/// The mark's bytes in the binary: the prefix, `unmarked`, zeroes.
+const fn placeholder() -> [u8; 64] {
+    let mut out = [0u8; 64];
+    let text = b"BERTH-BUILD-MARK:unmarked";
+    let mut i = 0;
+    while i < text.len() {
+        out[i] = text[i];
+        i += 1;
+    }
+    out
+}
+
+/// What precedes the mark in the binary.
+pub const MARK_PREFIX: &[u8] = b"BERTH-BUILD-MARK:";
+
+/// This build as an upgrade names it: version and mark.
+pub fn this_build() -> String {
+    format!("{} ({})", env!("CARGO_PKG_VERSION"), build_mark())
+}
+
+/// What a binary answers to [`CHECK_FLAG`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckAnswer {
+    pub version: String,
+    pub build: String,
+    /// The state versions it adopts.
+    pub reads: Vec<u32>,
+    pub ipc_channel: String,
+}
+
+impl CheckAnswer {
+    /// This binary's answer.
+    pub fn mine() -> CheckAnswer {
+        CheckAnswer {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            build: build_mark(),
+            reads: READS.to_vec(),
+            ipc_channel: ipc::IPC_CHANNEL_VERSION.to_string(),
+        }
+    }
+}
+
+/// How long the check of a new binary may take.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The binary an upgrade runs by default: the path this one was started
+/// from, as it is on disk now (a package manager replaced the file).
+pub fn default_binary() -> Result<PathBuf, String> {
+    let me = std::fs::read_link("/proc/self/exe")
+        .map_err(|e| format!("cannot tell which binary this is: {e}"))?;
+    let shown = me.to_string_lossy();
+    Ok(match shown.strip_suffix(" (deleted)") {
+        Some(path) => PathBuf::from(path),
+        None => me,
+    })
+}
+
+/// Runs `binary` as this process was run, with [`CHECK_FLAG`]: it must
+/// start, read the config, and adopt this build's state.
+pub async fn check_binary(binary: &Path) -> Result<CheckAnswer, String> {
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let mut command = tokio::process::Command::new(binary);
+    command
+        .args(&args)
+        .arg(CHECK_FLAG)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let shown = binary.display();
+    let out = tokio::time::timeout(CHECK_TIMEOUT, command.output())
+        .await
+        .map_err(|_| {
+            format!(
+                "`{shown}` did not answer its check within {}s",
+                CHECK_TIMEOUT.as_secs()
+            )
+        })?
+        .map_err(|e| format!("cannot run `{shown}`: {e}"))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = stderr.trim();
+    if !out.status.success() {
+        return Err(format!(
+            "`{shown}` failed its check ({}){}",
+            out.status,
+            if stderr.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", tail(stderr, 600))
+            }
+        ));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let answer: CheckAnswer = stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .ok_or_else(|| {
+            format!("`{shown}` is not a berth that upgrades in place (its check said nothing berth reads)")
+        })?;
+    if !answer.reads.contains(&VERSION) {
+        return Err(format!(
+            "`{shown}` (berth {}) adopts handover states {:?}; this berth writes version \
+             {VERSION}: stop and start berth to change to it",
+            answer.version, answer.reads
+        ));
+    }
+    if answer.ipc_channel != ipc::IPC_CHANNEL_VERSION {
+        return Err(format!(
+            "`{shown}` (berth {}) is built with ipc-channel {}, this berth with {}: its \
+             workers could not be taken over; stop and start berth to change to it",
+            answer.version,
+            answer.ipc_channel,
+            ipc::IPC_CHANNEL_VERSION
+        ));
+    }
+    Ok(answer)
+}
+
+/// The last `max` characters of `text`.
+fn tail(text: &str, max: usize) -> &str {
+    let skip = text.chars().count().saturating_sub(max);
+    text.char_indices()
+        .nth(skip)
+        .map_or(text, |(at, _)| &text[at..])
+}
+
+/// Opens a descriptor of the running binary (what the new one execs again
+/// if it cannot serve; valid even once the file is replaced).
+fn this_binary() -> std::io::Result<OwnedFd> {
+    std::fs::File::open("/proc/self/exe").map(OwnedFd::from)
+}
+
+/// The handed-over state and the descriptors it names, ready for the exec.
+pub(crate) struct Prepared {
+    pub state: state::Handover,
+    /// Held open until the exec.
+    pub keep: Vec<OwnedFd>,
+}
+
+/// Writes `prepared` down and execs `binary` in this process; returns only
+/// if the exec failed, with why (every descriptor then closes again).
+pub(crate) async fn exec(binary: &Path, mut prepared: Prepared) -> String {
+    let previous = match this_binary() {
+        Ok(fd) => fd,
+        Err(e) => return format!("cannot open this binary for a fallback: {e}"),
+    };
+    prepared.state.previous_binary = previous.as_raw_fd();
+    let memfd = match prepared.state.to_memfd() {
+        Ok(fd) => fd,
+        Err(e) => return format!("cannot write the handover state: {e}"),
+    };
+    let program = match CString::new(binary.as_os_str().as_encoded_bytes()) {
+        Ok(p) => ExecProgram::Path(p),
+        Err(_) => return "the binary's path has a NUL byte".into(),
+    };
+    let mut keep = prepared.state.descriptors();
+    keep.push(memfd.as_raw_fd());
+    let exec = match exec_of(program, memfd.as_raw_fd(), previous.as_raw_fd(), keep) {
+        Ok(exec) => exec,
+        Err(e) => return e,
+    };
+    let error = crate::child::spawn::exec(exec).await;
+    drop((memfd, previous, prepared.keep));
+    format!("cannot exec `{}`: {error}", binary.display())
+}
+
+/// The exec of `program` with this process's arguments, its environment
+/// and the state's descriptors.
+fn exec_of(
+    program: ExecProgram,
+    state_fd: RawFd,
+    previous_fd: RawFd,
+    keep: Vec<RawFd>,
+) -> Result<Exec, String> {
+    let c = |s: &std::ffi::OsStr| {
+        CString::new(s.as_encoded_bytes())
+            .map_err(|_| "a NUL byte in an argument or the environment".to_string())
+    };
+    let argv = std::env::args_os()
+        .map(|a| c(&a))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut env = Vec::new();
+    for (key, value) in std::env::vars_os() {
+        if key == state::ENV_STATE_FD || key == ENV_PREVIOUS_FD {
+            continue;
+        }
+        let mut pair = key;
+        pair.push("=");
+        pair.push(value);
+        env.push(c(&pair)?);
+    }
+    env.push(c(format!("{}={state_fd}", state::ENV_STATE_FD).as_ref())?);
+    env.push(c(format!("{ENV_PREVIOUS_FD}={previous_fd}").as_ref())?);
+    Ok(Exec {
+        program,
+        argv,
+        env,
+        keep,
+    })
+}
+
+/// A handover this process was started with, if any: read from the
+/// descriptor the environment names.
+pub(crate) fn handed_over() -> Option<Result<state::Handover, String>> {
+    let fd = std::env::var(state::ENV_STATE_FD).ok()?;
+    Some(
+        fd.parse::<RawFd>()
+            .map_err(|_| format!("{}={fd} is not a descriptor", state::ENV_STATE_FD))
+            .and_then(state::Handover::read),
+    )
+}
+
+/// Whether this process was exec'd by an in-place upgrade.
+pub fn is_upgrade() -> bool {
+    std::env::var_os(state::ENV_STATE_FD).is_some()
+}
+
+/// This process, exec'd by an upgrade, cannot serve (`reason`): execs the
+/// previous binary with the same state, so that it takes every worker back.
+/// Returns only if that exec failed too, with why: the caller then exits,
+/// and the workers die with the process.
+pub async fn fall_back(reason: &str) -> String {
+    let fd = |name: &str| -> Option<RawFd> { std::env::var(name).ok()?.parse().ok() };
+    let (Some(state_fd), Some(previous)) = (fd(state::ENV_STATE_FD), fd(ENV_PREVIOUS_FD)) else {
+        return "no previous binary was handed over".into();
+    };
+    // The state says why, for the previous binary's event.
+    let state = match state::Handover::read(state_fd) {
+        Ok(mut state) => {
+            state.fell_back = Some(reason.to_string());
+            state
+        }
+        Err(e) => return format!("the handed-over state cannot be read back: {e}"),
+    };
+    let memfd = match state.to_memfd() {
+        Ok(fd) => fd,
+        Err(e) => return format!("cannot write the handover state again: {e}"),
+    };
+    let mut keep = state.descriptors();
+    keep.push(memfd.as_raw_fd());
+    let exec = match exec_of(ExecProgram::Fd(previous), memfd.as_raw_fd(), previous, keep) {
+        Ok(exec) => exec,
+        Err(e) => return e,
+    };
+    let error = crate::child::spawn::exec(exec).await;
+    drop(memfd);
+    format!("cannot exec the previous binary again: {error}")
+}
+
+/// Takes an inherited descriptor (close-on-exec from now on).
+///
+/// # Safety
+/// `fd` must be a descriptor the handover named, taken once.
+pub(crate) unsafe fn take(fd: RawFd) -> OwnedFd {
+    // SAFETY: F_SETFD on the caller's descriptor.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    // SAFETY: the caller's promise.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}

@@ -1,0 +1,97 @@
+//! The new program's side of an in-place upgrade: the state read, the
+//! listening socket taken, every worker adopted.
+
+use std::os::fd::RawFd;
+
+use super::state::Handover;
+use super::take;
+use crate::server::listen::{Bound, Listen};
+use crate::{EventKind, Supervisor};
+
+/// What a previous berth in this process handed over.
+#[derive(Debug)]
+pub struct Takeover {
+    state: Handover,
+}
+
+impl Takeover {
+    /// The handover this process was exec'd with, if it was.
+    pub fn from_env() -> Option<Result<Takeover, String>> {
+        super::handed_over().map(|state| state.map(|state| Takeover { state }))
+    }
+
+    /// The workers' pids: the state file's leftovers that are not to be
+    /// stopped.
+    pub fn worker_pids(&self) -> Vec<u32> {
+        self.state.workers.iter().map(|w| w.pid).collect()
+    }
+
+    /// The listening socket, for `listen`.
+    pub fn listener(&mut self, listen: &Listen) -> Result<Bound, String> {
+        let fd: RawFd = std::mem::replace(&mut self.state.listener, -1);
+        if fd < 0 {
+            return Err("the listening socket was taken already".into());
+        }
+        // SAFETY: named by the state; taken once (the field is now -1).
+        Bound::handed_over(listen, unsafe { take(fd) })
+    }
+
+    /// Adopts every worker into `supervisor` (its models registered), and
+    /// takes up the event log; returns the event that says so. A worker
+    /// that cannot be adopted (gone, not this process's child, its model no
+    /// longer in the config) is stopped and named in the event.
+    pub fn adopt(self, supervisor: &Supervisor) -> EventKind {
+        let state = self.state;
+        supervisor.resume_event_log(state.events);
+        let config = supervisor.config();
+        let (mut adopted, mut lost) = (Vec::new(), Vec::new());
+        for worker in state.workers {
+            let model = worker.model.clone();
+            let pid = worker.pid;
+            let Some(spec) = supervisor.spec(&model) else {
+                lost.push(format!(
+                    "{model} (pid {pid}): no longer in the config; its worker is stopped"
+                ));
+                super::workers::discard(worker);
+                continue;
+            };
+            let idle = std::time::Duration::from_millis(worker.idle_ms);
+            let taken =
+                super::workers::adopt(worker, &spec, &config).and_then(|(handle, report)| {
+                    supervisor
+                        .install_adopted(&handle, &report, idle)
+                        .map_err(|e| {
+                            handle.kill();
+                            e
+                        })
+                });
+            match taken {
+                Ok(()) => adopted.push(format!("{model} (pid {pid})")),
+                Err(why) => {
+                    tracing::warn!(model, pid, "not taken over: {why}");
+                    lost.push(format!("{model} (pid {pid}): {why}"));
+                }
+            }
+        }
+        let held_ms = crate::base::unix_ms().saturating_sub(state.paused_at_unix_ms);
+        let (from, to) = match &state.fell_back {
+            // This is the previous binary again: the upgrade went nowhere.
+            Some(_) => (super::this_build(), super::this_build()),
+            None => (state.from, super::this_build()),
+        };
+        tracing::info!(
+            "upgraded in place from {from} to {to}: {} workers taken over, {} lost; \
+             new connections waited {held_ms} ms",
+            adopted.len(),
+            lost.len()
+        );
+        EventKind::Upgraded {
+            from,
+            to,
+            adopted,
+            lost,
+            held_ms,
+            fell_back: state.fell_back,
+        }
+    }
+}
