@@ -13,6 +13,7 @@ pub mod infinity;
 pub mod llama_swap;
 pub mod podman;
 pub mod python;
+pub mod upgrade;
 pub mod upstream;
 
 use std::path::PathBuf;
@@ -308,8 +309,21 @@ impl Server {
         env: &[(&str, &str)],
         customize: &mut dyn FnMut(&mut std::process::Command),
     ) -> Server {
+        Self::start_program(&berth_bin(), config, dir, extra_args, env, customize)
+    }
+
+    /// As [`Server::start_custom`], run from `program` (a copy of berth,
+    /// say, marked apart from the build's own).
+    pub fn start_program(
+        program: &std::path::Path,
+        config: &std::path::Path,
+        dir: Option<&std::path::Path>,
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+        customize: &mut dyn FnMut(&mut std::process::Command),
+    ) -> Server {
         let port = free_port();
-        let mut command = std::process::Command::new(berth_bin());
+        let mut command = std::process::Command::new(program);
         command
             .args([
                 "serve",

@@ -150,9 +150,15 @@ async fn start(args: ServeArgs) -> Result<(), String> {
     super::reap::sweep_engines(&config.container_engines()).await;
     let worker = super::default_worker(args.worker.clone());
     let supervisor = Supervisor::new(config.supervisor_config(worker.clone(), models_root.clone()));
-    supervisor
-        .check_workers()
-        .map_err(|e| format!("cannot start workers: {e}"))?;
+    match supervisor.check_workers() {
+        Ok(()) => {}
+        // Taking workers over that run already: the next start of a kind
+        // that cannot start says so, as a load.
+        Err(e) if takeover.is_some() => {
+            tracing::warn!("a worker kind cannot start workers: {e}");
+        }
+        Err(e) => return Err(format!("cannot start workers: {e}")),
+    }
     let models = if has_files {
         config.models.clone()
     } else {

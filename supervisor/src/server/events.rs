@@ -80,31 +80,40 @@ pub async fn events(
             .to_string(),
         )
     });
-    let stream = futures_util::stream::unfold(
-        (follow, first, false),
-        move |(mut follow, first, done)| async move {
-            if let Some(first) = first {
-                return Some((
-                    Ok::<_, std::convert::Infallible>(first),
-                    (follow, None, done),
-                ));
-            }
-            if done || (!keep_following && follow.caught_up()) {
-                return None;
-            }
-            let next = match tokio::time::timeout(KEEP_ALIVE, follow.next()).await {
-                Err(_) => {
+    let handover = app.supervisor.handover_signal();
+    let stream =
+        futures_util::stream::unfold((follow, first, false), move |(mut follow, first, done)| {
+            let mut handover = handover.clone();
+            async move {
+                if let Some(first) = first {
                     return Some((
-                        Ok(Bytes::from_static(b": keep-alive\n\n")),
-                        (follow, None, false),
+                        Ok::<_, std::convert::Infallible>(first),
+                        (follow, None, done),
                     ));
                 }
-                Ok(next) => next,
-            };
-            let (bytes, done) = render(next)?;
-            Some((Ok(bytes), (follow, None, done)))
-        },
-    );
+                if done || (!keep_following && follow.caught_up()) {
+                    return None;
+                }
+                // An upgrade's handover waits for every connection to close: a
+                // follower reconnects with `since` (a browser's EventSource does
+                // by itself), and the new binary goes on with the numbers.
+                let next = tokio::select! {
+                    next = tokio::time::timeout(KEEP_ALIVE, follow.next()) => next,
+                    _ = handover.wait_for(|h| *h) => return None,
+                };
+                let next = match next {
+                    Err(_) => {
+                        return Some((
+                            Ok(Bytes::from_static(b": keep-alive\n\n")),
+                            (follow, None, false),
+                        ));
+                    }
+                    Ok(next) => next,
+                };
+                let (bytes, done) = render(next)?;
+                Some((Ok(bytes), (follow, None, done)))
+            }
+        });
     Ok((
         [
             (header::CONTENT_TYPE, "text/event-stream"),

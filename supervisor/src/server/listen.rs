@@ -251,6 +251,7 @@ pub async fn serve(
     bound: &Bound,
     app: watch::Receiver<Router>,
     limits: ConnectionLimits,
+    closing: &Arc<std::sync::atomic::AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) -> Connections {
     let connections = Connections {
@@ -260,6 +261,9 @@ pub async fn serve(
     let refusal = refusal(limits.max_connections);
     loop {
         let accepted = tokio::select! {
+            // A stop first: what is still in the backlog stays there (for
+            // an upgrade's next program).
+            biased;
             _ = stop.wait_for(|s| *s) => break,
             accepted = accept(bound) => accepted,
         };
@@ -277,11 +281,11 @@ pub async fn serve(
             stream.refuse(&refusal);
             continue;
         };
-        let (app, stop) = (app.clone(), stop.clone());
+        let (app, stop, closing) = (app.clone(), stop.clone(), Arc::clone(closing));
         tokio::spawn(async move {
             match stream {
-                Stream::Tcp(s) => serve_one(s, app, limits, stop).await,
-                Stream::Unix(s) => serve_one(s, app, limits, stop).await,
+                Stream::Tcp(s) => serve_one(s, app, limits, closing, stop).await,
+                Stream::Unix(s) => serve_one(s, app, limits, closing, stop).await,
             }
             drop(slot);
         });
@@ -320,15 +324,37 @@ async fn serve_one<S>(
     stream: S,
     app: watch::Receiver<Router>,
     limits: ConnectionLimits,
+    closing: Arc<std::sync::atomic::AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     // Each request is served by the front door current when it comes (a
-    // reload replaces it), kept-alive connections included.
+    // reload replaces it), kept-alive connections included. While
+    // `closing` (an upgrade is about to stop accepting), each answer says
+    // `Connection: close`: its client opens a new connection for its next
+    // request (which waits in the backlog for the new binary) rather than
+    // send it into one that is about to close.
+    // Set once a request has begun: a connection accepted as a stop came
+    // serves its first request before it closes (its client sent it).
+    let begun = Arc::new(tokio::sync::Notify::new());
+    let first = Arc::clone(&begun);
     let service = hyper::service::service_fn(move |request| {
         use hyper::service::Service;
-        TowerToHyperService::new(app.borrow().clone()).call(request)
+        first.notify_one();
+        let call = TowerToHyperService::new(app.borrow().clone()).call(request);
+        let closing = Arc::clone(&closing);
+        async move {
+            call.await.map(|mut response| {
+                if closing.load(std::sync::atomic::Ordering::SeqCst) {
+                    response.headers_mut().insert(
+                        axum::http::header::CONNECTION,
+                        axum::http::HeaderValue::from_static("close"),
+                    );
+                }
+                response
+            })
+        }
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -341,6 +367,21 @@ async fn serve_one<S>(
     tokio::select! {
         _ = connection.as_mut() => return,
         _ = stop.wait_for(|s| *s) => {}
+    }
+    // No request yet: it may be on its way (the connection was accepted
+    // as the stop came, and its client wrote at once); closing now would
+    // cut it off unanswered. Its first request is awaited, within the
+    // header timeout, and answered (with `Connection: close`).
+    let begun_once = begun.notified();
+    tokio::pin!(begun_once);
+    if begun_once.as_mut().enable() {
+        // A request began already (its permit was stored): go on.
+    } else {
+        tokio::select! {
+            _ = connection.as_mut() => return,
+            () = begun_once => {}
+            () = tokio::time::sleep(limits.header_timeout) => {}
+        }
     }
     connection.as_mut().graceful_shutdown();
     let _ = connection.await;

@@ -552,12 +552,13 @@ pub async fn serve_on(
         std::process::id()
     ));
     tokio::spawn(notify::watchdog());
+    let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let connections = loop {
         // Until a shutdown, or an upgrade whose binary passed its check:
         // then no connection is accepted (new ones wait in the backlog), and
         // open ones are told to close after their request.
         let (pause_tx, pause) = tokio::sync::watch::channel(false);
-        let listening = listen::serve(&bound, app.clone(), options.connections, pause);
+        let listening = listen::serve(&bound, app.clone(), options.connections, &closing, pause);
         tokio::pin!(listening);
         // The accept loop ends only once paused; were it to end sooner,
         // that ends the serving too.
@@ -570,6 +571,17 @@ pub async fn serve_on(
                 None
             }
         };
+        if why.is_some() && ended.is_none() {
+            // An upgrade: answers say `Connection: close` for a moment
+            // before accepting stops, so that busy clients move to new
+            // connections, which wait in the backlog for the new binary.
+            supervisor.handing_over(true);
+            closing.store(true, std::sync::atomic::Ordering::SeqCst);
+            tokio::select! {
+                () = tokio::time::sleep(upgrade::SETTLE) => {}
+                connections = &mut listening => ended = Some(connections),
+            }
+        }
         let _ = pause_tx.send(true);
         let connections = match ended {
             Some(connections) => connections,
@@ -580,6 +592,7 @@ pub async fn serve_on(
         };
         // Returns only when the upgrade was called off: serve on.
         upgrade::hand_over(&supervisor, &bound, &connections, &checked, &stop).await;
+        closing.store(false, std::sync::atomic::Ordering::SeqCst);
     };
     drop(bound);
     supervisor.emit(EventKind::ServerDraining);

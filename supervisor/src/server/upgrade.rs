@@ -66,10 +66,6 @@ impl Upgrades {
             Some(binary) => binary,
             None => upgrade::default_binary()?,
         };
-        self.supervisor.emit(EventKind::UpgradeStarted {
-            trigger: trigger.to_string(),
-            binary: binary.display().to_string(),
-        });
         let failed = |reason: String| {
             tracing::warn!("upgrade to {} called off: {reason}", binary.display());
             self.supervisor.emit(EventKind::UpgradeFailed {
@@ -79,6 +75,10 @@ impl Upgrades {
             reason
         };
         let answer = upgrade::check_binary(&binary).await.map_err(failed)?;
+        self.supervisor.emit(EventKind::UpgradeStarted {
+            trigger: trigger.to_string(),
+            binary: binary.display().to_string(),
+        });
         tracing::info!(
             "upgrade ({trigger}): `{}` (berth {} {}) passed its check; handing over",
             binary.display(),
@@ -135,6 +135,9 @@ pub(crate) fn requested_binary(state_file: &Path) -> Result<Option<PathBuf>, Str
     Ok(Some(request.binary))
 }
 
+/// How long answers say `Connection: close` before accepting stops.
+pub(crate) const SETTLE: Duration = Duration::from_millis(300);
+
 /// How long heartbeats already sent may take to come back before the
 /// wires change hands anyway (a pong arriving later is dropped by nobody:
 /// it waits in the socket for the new berth, which ignores it).
@@ -167,6 +170,7 @@ pub(crate) async fn hand_over(
     )
     .await;
     // Called off: everything as it was.
+    supervisor.handing_over(false);
     supervisor.freeze(false);
     crate::child::health::pause(false);
     supervisor.restart_preloaders();

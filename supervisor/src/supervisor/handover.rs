@@ -25,6 +25,17 @@ impl Supervisor {
         self.inner.notify_changed();
     }
 
+    /// Says a handover began (or was called off): event followers end
+    /// their streams, so their connections close.
+    pub(crate) fn handing_over(&self, yes: bool) {
+        self.inner.handing_over.send_replace(yes);
+    }
+
+    /// Turns true while a handover waits for connections to close.
+    pub(crate) fn handover_signal(&self) -> watch::Receiver<bool> {
+        self.inner.handing_over.subscribe()
+    }
+
     /// What keeps the models from being handed over now (a load, a swap,
     /// a stop or a request in progress), or `None` when they are quiet.
     pub(crate) fn busy(&self) -> Option<String> {

@@ -102,6 +102,9 @@ struct Inner {
     /// Set while an in-place upgrade hands the workers over: nothing
     /// starts, stops or swaps meanwhile (`handover.rs`).
     frozen: AtomicBool,
+    /// True while an upgrade's handover waits for connections to close:
+    /// event followers end their streams.
+    handing_over: tokio::sync::watch::Sender<bool>,
     /// Turns true when shutdown begins: whoever waits for a load stops
     /// waiting and is told so, rather than be cut off when the process ends.
     stopping: tokio::sync::watch::Sender<bool>,
@@ -175,6 +178,7 @@ impl Supervisor {
             load_gate: tokio::sync::Mutex::new(()),
             shutting_down: AtomicBool::new(false),
             frozen: AtomicBool::new(false),
+            handing_over: tokio::sync::watch::Sender::new(false),
             stopping: tokio::sync::watch::Sender::new(false),
             preloaders: Default::default(),
             events: Default::default(),

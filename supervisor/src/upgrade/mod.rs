@@ -295,6 +295,10 @@ pub async fn fall_back(reason: &str) -> String {
     };
     // The state says why, for the previous binary's event.
     let state = match state::Handover::read(state_fd) {
+        // This is the previous binary, exec'd back already: once is all.
+        Ok(state) if state.fell_back.is_some() => {
+            return "the previous binary, exec'd back already, cannot serve either".into();
+        }
         Ok(mut state) => {
             state.fell_back = Some(reason.to_string());
             state
