@@ -5,9 +5,9 @@
 //! workers' parent-death signal never fires: they are forked from the
 //! process's main thread (`child::spawn::main_thread_spawns`), and the
 //! exec is made from that thread too. What the new program needs to take
-//! the workers over is written to a memfd ([`state`]): each worker's pid
+//! the workers over is written to a memfd (`state.rs`): each worker's pid
 //! and start time, its wire (an `ipc-channel` endpoint crosses as the
-//! packet `ipc-channel` itself wrote, [`ipc`]; a stream-wire socket and
+//! packet `ipc-channel` itself wrote, `ipc.rs`; a stream-wire socket and
 //! stdout/stderr pipes as descriptors), its cgroup, its load report, and
 //! the event log. The listening socket crosses too, so a client that
 //! connects meanwhile waits in the kernel's backlog.
@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::child::spawn::{Exec, ExecProgram};
 
-pub mod ipc;
+pub(crate) mod ipc;
 pub(crate) mod state;
 mod takeover;
 pub(crate) mod workers;

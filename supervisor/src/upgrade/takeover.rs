@@ -60,10 +60,7 @@ impl Takeover {
                 super::workers::adopt(worker, &spec, &config).and_then(|(handle, report)| {
                     supervisor
                         .install_adopted(&handle, &report, idle)
-                        .map_err(|e| {
-                            handle.kill();
-                            e
-                        })
+                        .inspect_err(|_| handle.kill())
                 });
             match taken {
                 Ok(()) => adopted.push(format!("{model} (pid {pid})")),

@@ -173,9 +173,7 @@ pub(crate) fn adopt(
         HandedWire::Stream { socket } => Some((None, Some(unsafe { take(*socket) }))),
         HandedWire::Http { .. } => None,
     };
-    if let Err(e) = is_the_child(w.pid, w.start_time) {
-        return Err(e);
-    }
+    is_the_child(w.pid, w.start_time)?;
     let refuse = |why: String| {
         // Alive and ours, but not to be served: it goes (with its group).
         let _ = nix::sys::signal::killpg(
