@@ -73,6 +73,10 @@ pub fn run(args: EventsArgs) -> ExitCode {
                             if value["type"] == "server_stopped" {
                                 return Ok(ExitCode::SUCCESS);
                             }
+                            // An in-place upgrade closes every stream as it
+                            // hands over: the new binary goes on with the
+                            // numbers.
+                            resume = !args.once && value["type"] == "upgrade_started";
                         }
                     }
                 }
