@@ -28,6 +28,8 @@ pub(crate) struct Checked {
     pub binary: PathBuf,
     pub answer: CheckAnswer,
     pub trigger: String,
+    /// Held until the upgrade ends: one at a time.
+    _one: tokio::sync::OwnedMutexGuard<()>,
 }
 
 /// Where upgrade requests go: checked here, run by the serve loop.
@@ -59,7 +61,7 @@ impl Upgrades {
         trigger: &str,
         binary: Option<PathBuf>,
     ) -> Result<CheckAnswer, String> {
-        let Ok(_one) = self.running.try_lock() else {
+        let Ok(one) = Arc::clone(&self.running).try_lock_owned() else {
             return Err("an upgrade is already under way".into());
         };
         let binary = match binary {
@@ -90,6 +92,7 @@ impl Upgrades {
                 binary: binary.clone(),
                 answer: answer.clone(),
                 trigger: trigger.to_string(),
+                _one: one,
             })
             .await
             .map_err(|_| failed("berth is shutting down".into()))?;

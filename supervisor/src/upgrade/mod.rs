@@ -320,6 +320,21 @@ pub async fn fall_back(reason: &str) -> String {
     format!("cannot exec the previous binary again: {error}")
 }
 
+/// Closes the state's memfd and the previous binary's descriptor, once the
+/// new program serves.
+pub(crate) fn close_handover_descriptors(previous_binary: RawFd) {
+    let state_fd = std::env::var(state::ENV_STATE_FD)
+        .ok()
+        .and_then(|v| v.parse::<RawFd>().ok());
+    for fd in state_fd.into_iter().chain([previous_binary]) {
+        if fd > 2 {
+            // SAFETY: descriptors the handover named, used by nothing else
+            // once serving; taken once here.
+            drop(unsafe { take(fd) });
+        }
+    }
+}
+
 /// Takes an inherited descriptor (close-on-exec from now on).
 ///
 /// # Safety
