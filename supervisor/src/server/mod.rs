@@ -11,7 +11,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::{EventKind, Supervisor};
+use crate::Supervisor;
 
 mod base64;
 pub mod config;
@@ -29,10 +29,12 @@ pub mod notify;
 mod openai;
 mod relay;
 pub mod reload;
+mod serve;
 pub mod upgrade;
 
 pub use error::ApiError;
 pub use listen::Listen;
+pub use serve::{refuse_open_door, serve, serve_on};
 
 #[derive(Clone)]
 pub(crate) struct AppState {
@@ -465,231 +467,4 @@ async fn readyz(State(app): State<AppState>) -> Response {
     } else {
         "ready\n".into_response()
     }
-}
-
-/// Serves until SIGTERM or SIGINT, then shuts down in bounded time:
-/// - new connections are no longer accepted, and open ones are told to close
-///   after their current request;
-/// - every model drains for at most `drain_timeout`, then its worker is
-///   stopped (Shutdown, SIGTERM, SIGKILL, as an unload does), which fails
-///   whatever was still in flight, so no request can hold the exit;
-/// - connections get a last moment to deliver those answers, and whatever
-///   is still open then (a half-sent request, a client not reading) is
-///   dropped.
-///
-/// A second signal stops at once: every worker's group is killed and the
-/// process exits with status 130.
-pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), String> {
-    refuse_open_door(&options)?;
-    let bound = listen::bind(&options.listen).await?;
-    serve_on(supervisor, options, bound, None).await
-}
-
-/// Listening on 0.0.0.0 without a token is refused.
-pub fn refuse_open_door(options: &ServeOptions) -> Result<(), String> {
-    if !options.listen.is_private() && options.token.is_none() && options.api_keys.is_empty() {
-        return Err(format!(
-            "refusing to listen on {} without a token: anyone who can reach it could run models; \
-             set `token` in the config (or BERTH_TOKEN), or listen on 127.0.0.1",
-            options.listen
-        ));
-    }
-    Ok(())
-}
-
-/// [`serve`] on a socket already bound: the one an in-place upgrade handed
-/// over, with what the new binary says once it serves (`adopted`).
-pub async fn serve_on(
-    supervisor: Supervisor,
-    options: ServeOptions,
-    bound: listen::Bound,
-    adopted: Option<EventKind>,
-) -> Result<(), String> {
-    refuse_open_door(&options)?;
-    let (upgrades, mut checked) = upgrade::Upgrades::new(supervisor.clone());
-    // The front door, replaced whole by a reload; each request takes the
-    // one current when it comes.
-    let (app_tx, app) = tokio::sync::watch::channel(Router::new());
-    let live = options.reload.clone().map(|reload| {
-        reload::Live::new(reload, app_tx.clone(), supervisor.clone(), upgrades.clone())
-    });
-    let _ = app_tx.send_replace(router(
-        supervisor.clone(),
-        &options,
-        live.as_ref(),
-        &upgrades,
-    ));
-    let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
-    tokio::spawn(signals(
-        stop_tx,
-        live.clone(),
-        upgrades.clone(),
-        options.state_file.clone(),
-    ));
-    if let Some(live) = &live
-        && !options.watch_config.is_empty()
-    {
-        tokio::spawn(reload::watch_files(
-            Arc::downgrade(live),
-            options.watch_config.clone(),
-        ));
-    }
-    tokio::spawn(crate::heap::run_heap_trimmer());
-    tracing::info!("berth serve listening on {}", options.listen);
-    match adopted {
-        Some(upgraded) => supervisor.emit(upgraded),
-        None => {
-            supervisor.emit(EventKind::ServerStarted {
-                listen: options.listen.to_string(),
-                version: env!("CARGO_PKG_VERSION").to_string(),
-            });
-            eprintln!("berth: listening on {}", options.listen);
-        }
-    }
-    notify::notify(&format!(
-        "READY=1\nSTATUS=listening on {}\nMAINPID={}",
-        options.listen,
-        std::process::id()
-    ));
-    tokio::spawn(notify::watchdog());
-    let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let connections = loop {
-        // Until a shutdown, or an upgrade whose binary passed its check:
-        // then no connection is accepted (new ones wait in the backlog), and
-        // open ones are told to close after their request.
-        let (pause_tx, pause) = tokio::sync::watch::channel(false);
-        let listening = listen::serve(&bound, app.clone(), options.connections, &closing, pause);
-        tokio::pin!(listening);
-        // The accept loop ends only once paused; were it to end sooner,
-        // that ends the serving too.
-        let mut ended = None;
-        let why = tokio::select! {
-            _ = stop.wait_for(|s| *s) => None,
-            Some(checked) = checked.recv() => Some(checked),
-            connections = &mut listening => {
-                ended = Some(connections);
-                None
-            }
-        };
-        if why.is_some() && ended.is_none() {
-            // An upgrade: answers say `Connection: close` for a moment
-            // before accepting stops, so that busy clients move to new
-            // connections, which wait in the backlog for the new binary.
-            supervisor.handing_over(true);
-            closing.store(true, std::sync::atomic::Ordering::SeqCst);
-            tokio::select! {
-                () = tokio::time::sleep(upgrade::SETTLE) => {}
-                connections = &mut listening => ended = Some(connections),
-            }
-        }
-        let _ = pause_tx.send(true);
-        let connections = match ended {
-            Some(connections) => connections,
-            None => listening.await,
-        };
-        let Some(checked) = why else {
-            break connections;
-        };
-        // Returns only when the upgrade was called off: serve on.
-        upgrade::hand_over(&supervisor, &bound, &connections, &checked, &stop).await;
-        closing.store(false, std::sync::atomic::Ordering::SeqCst);
-    };
-    drop(bound);
-    supervisor.emit(EventKind::ServerDraining);
-    notify::notify(&format!(
-        "STOPPING=1\nSTATUS=draining requests (at most {}), then stopping every worker",
-        humantime::format_duration(supervisor.config().drain_timeout)
-    ));
-    eprintln!(
-        "berth: shutting down: draining requests (at most {}), then stopping every worker",
-        humantime::format_duration(supervisor.config().drain_timeout)
-    );
-    // Each report is logged by the supervisor as the unload ends.
-    for failed in supervisor
-        .shutdown()
-        .await
-        .into_iter()
-        .filter_map(Result::err)
-    {
-        eprintln!("berth: {failed}");
-    }
-    supervisor.emit(EventKind::ServerStopped);
-    // What workers left behind that was adopted by this subreaper.
-    let adopted = crate::orphans::kill_adopted();
-    if adopted > 0 {
-        eprintln!("berth: stopped {adopted} processes workers had left behind");
-    }
-    if !connections.wait_closed(Duration::from_secs(2)).await {
-        eprintln!(
-            "berth: closing {} connections that did not finish",
-            connections.open()
-        );
-    }
-    Ok(())
-}
-
-/// The first SIGTERM or SIGINT starts the shutdown; a second one kills every
-/// worker's group and exits at once. SIGHUP reloads the config; SIGUSR2
-/// upgrades in place (to the binary a request file beside the state file
-/// names, else to the one berth was started from).
-async fn signals(
-    stop: tokio::sync::watch::Sender<bool>,
-    live: Option<Arc<reload::Live>>,
-    upgrades: upgrade::Upgrades,
-    state_file: Option<std::path::PathBuf>,
-) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup), Ok(mut usr2)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
-        signal(SignalKind::user_defined2()),
-    ) else {
-        tracing::error!(
-            "cannot install the SIGTERM/SIGINT/SIGHUP/SIGUSR2 handlers; stop berth with SIGKILL"
-        );
-        // Keep the sender: dropping it would read as a stop.
-        std::future::pending::<()>().await;
-        return;
-    };
-    // SIGHUP reloads the config (its default action would end berth and
-    // every model with it), at any time, draining included.
-    tokio::spawn(async move {
-        while hup.recv().await.is_some() {
-            match &live {
-                Some(live) => {
-                    let live = Arc::clone(live);
-                    tokio::spawn(async move { live.reload("SIGHUP").await });
-                }
-                None => tracing::warn!("SIGHUP: no config file to reload; nothing changed"),
-            }
-        }
-    });
-    // SIGUSR2 upgrades in place (its default action would end berth).
-    tokio::spawn(async move {
-        while usr2.recv().await.is_some() {
-            let binary = match state_file.as_deref().map(upgrade::requested_binary) {
-                Some(Err(e)) => {
-                    tracing::warn!("SIGUSR2: {e}");
-                    continue;
-                }
-                Some(Ok(binary)) => binary,
-                None => None,
-            };
-            let upgrades = upgrades.clone();
-            tokio::spawn(async move { upgrades.request("SIGUSR2", binary).await });
-        }
-    });
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    let _ = stop.send(true);
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    let killed = crate::orphans::kill_all_now();
-    eprintln!("berth: second signal: killed {killed} workers' process groups; exiting now");
-    std::process::exit(130);
 }
