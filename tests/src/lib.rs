@@ -504,6 +504,14 @@ impl Server {
         sse_events(&reply.text())
     }
 
+    /// The kept events of type `kind`.
+    pub fn events_of(&self, kind: &str) -> Vec<serde_json::Value> {
+        self.events()
+            .into_iter()
+            .filter(|e| e["type"] == kind)
+            .collect()
+    }
+
     /// `/api/ps`'s models.
     pub fn ps(&self) -> Vec<serde_json::Value> {
         let (status, body) = self.get("/api/ps");

@@ -11,14 +11,6 @@ use berth_tests::fake_gpu::*;
 use berth_tests::*;
 use serde_json::{Value, json};
 
-fn events_of(server: &Server, kind: &str) -> Vec<Value> {
-    server
-        .events()
-        .into_iter()
-        .filter(|e| e["type"] == kind)
-        .collect()
-}
-
 /// A worker placed on a GPU whose process holds no device memory once
 /// loaded (here the `echo` backend, which never touches CUDA, as JAX or
 /// PyTorch fallen back to the CPU would): its load report, `ps` and an
@@ -42,7 +34,7 @@ fn a_worker_on_a_gpu_that_holds_no_gpu_memory_is_said_to_be_on_the_cpu() {
     );
     let ps = server.ps();
     assert_eq!(ps[0]["warnings"][0]["code"], "gpu_unused", "{ps:?}");
-    let warned = events_of(&server, "warning");
+    let warned = server.events_of("warning");
     assert_eq!(warned.len(), 1, "{warned:?}");
     assert_eq!(
         (&warned[0]["model"], &warned[0]["code"], &warned[0]["pid"]),
@@ -123,7 +115,7 @@ fn the_vram_budget_holds_once_loads_are_measured() {
         ["b", "c"],
         "a, the least recently used, went"
     );
-    let evicted = events_of(&server, "evicted");
+    let evicted = server.events_of("evicted");
     assert_eq!(
         (&evicted[0]["model"], &evicted[0]["for_model"]),
         (&json!("a"), &json!("c")),
@@ -208,7 +200,7 @@ fn a_model_growing_past_the_vram_budget_evicts_its_idle_neighbours() {
         "{:?}",
         loaded(&server)
     );
-    let evicted = events_of(&server, "evicted");
+    let evicted = server.events_of("evicted");
     assert_eq!(evicted[0]["model"], "idle", "{evicted:?}");
     assert_eq!(evicted[0]["for_model"], Value::Null, "{evicted:?}");
 

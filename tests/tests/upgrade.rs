@@ -67,14 +67,6 @@ fn build(server: &Server) -> String {
     version["build"].as_str().unwrap().to_string()
 }
 
-fn of_type(server: &Server, kind: &str) -> Vec<Value> {
-    server
-        .events()
-        .into_iter()
-        .filter(|e| e["type"] == kind)
-        .collect()
-}
-
 /// Under a steady load on every model, `berth upgrade --binary` moves the
 /// daemon from build A to build B: 0 requests fail, 0 models load again,
 /// every worker keeps its pid (and its uptime goes on), berth keeps its
@@ -91,7 +83,7 @@ fn an_upgrade_under_load_fails_no_request_and_keeps_every_worker() {
     assert_eq!(build(&server), "build-a");
     let before = workers(&server);
     assert_eq!(before.len(), 3, "{before:?}");
-    let loads_before = of_type(&server, "loaded").len();
+    let loads_before = server.events_of("loaded").len();
     let pid = server.pid();
 
     let stop = AtomicBool::new(false);
@@ -143,11 +135,11 @@ fn an_upgrade_under_load_fails_no_request_and_keeps_every_worker() {
         );
     }
     assert_eq!(
-        of_type(&server, "loaded").len(),
+        server.events_of("loaded").len(),
         loads_before,
         "no model loaded again"
     );
-    let event = &of_type(&server, "upgraded")[0];
+    let event = &server.events_of("upgraded")[0];
     assert_eq!(
         event["from"],
         format!("{} (build-a)", env!("CARGO_PKG_VERSION"))
@@ -164,7 +156,8 @@ fn an_upgrade_under_load_fails_no_request_and_keeps_every_worker() {
     // SAFETY: a signal to the child this test started.
     unsafe { libc::kill(server.pid() as i32, libc::SIGUSR2) };
     assert!(
-        wait_for(Duration::from_secs(30), || of_type(&server, "upgraded")
+        wait_for(Duration::from_secs(30), || server
+            .events_of("upgraded")
             .len()
             == 2),
         "{:?}",
@@ -174,7 +167,8 @@ fn an_upgrade_under_load_fails_no_request_and_keeps_every_worker() {
     let (status, reply) = server.post("/api/upgrade", json!({}));
     assert_eq!(status, 202, "{reply}");
     assert!(
-        wait_for(Duration::from_secs(30), || of_type(&server, "upgraded")
+        wait_for(Duration::from_secs(30), || server
+            .events_of("upgraded")
             .len()
             == 3),
         "{:?}",
@@ -227,8 +221,8 @@ fn an_upgrade_to_a_binary_that_fails_changes_nothing() {
         assert_eq!(pids(&server), before);
         assert_eq!(request(&server, "ipc", 1).0, 200);
     }
-    assert!(!of_type(&server, "upgrade_failed").is_empty());
-    assert!(of_type(&server, "upgraded").is_empty());
+    assert!(!server.events_of("upgrade_failed").is_empty());
+    assert!(server.events_of("upgraded").is_empty());
 
     let (status, reply) = server.post("/api/upgrade", json!({"binary": "/bin/sh"}));
     assert_eq!(status, 403, "{reply}");
