@@ -86,6 +86,14 @@ fn an_upgrade_under_load_fails_no_request_and_keeps_every_worker() {
     let loads_before = server.events_of("loaded").len();
     let pid = server.pid();
 
+    // A follower of the events, across the upgrades to come.
+    let follower_out = temp_dir("upgrade-events").join("events.jsonl");
+    let mut follower = std::process::Command::new(berth_bin())
+        .args(["events", "--json", "--url", &server.url])
+        .stdout(std::fs::File::create(&follower_out).unwrap())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     let stop = AtomicBool::new(false);
     let (results, upgraded) = std::thread::scope(|scope| {
         let _stop = StopOnDrop(&stop);
@@ -181,6 +189,35 @@ fn an_upgrade_under_load_fails_no_request_and_keeps_every_worker() {
     for model in MODELS {
         assert_eq!(request(&server, model, 0).0, 200, "{model}");
     }
+    // `berth events` followed the three upgrades without a gap.
+    let followed = || -> Vec<Value> {
+        std::fs::read_to_string(&follower_out)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || followed()
+            .iter()
+            .filter(|e| e["type"] == "upgraded")
+            .count()
+            == 3),
+        "{:?}",
+        followed()
+    );
+    assert_eq!(
+        follower.try_wait().unwrap(),
+        None,
+        "berth events still follows"
+    );
+    let _ = follower.kill();
+    let _ = follower.wait();
+    let ids: Vec<u64> = followed().iter().filter_map(|e| e["id"].as_u64()).collect();
+    assert!(
+        ids.windows(2).all(|w| w[1] == w[0] + 1),
+        "numbered without a gap or a repeat: {ids:?}"
+    );
 }
 
 /// A binary that fails its check (it does not run, or is no berth) is

@@ -30,6 +30,7 @@ pub fn run(args: EventsArgs) -> ExitCode {
     let json = args.remote.json;
     let client = Client::new(&args.remote);
     let mut since = args.since;
+    let mut upgrading = false;
     done(
         (|| -> Result<ExitCode, Failure> {
             loop {
@@ -74,14 +75,22 @@ pub fn run(args: EventsArgs) -> ExitCode {
                                 return Ok(ExitCode::SUCCESS);
                             }
                             // An in-place upgrade closes every stream as it
-                            // hands over: the new binary goes on with the
-                            // numbers.
-                            resume = !args.once && value["type"] == "upgrade_started";
+                            // hands over (and any opened meanwhile): the
+                            // new binary goes on with the numbers.
+                            match value["type"].as_str() {
+                                Some("upgrade_started") => upgrading = true,
+                                Some("upgraded" | "upgrade_failed") => upgrading = false,
+                                _ => {}
+                            }
                         }
                     }
                 }
                 if args.once && !resume {
                     return Ok(ExitCode::SUCCESS);
+                }
+                if upgrading {
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                    continue;
                 }
                 if !resume {
                     return Err((

@@ -98,6 +98,9 @@ pub async fn events(
                 // follower reconnects with `since` (a browser's EventSource does
                 // by itself), and the new binary goes on with the numbers.
                 let next = tokio::select! {
+                    // What happened before the handover (its
+                    // `upgrade_started` among it) is sent first.
+                    biased;
                     next = tokio::time::timeout(KEEP_ALIVE, follow.next()) => next,
                     _ = handover.wait_for(|h| *h) => return None,
                 };
