@@ -11,7 +11,11 @@
 //!
 //! The parent-death signal fires when the *thread* that forked the child
 //! exits, not the process. Tokio's blocking threads come and go, so every
-//! spawn happens on one long-lived spawner thread.
+//! spawn happens on one long-lived spawner thread: the process's main
+//! thread where the program installed it ([`main_thread_spawns`], as
+//! `berth` does), which also makes an in-place upgrade's `execve`
+//! (`crate::upgrade`) without ending the forking thread; else a thread of
+//! its own, started at the first spawn (a library host).
 
 use std::io;
 use std::os::unix::process::CommandExt;
@@ -346,8 +350,8 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
     let cgroup_procs = opts.cgroup_procs.cloned();
     // SAFETY: the closure runs between fork and exec and calls only
     // async-signal-safe functions (dup2, fcntl, close_range, getrlimit,
-    // prctl, getppid, open, write, close); it allocates nothing (the path
-    // was allocated before the fork).
+    // sigaction, prctl, getppid, open, write, close); it allocates nothing
+    // (the path was allocated before the fork).
     unsafe {
         command.pre_exec(move || {
             if let Some(fd) = stream_fd {
@@ -378,6 +382,15 @@ pub async fn spawn(opts: SpawnOptions<'_>) -> Result<Child> {
                 let written = libc::write(fd, b"0".as_ptr().cast(), 1);
                 libc::close(fd);
                 if written != 1 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            // `berth serve` ignores SIGHUP and SIGUSR2 until its handlers
+            // are in (`cli::main`); a worker starts with their defaults.
+            for signal in [libc::SIGHUP, libc::SIGUSR2] {
+                let mut default: libc::sigaction = std::mem::zeroed();
+                default.sa_sigaction = libc::SIG_DFL;
+                if libc::sigaction(signal, &default, std::ptr::null_mut()) != 0 {
                     return Err(io::Error::last_os_error());
                 }
             }
