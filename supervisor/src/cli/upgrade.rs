@@ -112,6 +112,20 @@ fn ask_by_signal(version: &Value, binary: &std::path::Path) -> Result<(), Failur
                 .into(),
         ));
     };
+    // The daemon takes a request file of its own user's only.
+    {
+        use std::os::unix::fs::MetadataExt;
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if let Ok(meta) = std::fs::metadata(state_file)
+            && meta.uid() != me
+        {
+            return Err(fail(format!(
+                "the daemon runs as uid {}, this is uid {me}: run `berth upgrade --binary` as                  the daemon's user (e.g. `sudo -u` it), on its host",
+                meta.uid()
+            )));
+        }
+    }
     let path = berth::server::upgrade::request_file(std::path::Path::new(state_file));
     let request = berth::server::upgrade::RequestFile { binary };
     let text = serde_json::to_string(&request).map_err(|e| fail(e.to_string()))?;

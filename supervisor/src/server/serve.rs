@@ -213,7 +213,7 @@ async fn signals(
         while usr2.recv().await.is_some() {
             let binary = match state_file.as_deref().map(upgrade::requested_binary) {
                 Some(Err(e)) => {
-                    tracing::warn!("SIGUSR2: {e}");
+                    upgrades.refuse(&e);
                     continue;
                 }
                 Some(Ok(binary)) => binary,

@@ -54,6 +54,17 @@ impl Upgrades {
         )
     }
 
+    /// An upgrade request refused before anything was checked (a request
+    /// file that is not the server's user's): said as `upgrade_failed`, so
+    /// that `berth upgrade` hears it.
+    pub(crate) fn refuse(&self, reason: &str) {
+        tracing::warn!("SIGUSR2: {reason}");
+        self.supervisor.emit(EventKind::UpgradeFailed {
+            binary: "(the request file's)".into(),
+            reason: reason.to_string(),
+        });
+    }
+
     /// Checks `binary` (default: the one berth was started from) and hands
     /// it to the serve loop; `Err` says why not, and nothing changed.
     pub(crate) async fn request(
