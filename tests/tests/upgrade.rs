@@ -67,6 +67,18 @@ fn build(server: &Server) -> String {
     version["build"].as_str().unwrap().to_string()
 }
 
+/// Waits until `n` upgrades are done (`upgraded` events).
+fn wait_for_upgrades(server: &Server, n: usize) {
+    assert!(
+        wait_for(Duration::from_secs(30), || server
+            .events_of("upgraded")
+            .len()
+            == n),
+        "{:?}",
+        server.events()
+    );
+}
+
 /// Under a steady load on every model, `berth upgrade --binary` moves the
 /// daemon from build A to build B: 0 requests fail, 0 models load again,
 /// every worker keeps its pid (and its uptime goes on), berth keeps its
@@ -163,25 +175,11 @@ fn an_upgrade_under_load_fails_no_request_and_keeps_every_worker() {
     // kept once more (they are now the new program's children).
     // SAFETY: a signal to the child this test started.
     unsafe { libc::kill(server.pid() as i32, libc::SIGUSR2) };
-    assert!(
-        wait_for(Duration::from_secs(30), || server
-            .events_of("upgraded")
-            .len()
-            == 2),
-        "{:?}",
-        server.events()
-    );
+    wait_for_upgrades(&server, 2);
     // And by the API, which names no binary of its own.
     let (status, reply) = server.post("/api/upgrade", json!({}));
     assert_eq!(status, 202, "{reply}");
-    assert!(
-        wait_for(Duration::from_secs(30), || server
-            .events_of("upgraded")
-            .len()
-            == 3),
-        "{:?}",
-        server.events()
-    );
+    wait_for_upgrades(&server, 3);
     assert_eq!(
         workers(&server).iter().map(|w| w.1).collect::<Vec<_>>(),
         before.iter().map(|w| w.1).collect::<Vec<_>>()

@@ -3,7 +3,7 @@
 //! output) kept open across the exec and named here by number.
 
 use std::io::{Read, Seek, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 use serde::{Deserialize, Serialize};
 
@@ -155,9 +155,4 @@ impl Handover {
         }
         Ok(handover)
     }
-}
-
-/// A kept descriptor's number, for the state.
-pub(crate) fn number(fd: &OwnedFd) -> RawFd {
-    fd.as_raw_fd()
 }

@@ -4,7 +4,7 @@
 //! handed over (its start time).
 
 use std::fs::File;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,7 +35,7 @@ pub(crate) fn hand(
     let mut keep = Vec::new();
     let packet = |c: &Captured| Packet {
         bytes: c.packet.clone(),
-        fd: super::state::number(&c.fd),
+        fd: c.fd.as_raw_fd(),
     };
     let wire = match (handle.upstream_server(), commands, wire_fds) {
         (Some(upstream), _, _) => HandedWire::Http {
@@ -65,7 +65,7 @@ pub(crate) fn hand(
                 ..
             },
         ) => HandedWire::Stream {
-            socket: super::state::number(socket),
+            socket: socket.as_raw_fd(),
         },
         _ => {
             return Err(std::io::Error::other(format!(
@@ -85,7 +85,7 @@ pub(crate) fn hand(
         wire,
         output: process
             .output_fds()
-            .map(|(out, err)| (super::state::number(out), super::state::number(err))),
+            .map(|(out, err)| (out.as_raw_fd(), err.as_raw_fd())),
         cap,
         fence,
         start: process.start_kind().clone(),
@@ -124,28 +124,49 @@ fn is_the_child(pid: u32, start_time: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// A handed-over worker's descriptors, taken (close-on-exec from now on).
+enum Taken {
+    Ipc { commands: OwnedFd, events: OwnedFd },
+    Stream(OwnedFd),
+    Http,
+}
+
+/// Takes the descriptors the state names for `w`: its wire's and its
+/// output's. Each is taken once: the state is consumed with `w`.
+fn take_descriptors(w: &HandedWorker) -> (Taken, Option<(File, File)>) {
+    // SAFETY: each descriptor named once by the state, taken once here.
+    unsafe {
+        let wire = match &w.wire {
+            HandedWire::Ipc { commands, events } => Taken::Ipc {
+                commands: take(commands.fd),
+                events: take(events.fd),
+            },
+            HandedWire::Stream { socket } => Taken::Stream(take(*socket)),
+            HandedWire::Http { .. } => Taken::Http,
+        };
+        let output = w
+            .output
+            .map(|(out, err)| (File::from(take(out)), File::from(take(err))));
+        (wire, output)
+    }
+}
+
+/// Kills a handed-over worker's group (reaped as a stray by the
+/// subreaper's sweep).
+fn kill_group(pid: u32) {
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+}
+
 /// A handed-over worker that is not to be served (its model left the
 /// config): its descriptors are closed and, if it is still this process's
 /// child, its group is killed; what it left is swept as any escapee.
 pub(crate) fn discard(w: HandedWorker) {
-    let fds: Vec<OwnedFd> = match &w.wire {
-        // SAFETY: each named once by the state, taken once here.
-        HandedWire::Ipc { commands, events } => unsafe { vec![take(commands.fd), take(events.fd)] },
-        // SAFETY: as above.
-        HandedWire::Stream { socket } => unsafe { vec![take(*socket)] },
-        HandedWire::Http { .. } => Vec::new(),
-    };
-    drop(fds);
-    if let Some((out, err)) = w.output {
-        // SAFETY: as above.
-        drop(unsafe { (take(out), take(err)) });
-    }
+    drop(take_descriptors(&w));
     if is_the_child(w.pid, w.start_time).is_ok() {
-        let _ = nix::sys::signal::killpg(
-            nix::unistd::Pid::from_raw(w.pid as i32),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-        // Reaped as a stray by the subreaper's sweep.
+        kill_group(w.pid);
     }
 }
 
@@ -159,27 +180,11 @@ pub(crate) fn adopt(
     let model = w.model.as_str();
     // Taken first, whatever follows: a worker refused here is killed, and
     // its descriptors closed.
-    // SAFETY: each named once by the state, taken once here.
-    let output = w
-        .output
-        .map(|(out, err)| unsafe { (File::from(take(out)), File::from(take(err))) });
-    let wire = match &w.wire {
-        HandedWire::Ipc { commands, events } => {
-            // SAFETY: as above.
-            let (c, e) = unsafe { (take(commands.fd), take(events.fd)) };
-            Some((Some((c, e)), None))
-        }
-        // SAFETY: as above.
-        HandedWire::Stream { socket } => Some((None, Some(unsafe { take(*socket) }))),
-        HandedWire::Http { .. } => None,
-    };
+    let (taken, output) = take_descriptors(&w);
     is_the_child(w.pid, w.start_time)?;
     let refuse = |why: String| {
         // Alive and ours, but not to be served: it goes (with its group).
-        let _ = nix::sys::signal::killpg(
-            nix::unistd::Pid::from_raw(w.pid as i32),
-            nix::sys::signal::Signal::SIGKILL,
-        );
+        kill_group(w.pid);
         why
     };
     let cap = w
@@ -210,8 +215,22 @@ pub(crate) fn adopt(
     let started_at = Instant::now()
         .checked_sub(Duration::from_millis(w.age_ms))
         .unwrap_or_else(Instant::now);
-    let handle = match (w.wire, wire) {
-        (HandedWire::Ipc { commands, events }, Some((Some((c, e)), _))) => {
+    // A berth worker's wire (either kind), or an HTTP server's address.
+    enum Reached {
+        Worker(Events, Link, WireFds),
+        Server(
+            crate::child::upstream::Address,
+            Option<crate::child::container::Container>,
+        ),
+    }
+    let wire = match (w.wire, taken) {
+        (
+            HandedWire::Ipc { commands, events },
+            Taken::Ipc {
+                commands: c,
+                events: e,
+            },
+        ) => {
             let sender: IpcSender<Command> = ipc::rebuild(&commands.bytes, c.as_fd())
                 .map_err(|e| refuse(format!("cannot take over its commands channel: {e}")))?;
             drop(c);
@@ -224,46 +243,36 @@ pub(crate) fn adopt(
                 }),
                 socket: None,
             };
-            WorkerHandle::new(
-                model,
-                &w.backend,
-                Arc::clone(&process),
-                (
-                    Events::Ipc(receiver),
-                    Link::Ipc(sender),
-                    hello(&w.backend, w.pid, &w.worker_version),
-                ),
-                kept,
-                started_at,
-                (config.max_response, config.answer_spin),
-            )
-            .map_err(|e| refuse(e.to_string()))?
+            Reached::Worker(Events::Ipc(receiver), Link::Ipc(sender), kept)
         }
-        (HandedWire::Stream { .. }, Some((_, Some(socket)))) => {
-            let ours = socket
+        (HandedWire::Stream { .. }, Taken::Stream(socket)) => {
+            let (reader, writer) = socket
                 .try_clone()
+                .and_then(crate::child::stream::connect)
                 .map_err(|e| refuse(format!("cannot take over its socket: {e}")))?;
-            let (reader, writer) = crate::child::stream::connect(ours)
-                .map_err(|e| refuse(format!("cannot take over its socket: {e}")))?;
-            WorkerHandle::new(
-                model,
-                &w.backend,
-                Arc::clone(&process),
-                (
-                    Events::Stream(reader),
-                    Link::Stream(writer),
-                    hello(&w.backend, w.pid, &w.worker_version),
-                ),
-                WireFds {
-                    events: None,
-                    socket: Some(socket),
-                },
-                started_at,
-                (config.max_response, config.answer_spin),
-            )
-            .map_err(|e| refuse(e.to_string()))?
+            let kept = WireFds {
+                events: None,
+                socket: Some(socket),
+            };
+            Reached::Worker(Events::Stream(reader), Link::Stream(writer), kept)
         }
-        (HandedWire::Http { address, container }, _) => {
+        (HandedWire::Http { address, container }, Taken::Http) => {
+            Reached::Server(address, container)
+        }
+        _ => return Err(refuse("its wire was handed over incomplete".into())),
+    };
+    let handle = match wire {
+        Reached::Worker(events, link, kept) => WorkerHandle::new(
+            model,
+            &w.backend,
+            Arc::clone(&process),
+            (events, link, hello(&w.backend, w.pid, &w.worker_version)),
+            kept,
+            started_at,
+            (config.max_response, config.answer_spin),
+        )
+        .map_err(|e| refuse(e.to_string()))?,
+        Reached::Server(address, container) => {
             let program = crate::child::program::worker_program(spec, config)
                 .map_err(|e| refuse(e.to_string()))?;
             let Some(http) = program.http.clone() else {
@@ -283,7 +292,6 @@ pub(crate) fn adopt(
             );
             WorkerHandle::upstream(model, Arc::clone(&process), upstream, started_at)
         }
-        _ => return Err(refuse("its wire was handed over incomplete".into())),
     };
     handle.resume(w.requests, w.load_info, w.baseline_rss, w.load_micros);
     handle.sample_rss();
