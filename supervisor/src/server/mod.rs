@@ -14,6 +14,7 @@ use axum::routing::{get, post};
 use crate::Supervisor;
 
 mod base64;
+mod completions;
 pub mod config;
 mod console;
 mod embeddings;
@@ -200,6 +201,7 @@ pub(crate) fn router(
         .route("/v1/models", get(openai::models))
         .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/api/ps", get(management::ps))
         .route("/api/events", get(events::events))
         .route("/api/history", get(management::history))

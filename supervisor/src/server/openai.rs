@@ -1,6 +1,7 @@
 //! The OpenAI-compatible endpoints: `/v1/models` and
 //! `/v1/chat/completions` (plain and `stream: true` as server-sent events);
-//! `/v1/embeddings` is in `embeddings.rs`.
+//! `/v1/completions` is in `completions.rs`, `/v1/embeddings` in
+//! `embeddings.rs`.
 //! They translate shapes and delegate to the supervisor; the backends speak
 //! berth's own request JSON.
 
@@ -22,7 +23,7 @@ use crate::child::handle::Piece;
 use crate::supervisor::RequestOptions;
 use crate::{Body, RequestStream};
 
-fn now_unix() -> u64 {
+pub(super) fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -173,7 +174,15 @@ pub async fn chat_completions(
         if let Some(Err(e)) = first {
             return Err(e.into());
         }
-        let events = sse_events(stream, first, id, created, req.model, include_usage);
+        let events = sse_events(
+            stream,
+            first,
+            id,
+            created,
+            req.model,
+            include_usage,
+            Shape::Chat,
+        );
         return Ok(Sse::new(events)
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response());
@@ -195,13 +204,13 @@ pub async fn chat_completions(
     .into_response())
 }
 
-fn usage(out: &Value) -> Value {
+pub(super) fn usage(out: &Value) -> Value {
     let prompt = out["prompt_tokens"].as_u64().unwrap_or(0);
     let completion = out["completion_tokens"].as_u64().unwrap_or(0);
     json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
 }
 
-fn rand_id() -> u64 {
+pub(super) fn rand_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
@@ -213,7 +222,7 @@ fn rand_id() -> u64 {
     h.finish()
 }
 
-async fn final_body(mut stream: RequestStream, model: &str) -> Result<Value, ApiError> {
+pub(super) async fn final_body(mut stream: RequestStream, model: &str) -> Result<Value, ApiError> {
     loop {
         match stream.next().await {
             Some(Ok(Piece::Done(body))) => {
@@ -238,18 +247,62 @@ async fn final_body(mut stream: RequestStream, model: &str) -> Result<Value, Api
     }
 }
 
-fn sse_events(
+/// Which API a stream answers: its chunks' shape.
+pub(super) enum Shape {
+    /// `chat.completion.chunk`: a `delta`, the first one the role.
+    Chat,
+    /// `text_completion`: the `text`; with `echo`, the prompt first.
+    Text { echo: Option<String> },
+}
+
+impl Shape {
+    /// A chunk's choice with `text` (`None`: the role, or nothing).
+    fn choice(&self, text: Option<&str>, finish: Value) -> Value {
+        match self {
+            Shape::Chat => {
+                let delta = match text {
+                    Some(text) => json!({ "content": text }),
+                    None => json!({}),
+                };
+                json!({ "index": 0, "delta": delta, "finish_reason": finish })
+            }
+            Shape::Text { .. } => json!({
+                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish,
+            }),
+        }
+    }
+
+    /// What goes before the model's first piece.
+    fn start(&self) -> Option<Value> {
+        match self {
+            Shape::Chat => Some(json!({
+                "index": 0, "delta": { "role": "assistant", "content": "" }, "finish_reason": null,
+            })),
+            Shape::Text { echo } => echo.as_deref().map(|p| self.choice(Some(p), Value::Null)),
+        }
+    }
+
+    fn object(&self) -> &'static str {
+        match self {
+            Shape::Chat => "chat.completion.chunk",
+            Shape::Text { .. } => "text_completion",
+        }
+    }
+}
+
+pub(super) fn sse_events(
     stream: RequestStream,
     first_piece: Option<crate::Result<Piece>>,
     id: String,
     created: u64,
     model: String,
     include_usage: bool,
+    shape: Shape,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
-    let chunk = move |delta: Value, finish: Value| {
+    let object = shape.object();
+    let wrap = move |choice: Value| {
         let mut chunk = json!({
-            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+            "id": id, "object": object, "created": created, "model": model, "choices": [choice],
         });
         if include_usage {
             // As OpenAI does: every chunk has the field, null but the last.
@@ -257,7 +310,8 @@ fn sse_events(
         }
         chunk
     };
-    let first = chunk(json!({ "role": "assistant", "content": "" }), Value::Null);
+    let first = shape.start().map(&wrap);
+    let chunk = move |text: Option<&str>, finish: Value| wrap(shape.choice(text, finish));
     enum Phase {
         Start(RequestStream, Value, Option<crate::Result<Piece>>),
         Streaming(RequestStream, Option<Option<crate::Result<Piece>>>),
@@ -265,7 +319,12 @@ fn sse_events(
         Done,
     }
     let chunk = std::sync::Arc::new(chunk);
-    stream::unfold(Phase::Start(stream, first, first_piece), move |phase| {
+    let start = match first {
+        Some(first) => Phase::Start(stream, first, first_piece),
+        // Nothing to say first: on with the model's first piece.
+        None => Phase::Streaming(stream, Some(first_piece)),
+    };
+    stream::unfold(start, move |phase| {
         let chunk = std::sync::Arc::clone(&chunk);
         async move {
             match phase {
@@ -278,17 +337,17 @@ fn sse_events(
                 } {
                     Some(Ok(Piece::Chunk(body))) => {
                         let delta: Value = serde_json::from_str(&body.json).unwrap_or(Value::Null);
-                        let text = delta["delta"].as_str().unwrap_or_default().to_string();
+                        let text = delta["delta"].as_str().unwrap_or_default();
                         Some((
-                            Ok(data(&chunk(json!({ "content": text }), Value::Null))),
+                            Ok(data(&chunk(Some(text), Value::Null))),
                             Phase::Streaming(stream, None),
                         ))
                     }
                     Some(Ok(Piece::Done(body))) => {
                         let out: Value = serde_json::from_str(&body.json).unwrap_or(Value::Null);
-                        let mut tail = vec![chunk(json!({}), out["finish_reason"].clone())];
+                        let mut tail = vec![chunk(None, out["finish_reason"].clone())];
                         if include_usage {
-                            let mut u = chunk(json!({}), Value::Null);
+                            let mut u = chunk(None, Value::Null);
                             u["choices"] = json!([]);
                             u["usage"] = usage(&out);
                             tail.push(u);

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use super::Generate;
 use super::model::Sequence;
-use super::request::Request;
+use super::request::{Prompt, Request};
 use super::template::{Scan, scan};
 use crate::RequestContext;
 
@@ -91,10 +91,17 @@ impl Generate {
     /// Tokenizes and checks a request and feeds its prompt through the model.
     pub(super) fn start<'a>(&self, req: Request, ctx: Ctx<'a>) -> Result<Job<'a>, WireError> {
         let backend = |e: candle_core::Error| self.error(ErrorKind::Backend, e);
-        let prompt = self.chat.render(&req.messages);
+        let rendered;
+        let prompt = match &req.prompt {
+            Prompt::Chat(messages) => {
+                rendered = self.chat.render(messages);
+                rendered.as_str()
+            }
+            Prompt::Raw(text) => text.as_str(),
+        };
         let encoding = self
             .tokenizer
-            .encode(prompt.as_str(), false)
+            .encode(prompt, false)
             .map_err(|e| self.error(ErrorKind::Internal, format!("tokenizing: {e}")))?;
         let mut ids: Vec<u32> = self.bos.into_iter().collect();
         ids.extend_from_slice(encoding.get_ids());

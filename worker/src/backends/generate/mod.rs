@@ -31,9 +31,10 @@
 //!
 //! Request (JSON): `{"messages": [{"role": "system"|"user"|"assistant",
 //! "content": "..."}, ...]}`, or `{"input": "..."}` / `{"prompt": "..."}`,
-//! which is one user message (the model is a chat model; raw completion is
-//! not offered). Optional per request: `max_tokens`, `temperature`, `top_p`,
-//! `seed`, `stop` (a string or an array of strings).
+//! which is one user message, or `{"raw_prompt": "..."}`: text the model
+//! continues as it is, through no chat template (OpenAI's legacy
+//! completions). Optional per request: `max_tokens`, `temperature`,
+//! `top_p`, `seed`, `stop` (a string or an array of strings).
 //!
 //! While generating, chunks `{"delta": "..."}` stream the text; their
 //! concatenation is exactly the final `text`. Final body:

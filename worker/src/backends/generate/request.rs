@@ -1,6 +1,6 @@
 //! Request bodies: the JSON a client sends, parsed and checked into chat
-//! messages, generation settings and stop strings, so that decoding only
-//! ever sees a valid request.
+//! messages (or a raw prompt), generation settings and stop strings, so
+//! that decoding only ever sees a valid request.
 
 use serde::Deserialize;
 
@@ -57,10 +57,19 @@ pub(super) struct Message {
     pub(super) content: String,
 }
 
+/// What the model continues.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Prompt {
+    /// A conversation, rendered through the model's chat template.
+    Chat(Vec<Message>),
+    /// Text fed as it is, no template: OpenAI's legacy completions.
+    Raw(String),
+}
+
 /// A parsed, validated request.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Request {
-    pub(super) messages: Vec<Message>,
+    pub(super) prompt: Prompt,
     pub(super) settings: Settings,
     pub(super) stop: Vec<String>,
 }
@@ -70,6 +79,7 @@ pub(super) struct Request {
 struct RawRequest {
     input: Option<String>,
     prompt: Option<String>,
+    raw_prompt: Option<String>,
     messages: Option<Vec<RawMessage>>,
     max_tokens: Option<usize>,
     temperature: Option<f64>,
@@ -127,17 +137,23 @@ pub(super) fn parse_request(json: &str, defaults: &Settings) -> Result<Request, 
             format!("the request is not valid JSON: {e}")
         }
     })?;
-    let messages = match (raw.input, raw.prompt, raw.messages) {
-        (Some(text), None, None) | (None, Some(text), None) => {
+    let prompt = match (raw.input, raw.prompt, raw.raw_prompt, raw.messages) {
+        (Some(text), None, None, None) | (None, Some(text), None, None) => {
             if text.trim().is_empty() {
                 return Err("the input is empty".into());
             }
-            vec![Message {
+            Prompt::Chat(vec![Message {
                 role: Role::User,
                 content: text,
-            }]
+            }])
         }
-        (None, None, Some(raw)) => {
+        (None, None, Some(text), None) => {
+            if text.is_empty() {
+                return Err("the prompt is empty".into());
+            }
+            Prompt::Raw(text)
+        }
+        (None, None, None, Some(raw)) => {
             if raw.is_empty() {
                 return Err("`messages` is empty".into());
             }
@@ -161,14 +177,16 @@ pub(super) fn parse_request(json: &str, defaults: &Settings) -> Result<Request, 
             if messages.iter().all(|m| m.content.trim().is_empty()) {
                 return Err("every message is empty".into());
             }
-            messages
+            Prompt::Chat(messages)
         }
-        (None, None, None) => {
+        (None, None, None, None) => {
             return Err(
                 "the request has no text: send {\"input\": TEXT} or {\"messages\": [...]}".into(),
             );
         }
-        _ => return Err("send only one of `input`, `prompt` and `messages`".into()),
+        _ => {
+            return Err("send only one of `input`, `prompt`, `raw_prompt` and `messages`".into());
+        }
     };
     let settings = Settings {
         max_tokens: raw.max_tokens.unwrap_or(defaults.max_tokens),
@@ -197,7 +215,7 @@ pub(super) fn parse_request(json: &str, defaults: &Settings) -> Result<Request, 
         return Err("a `stop` string is empty".into());
     }
     Ok(Request {
-        messages,
+        prompt,
         settings,
         stop,
     })
@@ -221,11 +239,11 @@ mod tests {
     fn requests_parse_into_messages_and_settings() {
         let r = parse_request(r#"{"input": "What is 2 + 3?"}"#, &defaults()).unwrap();
         assert_eq!(
-            r.messages,
-            [Message {
+            r.prompt,
+            Prompt::Chat(vec![Message {
                 role: Role::User,
                 content: "What is 2 + 3?".into()
-            }]
+            }])
         );
         assert_eq!(r.settings, defaults());
         assert!(r.stop.is_empty());
@@ -236,8 +254,11 @@ mod tests {
             &defaults(),
         )
         .unwrap();
-        assert_eq!(r.messages.len(), 2);
-        assert_eq!(r.messages[0].role, Role::System);
+        let Prompt::Chat(messages) = &r.prompt else {
+            panic!("{:?}", r.prompt)
+        };
+        assert_eq!(messages.len(), 2);
+        assert_eq!(messages[0].role, Role::System);
         assert_eq!(
             r.settings,
             Settings {
@@ -251,6 +272,9 @@ mod tests {
 
         let r = parse_request(r#"{"prompt": "x", "stop": "\n"}"#, &defaults()).unwrap();
         assert_eq!(r.stop, ["\n"]);
+        // A raw prompt is kept as it is, leading space and newline included.
+        let r = parse_request(r#"{"raw_prompt": " Once upon\n"}"#, &defaults()).unwrap();
+        assert_eq!(r.prompt, Prompt::Raw(" Once upon\n".into()));
     }
 
     #[test]
@@ -266,6 +290,8 @@ mod tests {
         assert!(err(r#"{"messages": [{"role": "user"}]}"#).contains("content"));
         assert!(err("{}").contains("no text"));
         assert!(err(r#"{"input": "a", "messages": []}"#).contains("only one"));
+        assert!(err(r#"{"raw_prompt": "a", "prompt": "b"}"#).contains("only one"));
+        assert!(err(r#"{"raw_prompt": ""}"#).contains("empty"));
         assert!(err(r#"{"input": "a", "max_token": 3}"#).contains("max_token"));
         assert!(err(r#"{"input": "a", "max_tokens": 0}"#).contains("max_tokens"));
         assert!(err(r#"{"input": "a", "max_tokens": -1}"#).contains("bad request"));
