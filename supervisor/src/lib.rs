@@ -43,7 +43,7 @@ pub use error::{Error, ErrorClass, Result, VersionMismatch};
 pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport, Warning, WorkerStart};
 pub use supervisor::{
     BatchingStatus, CatalogueEntry, EVENT_HISTORY, Event, EventKind, Follow, Followed, HostSample,
-    Lease, MemoryHistory, ModelCounters, ModelSample, ModelState, ModelStatus, PreloaderStatus,
-    RequestOptions, RequestStream, Supervisor, SwapReport,
+    Lease, MemoryHistory, ModelCounters, ModelSample, ModelState, ModelStatus, Occupancy,
+    PreloaderStatus, RequestOptions, RequestStream, Supervisor, SwapReport,
 };
 pub use units::{mib, parse_bytes, parse_duration};

@@ -62,13 +62,14 @@ pub fn process_memory(pid: u32) -> Option<ProcessMemory> {
 /// One reading of the system's memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SystemMemory {
+    pub total_bytes: u64,
     pub available_bytes: u64,
     /// `AnonPages`: the evidence that a worker's anonymous memory came back.
     /// (`MemAvailable` drifts by ±100 MB on a busy machine and proves nothing.)
     pub anon_bytes: u64,
 }
 
-/// Reads the two fields from `/proc/meminfo` (by hand: a full parse of
+/// Reads the three fields from `/proc/meminfo` (by hand: a full parse of
 /// every field cost more than the memory history's whole sample).
 pub fn system_memory() -> SystemMemory {
     let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
@@ -82,6 +83,7 @@ pub fn system_memory() -> SystemMemory {
             .unwrap_or(0)
     };
     SystemMemory {
+        total_bytes: field("MemTotal"),
         available_bytes: field("MemAvailable"),
         anon_bytes: field("AnonPages"),
     }

@@ -92,6 +92,18 @@ pub fn overrun(
         })
 }
 
+/// How full the fullest device is, as a fraction of the per-GPU `budget`
+/// (past 1 when over it); 0 without a device.
+pub fn fullest(devices: &[DeviceReading], budget: u64, holders: &[Holder]) -> f64 {
+    devices
+        .iter()
+        .map(|device| {
+            let held: u64 = holders.iter().map(|h| held_on(device, h)).sum();
+            held as f64 / budget.max(1) as f64
+        })
+        .fold(0.0, f64::max)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

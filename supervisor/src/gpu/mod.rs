@@ -16,7 +16,7 @@ mod nvml;
 mod placement;
 mod status;
 
-pub use budget::{Overrun, overrun};
+pub use budget::{Overrun, fullest, overrun};
 pub use frameworks::{VRAM_BYTES, fraction_base, fraction_conflict, framework_env};
 pub use nvml::{DeviceReading, Inventory, inventory, process_vram, total_bytes, uuid};
 pub use placement::{AutoWord, GpuRequest, Holder, Plan, plan, worker_env};

@@ -16,7 +16,9 @@
 //!   `Bearer` scheme in any case (RFC 7235).
 //!
 //! `/healthz` and `/readyz` skip the Host and token checks: probes address a
-//! pod by its IP and carry no secret.
+//! pod by its IP and carry no secret. So does `GET /metrics` where the
+//! operator set `public_metrics`: an inference gateway's endpoint picker
+//! scrapes it by pod IP and cannot send a token.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -36,6 +38,8 @@ pub(crate) struct Guard {
     /// non-loopback address the operator protects with a token).
     hosts: Option<Vec<String>>,
     origins: Vec<String>,
+    /// `GET /metrics` passes as the probes do.
+    public_metrics: bool,
 }
 
 impl Guard {
@@ -79,7 +83,23 @@ impl Guard {
                 .iter()
                 .map(|o| o.trim_end_matches('/').to_ascii_lowercase())
                 .collect(),
+            public_metrics: false,
         }
+    }
+
+    /// With `open`, `GET /metrics` needs neither token nor Host.
+    pub fn public_metrics(mut self, open: bool) -> Guard {
+        self.public_metrics = open;
+        self
+    }
+
+    /// What passes without Host or token: the probes, and the metrics
+    /// where the operator made them public.
+    fn is_open(&self, method: &Method, path: &str) -> bool {
+        is_probe(path)
+            || (self.public_metrics
+                && path == "/metrics"
+                && (method == Method::GET || method == Method::HEAD))
     }
 
     /// Why `request` is refused, or `None`.
@@ -94,7 +114,7 @@ impl Guard {
                 .and_then(|v: &header::HeaderValue| v.to_str().ok())
         };
         // A missing or unreadable Host fails the check too.
-        if !is_probe(path)
+        if !self.is_open(method, path)
             && let Some(hosts) = &self.hosts
             && let host = text(header::HOST).unwrap_or("")
             && !hosts.contains(&host.to_ascii_lowercase())
@@ -167,7 +187,7 @@ impl Guard {
                 },
             ));
         }
-        if !is_probe(path)
+        if !self.is_open(method, path)
             && !is_console(method, path)
             && !self.tokens.is_empty()
             && !self
@@ -351,6 +371,33 @@ mod tests {
                 .refuse(&Method::POST, "/v1/embeddings", &allowed)
                 .is_none()
         );
+    }
+
+    #[test]
+    fn public_metrics_pass_without_token_or_host_and_nothing_else_does() {
+        let guarded = Guard::new(
+            &Listen::parse("0.0.0.0:7733").unwrap(),
+            vec!["secret".into()],
+            &["berth.example:7733".into()],
+            &[],
+        );
+        let scrape = headers(&[(header::HOST, "10.1.2.3:7733")]);
+        for guard in [guarded.clone(), guarded.clone().public_metrics(false)] {
+            let refused = guard.refuse(&Method::GET, "/metrics", &scrape).unwrap();
+            assert_eq!(refused.code, "forbidden_host");
+        }
+        let open = guarded.public_metrics(true);
+        assert!(open.refuse(&Method::GET, "/metrics", &scrape).is_none());
+        assert!(open.refuse(&Method::HEAD, "/metrics", &scrape).is_none());
+        // Only the metrics: everything else still asks for Host and token.
+        for path in ["/api/ps", "/v1/models", "/metrics/x", "/api/events"] {
+            assert!(open.refuse(&Method::GET, path, &scrape).is_some(), "{path}");
+        }
+        let named = headers(&[(header::HOST, "berth.example:7733")]);
+        let refused = open.refuse(&Method::GET, "/api/ps", &named).unwrap();
+        assert_eq!(refused.code, "unauthorized");
+        let posted = open.refuse(&Method::POST, "/metrics", &named).unwrap();
+        assert_eq!(posted.code, "unauthorized");
     }
 
     #[test]

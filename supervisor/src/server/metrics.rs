@@ -5,8 +5,8 @@ use std::sync::atomic::Ordering;
 
 use crate::gpu::DeviceStatus;
 use crate::supervisor::{
-    BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters, ModelStatus, PreloaderStatus,
-    Supervisor,
+    BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters, ModelStatus, Occupancy,
+    PreloaderStatus, Supervisor,
 };
 
 fn escape(label: &str) -> String {
@@ -199,9 +199,58 @@ pub fn render(supervisor: &Supervisor) -> String {
         "Models with a worker.",
     );
     let _ = writeln!(out, "berth_models_loaded {}", stats.len());
+    render_occupancy(&mut out, &supervisor.occupancy_on(&inventory));
     render_preloaders(&mut out, &supervisor.preloaders());
     render_gpus(&mut out, &supervisor.gpus_on(inventory));
     out
+}
+
+/// The gauges an inference gateway's endpoint picker scrapes to choose a
+/// berth for a request, in the types and meaning of the Gateway API
+/// Inference Extension's Model Server Protocol, under berth's names (the
+/// picker's config names them; docs/production.md): requests waiting and
+/// running, all models; how full the budgets are, a fraction as vLLM's
+/// `kv_cache_usage_perc` is (the picker compares it with 0.8); and one
+/// series in the shape of vLLM's `lora_requests_info` listing the models
+/// warm and on their way, its value the time that last changed, so the
+/// picker sends a request where its model is loaded.
+fn render_occupancy(out: &mut String, o: &Occupancy) {
+    let gauges: [(&str, &str, f64); 3] = [
+        (
+            "berth_requests_waiting",
+            "Requests waiting, all models: queued for a concurrency slot or for their model's load.",
+            o.waiting as f64,
+        ),
+        (
+            "berth_requests_running",
+            "Requests inside workers (or relayed to their servers), all models.",
+            o.running as f64,
+        ),
+        (
+            "berth_budget_usage_ratio",
+            "How full the fullest budget is, 0 to 1: memory_budget, gpu_memory_budget, max_loaded (with none set, the host's memory).",
+            o.budget_usage,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+        );
+    }
+    let name = "berth_loaded_models_info";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Models loaded and ready (running_lora_adapters), loading or waiting for a load (waiting_lora_adapters), and how many may be loaded at once (max_lora); the value is when that last changed (Unix seconds).\n# TYPE {name} gauge"
+    );
+    let _ = writeln!(
+        out,
+        "{name}{{running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\",max_lora=\"{}\"}} {}",
+        escape(&o.ready.join(",")),
+        escape(&o.loading.join(",")),
+        o.max_loaded,
+        o.changed_at
+    );
 }
 
 /// A per-worker gauge: name, help, and how to read it (`None`: no line).

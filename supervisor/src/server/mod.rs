@@ -69,6 +69,8 @@ pub struct ServeOptions {
     pub max_inputs: usize,
     pub allowed_hosts: Vec<String>,
     pub allowed_origins: Vec<String>,
+    /// `GET /metrics` passes without token or Host check.
+    pub public_metrics: bool,
     pub connections: listen::ConnectionLimits,
     /// HTTP clients may register the test doubles ([`TEST_BACKENDS`]).
     pub test_backends: bool,
@@ -110,6 +112,7 @@ impl ServeOptions {
             max_inputs: config::DEFAULT_MAX_INPUTS,
             allowed_hosts: Vec::new(),
             allowed_origins: Vec::new(),
+            public_metrics: false,
             connections: listen::ConnectionLimits {
                 max_connections: config::DEFAULT_MAX_CONNECTIONS,
                 header_timeout: config::DEFAULT_HEADER_TIMEOUT,
@@ -190,7 +193,8 @@ pub(crate) fn router(
         tokens,
         &options.allowed_hosts,
         &options.allowed_origins,
-    );
+    )
+    .public_metrics(options.public_metrics);
     let body = BodyLimits {
         max: options.max_body,
         timeout: options.body_timeout,

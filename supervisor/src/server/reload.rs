@@ -90,7 +90,7 @@ fn settings(old: &ServeConfig, new: &ServeConfig) -> (Vec<String>, Vec<String>) 
     compare!(live: memory_budget, max_loaded, gpu_memory_budget, keep_alive, models_dir,
         load_timeout, drain_timeout, restart_backoff, answer_spin, max_response, max_models,
         groups, matrix, token, max_body, max_body_total, allowed_hosts, allowed_origins,
-        body_timeout, max_inputs, test_backends);
+        public_metrics, body_timeout, max_inputs, test_backends);
     compare!(restart: listen, state_file, max_connections, header_timeout, send_timeout);
     let kinds: Vec<String> = old
         .workers

@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -40,6 +40,7 @@ mod handover;
 mod history;
 mod keep_alive;
 mod lifecycle;
+mod occupancy;
 mod preloaders;
 mod requests;
 mod residency;
@@ -54,6 +55,7 @@ pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCount
 pub use crashes::LastExit;
 pub use events::{Event, EventKind, Follow, Followed, HISTORY as EVENT_HISTORY};
 pub use history::{HostSample, MemoryHistory, ModelSample};
+pub use occupancy::Occupancy;
 pub use preloaders::PreloaderStatus;
 pub use requests::{Lease, RequestStream};
 pub use types::{
@@ -92,6 +94,10 @@ struct Inner {
     state: Mutex<State>,
     /// Woken whenever a slot changes state.
     changed: Notify,
+    /// When that last happened (or the config was replaced), in ms since
+    /// the Unix epoch: the time a scheduler in front of berth is told its
+    /// set of loaded models was last updated.
+    changed_at: AtomicU64,
     /// Wakes the keep-alive reaper: a slot changed, or a keep-alive was
     /// set that may end sooner than the one it waits for.
     expiry_changed: Arc<Notify>,
@@ -129,6 +135,8 @@ impl Inner {
 
     /// Wakes whoever waits for a slot to change, the reaper included.
     fn notify_changed(&self) {
+        self.changed_at
+            .store(occupancy::unix_ms_now(), Ordering::Relaxed);
         self.changed.notify_waiters();
         self.expiry_changed.notify_one();
     }
@@ -174,6 +182,7 @@ impl Supervisor {
             config: std::sync::RwLock::new(Arc::new(config)),
             state: Mutex::new(State::default()),
             changed: Notify::new(),
+            changed_at: AtomicU64::new(occupancy::unix_ms_now()),
             expiry_changed: Arc::default(),
             load_gate: tokio::sync::Mutex::new(()),
             shutting_down: AtomicBool::new(false),

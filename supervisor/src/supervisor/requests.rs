@@ -159,7 +159,7 @@ impl Supervisor {
                 }
             })?;
         }
-        let (permits, queued, max_queue, counters, concurrency) = {
+        let (permits, queued, awaiting_load, max_queue, counters, concurrency) = {
             let state = self.lock();
             let entry = state
                 .catalogue
@@ -174,6 +174,7 @@ impl Supervisor {
             (
                 Arc::clone(&entry.permits),
                 Arc::clone(&entry.queued),
+                Arc::clone(&entry.awaiting_load),
                 entry.spec.max_queue.unwrap_or(DEFAULT_MAX_QUEUE),
                 Arc::clone(&entry.counters),
                 entry.concurrency,
@@ -205,6 +206,10 @@ impl Supervisor {
                 })?
             }
         };
+        // Waiting still, until a ready worker takes the request: counted
+        // as such (the waiting requests of `/metrics`) however this ends.
+        awaiting_load.fetch_add(1, Ordering::SeqCst);
+        let _awaiting = LeaveQueue(awaiting_load);
         let give_up = started
             .checked_add(self.config().load_timeout.saturating_mul(2))
             .unwrap_or(started + Duration::from_secs(3600));
@@ -286,7 +291,8 @@ struct Admitted<T> {
     deadline: Option<tokio::time::Instant>,
 }
 
-/// Counts a request out of its model's queue when dropped.
+/// Counts a request out of its model's queue (or its wait for a load) when
+/// dropped.
 pub(super) struct LeaveQueue(Arc<AtomicUsize>);
 
 impl Drop for LeaveQueue {

@@ -311,6 +311,9 @@ pub(super) struct Entry {
     /// else the default, raised to the worker's batch size once loaded.
     pub(super) concurrency: usize,
     pub(super) queued: Arc<AtomicUsize>,
+    /// Requests past the queue that wait for the model to load (or to
+    /// settle after a restart or recycle) before a worker takes them.
+    pub(super) awaiting_load: Arc<AtomicUsize>,
     pub(super) keep_alive: Option<Duration>,
     pub(super) counters: Arc<ModelCounters>,
     /// Crash restarts and what the last unexpected exit was.
@@ -328,6 +331,7 @@ impl Entry {
             last_vram_bytes: None,
             permits: Arc::new(Semaphore::new(concurrency)),
             queued: Arc::default(),
+            awaiting_load: Arc::default(),
             counters: Arc::default(),
             health: crashes::CrashHistory::default(),
         }
@@ -372,6 +376,7 @@ impl Entry {
             resize(&old.permits, old.concurrency, new.concurrency);
             new.permits = old.permits;
             new.queued = old.queued;
+            new.awaiting_load = old.awaiting_load;
             new.last_peak_bytes = old.last_peak_bytes;
             new.last_vram_bytes = old.last_vram_bytes;
         }

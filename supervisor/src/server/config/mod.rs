@@ -105,6 +105,11 @@ pub struct ServeConfig {
     /// requests from any other origin are refused.
     #[serde(default)]
     pub allowed_origins: Vec<String>,
+    /// `GET /metrics` answers without the token and the Host check, as the
+    /// probes do: for scrapers that cannot send a token, such as an
+    /// inference gateway's endpoint picker (default false).
+    #[serde(default)]
+    pub public_metrics: bool,
     /// Connections held at once (default 512).
     #[serde(default)]
     pub max_connections: Option<usize>,
@@ -356,6 +361,7 @@ impl ServeConfig {
         options.max_inputs = self.max_inputs.unwrap_or(options.max_inputs);
         options.allowed_hosts = self.allowed_hosts.clone();
         options.allowed_origins = self.allowed_origins.clone();
+        options.public_metrics = self.public_metrics;
         options.connections.header_timeout = self
             .header_timeout
             .unwrap_or(options.connections.header_timeout);
