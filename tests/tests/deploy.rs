@@ -1,6 +1,7 @@
 //! `deploy/`: the systemd unit passes `systemd-analyze verify`, berth speaks
 //! the service manager's readiness protocol, the Kubernetes manifests pass
-//! a pinned version's schemas and the checks in `deploy/check.py`, and
+//! a pinned version's schemas (the InferencePool its CRD's, pinned in
+//! `deploy/k8s/crds`) and the checks in `deploy/check.py`, and
 //! `berth health` answers the probes that cannot speak HTTP.
 
 use std::os::unix::net::UnixDatagram;
@@ -213,10 +214,15 @@ fn berth_health_answers_probes_and_readyz_needs_no_token() {
 fn the_kubernetes_manifests_pass_the_schemas_and_the_deploy_checks() {
     let python = deploy_python();
     let validator = python.with_file_name("kubernetes-validate");
-    let manifests: Vec<_> = ["sidecar.yaml", "daemonset.yaml"]
-        .iter()
-        .map(|f| repo_root().join("deploy/k8s").join(f))
-        .collect();
+    let manifests: Vec<_> = [
+        "sidecar.yaml",
+        "daemonset.yaml",
+        "deployment.yaml",
+        "inference-pool.yaml",
+    ]
+    .iter()
+    .map(|f| repo_root().join("deploy/k8s").join(f))
+    .collect();
     let out = Command::new(&validator)
         .args(["--strict", "-k", KUBERNETES])
         .args(&manifests)
@@ -232,6 +238,15 @@ fn the_kubernetes_manifests_pass_the_schemas_and_the_deploy_checks() {
         "daemonset/berth",
         "service/berth",
         "configmap/berth-node-config",
+        "configmap/berth-config",
+        "deployment/berth",
+        "service/berth-direct",
+        "serviceaccount/berth-epp",
+        "role/berth-epp",
+        "rolebinding/berth-epp",
+        "configmap/berth-epp",
+        "deployment/berth-epp",
+        "service/berth-epp",
     ] {
         assert!(
             said.contains(&format!("passed for resource {resource}")),
@@ -249,6 +264,22 @@ fn the_kubernetes_manifests_pass_the_schemas_and_the_deploy_checks() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // The custom resources (the InferencePool) against the inference
+    // extension's CRD, pinned in deploy/k8s/crds (kubernetes-validate
+    // knows only Kubernetes' own kinds); the check also shows it refuses
+    // broken copies of each.
+    let out = Command::new(&python)
+        .arg(repo_root().join("deploy/crd_check.py"))
+        .arg(repo_root().join("deploy"))
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("validated InferencePool/berth in inference-pool.yaml"),
+        "{said}"
+    );
     // The configs in deploy/ parse as berth configs (unknown keys, bad
     // sizes and durations are refused); their model folders exist only
     // once `berth serve` has fetched them on the target host.
@@ -256,4 +287,40 @@ fn the_kubernetes_manifests_pass_the_schemas_and_the_deploy_checks() {
         berth::server::config::ServeConfig::read(&repo_root().join(config))
             .unwrap_or_else(|e| panic!("{config}: {e}"));
     }
+    // So do those the manifests' ConfigMaps hold (`public_metrics`
+    // misspelt would stop berth at start, not fail a schema).
+    let dir = std::env::temp_dir().join(format!("berth-k8s-configs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut read = 0;
+    for manifest in &manifests {
+        let out = Command::new(&python)
+            .args([
+                "-c",
+                "import json, sys, yaml\n\
+                 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]\n\
+                 print(json.dumps([d['data']['berth.toml'] for d in docs \
+                 if d['kind'] == 'ConfigMap' and 'berth.toml' in d.get('data', {})]))",
+            ])
+            .arg(manifest)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let configs: Vec<String> = serde_json::from_slice(&out.stdout).unwrap();
+        for (i, text) in configs.iter().enumerate() {
+            let path = dir.join(format!("{i}.toml"));
+            std::fs::write(&path, text).unwrap();
+            berth::server::config::ServeConfig::read(&path)
+                .unwrap_or_else(|e| panic!("{}: berth.toml: {e}", manifest.display()));
+            read += 1;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        read, 3,
+        "the sidecar's, the DaemonSet's and the Deployment's"
+    );
 }
