@@ -10,9 +10,12 @@ use crate::{berth_bin, target_dir};
 
 /// A copy of `berth` marked `mark` (at most 40 ASCII bytes), beside the
 /// build's own (its `berth worker` role is itself). Made once per mark and
-/// process, under a name of its own.
+/// process, under a name of its own; the copies of test processes that
+/// have ended are removed first (each is a whole berth, ~150 MB with its
+/// debug info: 28 of them had piled up here).
 pub fn marked_berth(mark: &str) -> PathBuf {
     assert!(mark.len() <= 40 && mark.is_ascii() && !mark.contains('\0'));
+    remove_ended_copies();
     let mut bytes = std::fs::read(berth_bin()).expect("read the berth binary");
     let prefix = berth::upgrade::MARK_PREFIX;
     let starts: Vec<usize> = bytes
@@ -37,6 +40,27 @@ pub fn marked_berth(mark: &str) -> PathBuf {
     std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::rename(&partial, &path).unwrap();
     path
+}
+
+/// Removes the marked copies (and half-written ones) whose test process
+/// is gone: the pid ends their name.
+fn remove_ended_copies() {
+    let Ok(entries) = std::fs::read_dir(target_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("berth-marked-") else {
+            continue;
+        };
+        let rest = rest.strip_suffix(".partial").unwrap_or(rest);
+        let Some(pid) = rest.rsplit('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// A config of three models, each on another wire: `ipc` (berth's own
