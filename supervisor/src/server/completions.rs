@@ -5,12 +5,9 @@
 //! A model served by an HTTP server never gets here: the relay passes its
 //! request to the server untouched.
 
-use std::time::Duration;
-
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -18,10 +15,9 @@ use serde_json::{Value, json};
 use super::AppState;
 use super::error::{ApiError, parse};
 use super::openai::{
-    KeepAliveField, Shape, final_body, now_unix, rand_id, refuse_other_kind, request_options,
-    sse_events, usage,
+    Generated, KeepAliveField, Shape, Streamed, generate, include_usage, now_unix, rand_id,
+    refuse_other_kind, request_options, usage,
 };
-use crate::Body;
 
 #[derive(Deserialize)]
 struct CompletionRequest {
@@ -113,53 +109,29 @@ pub async fn completions(State(app): State<AppState>, body: Bytes) -> Result<Res
     let req: CompletionRequest = parse(&body)?;
     let prompt = req.checked_prompt()?;
     refuse_other_kind(&app, &req.model, "completions")?;
-    let mut backend_request = json!({ "raw_prompt": prompt });
-    let fields = [
+    let sampling = [
         ("max_tokens", req.max_tokens.map(Value::from)),
         ("temperature", req.temperature.map(Value::from)),
         ("top_p", req.top_p.map(Value::from)),
         ("seed", req.seed.map(Value::from)),
         ("stop", req.stop.clone()),
     ];
-    for (key, value) in fields {
-        if let Some(value) = value {
-            backend_request[key] = value;
-        }
-    }
     let options = request_options(req.keep_alive.as_ref(), req.timeout.as_ref())?;
     let id = format!("cmpl-{:x}", rand_id());
     let created = now_unix();
-    let body = Body::json(backend_request.to_string());
-    let mut stream = app
-        .supervisor
-        .request_stream_with(&req.model, body, options)
-        .await?;
-    if req.stream {
-        let include_usage = req
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o["include_usage"] == Value::Bool(true));
-        // A request the backend refuses fails before its first piece: answer
-        // it with a status, not with an error inside a 200 stream.
-        let first = stream.next().await;
-        if let Some(Err(e)) = first {
-            return Err(e.into());
-        }
-        let echo = req.echo.then_some(prompt);
-        let events = sse_events(
-            stream,
-            first,
-            id,
-            created,
-            req.model,
-            include_usage,
-            Shape::Text { echo },
-        );
-        return Ok(Sse::new(events)
-            .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-            .into_response());
-    }
-    let out = final_body(stream, &req.model).await?;
+    let streamed = req.stream.then(|| Streamed {
+        id: id.clone(),
+        created,
+        include_usage: include_usage(req.stream_options.as_ref()),
+        shape: Shape::Text {
+            echo: req.echo.then(|| prompt.clone()),
+        },
+    });
+    let request = json!({ "raw_prompt": prompt });
+    let out = match generate(&app, &req.model, request, sampling, options, streamed).await? {
+        Generated::Stream(response) => return Ok(response),
+        Generated::Done(out) => out,
+    };
     let completion = out["text"].as_str().unwrap_or_default();
     let text = if req.echo {
         format!("{prompt}{completion}")

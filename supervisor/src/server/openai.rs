@@ -137,8 +137,7 @@ pub async fn chat_completions(
         return Err(ApiError::bad_request("only `n: 1` is supported"));
     }
     refuse_other_kind(&app, &req.model, "chat/completions")?;
-    let mut backend_request = json!({ "messages": req.messages });
-    let fields = [
+    let sampling = [
         (
             "max_tokens",
             req.max_completion_tokens
@@ -150,44 +149,20 @@ pub async fn chat_completions(
         ("seed", req.seed.map(Value::from)),
         ("stop", req.stop.clone()),
     ];
-    for (key, value) in fields {
-        if let Some(value) = value {
-            backend_request[key] = value;
-        }
-    }
     let options = request_options(req.keep_alive.as_ref(), req.timeout.as_ref())?;
     let id = format!("chatcmpl-{:x}", rand_id());
     let created = now_unix();
-    let body = Body::json(backend_request.to_string());
-    let mut stream = app
-        .supervisor
-        .request_stream_with(&req.model, body, options)
-        .await?;
-    if req.stream {
-        let include_usage = req
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o["include_usage"] == Value::Bool(true));
-        // A request the backend refuses fails before its first piece: answer
-        // it with a status, not with an error inside a 200 stream.
-        let first = stream.next().await;
-        if let Some(Err(e)) = first {
-            return Err(e.into());
-        }
-        let events = sse_events(
-            stream,
-            first,
-            id,
-            created,
-            req.model,
-            include_usage,
-            Shape::Chat,
-        );
-        return Ok(Sse::new(events)
-            .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-            .into_response());
-    }
-    let out = final_body(stream, &req.model).await?;
+    let streamed = req.stream.then(|| Streamed {
+        id: id.clone(),
+        created,
+        include_usage: include_usage(req.stream_options.as_ref()),
+        shape: Shape::Chat,
+    });
+    let request = json!({ "messages": req.messages });
+    let out = match generate(&app, &req.model, request, sampling, options, streamed).await? {
+        Generated::Stream(response) => return Ok(response),
+        Generated::Done(out) => out,
+    };
     Ok(Json(json!({
         "id": id,
         "object": "chat.completion",
@@ -202,6 +177,67 @@ pub async fn chat_completions(
         "usage": usage(&out),
     }))
     .into_response())
+}
+
+/// The sampling fields a generation route passes on, as the `generate`
+/// backend names them (`None`: the model's default).
+pub(super) type Sampling = [(&'static str, Option<Value>); 5];
+
+/// How a streamed answer is sent.
+pub(super) struct Streamed {
+    pub id: String,
+    pub created: u64,
+    pub include_usage: bool,
+    pub shape: Shape,
+}
+
+/// A generation's answer: a stream already begun, or the final body.
+pub(super) enum Generated {
+    Stream(Response),
+    Done(Value),
+}
+
+/// Whether `stream_options` asks for a last chunk with the usage.
+pub(super) fn include_usage(stream_options: Option<&Value>) -> bool {
+    stream_options.is_some_and(|o| o["include_usage"] == Value::Bool(true))
+}
+
+/// What the generation routes share once their request is read: `request`
+/// with `sampling`'s fields set goes to `model`; with `streamed`, the
+/// answer is server-sent chunks of its shape, else the final body.
+pub(super) async fn generate(
+    app: &AppState,
+    model: &str,
+    mut request: Value,
+    sampling: Sampling,
+    options: RequestOptions,
+    streamed: Option<Streamed>,
+) -> Result<Generated, ApiError> {
+    for (key, value) in sampling {
+        if let Some(value) = value {
+            request[key] = value;
+        }
+    }
+    let body = Body::json(request.to_string());
+    let mut stream = app
+        .supervisor
+        .request_stream_with(model, body, options)
+        .await?;
+    let Some(streamed) = streamed else {
+        return Ok(Generated::Done(final_body(stream, model).await?));
+    };
+    // A request the backend refuses fails before its first piece: answer it
+    // with a status, not with an error inside a 200 stream.
+    let first = stream.next().await;
+    if let Some(Err(e)) = first {
+        return Err(e.into());
+    }
+    let events = sse_events(stream, first, model.to_string(), streamed);
+    Ok(Generated::Stream(
+        Sse::new(events)
+            .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+            .into_response(),
+    ))
 }
 
 pub(super) fn usage(out: &Value) -> Value {
@@ -290,15 +326,18 @@ impl Shape {
     }
 }
 
-pub(super) fn sse_events(
+fn sse_events(
     stream: RequestStream,
     first_piece: Option<crate::Result<Piece>>,
-    id: String,
-    created: u64,
     model: String,
-    include_usage: bool,
-    shape: Shape,
+    streamed: Streamed,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
+    let Streamed {
+        id,
+        created,
+        include_usage,
+        shape,
+    } = streamed;
     let object = shape.object();
     let wrap = move |choice: Value| {
         let mut chunk = json!({
