@@ -15,13 +15,14 @@ use serde_json::{Value, json};
 const TOKEN: &str = "gateway-test-token";
 const BUDGET: f64 = (1u64 << 30) as f64;
 
-/// Two models, neither loaded: `hog` holds 128 MiB and takes 1.5 s a
-/// request, one at a time; `slow` takes 2.5 s to load.
+/// Two models, neither loaded: `hog` holds 128 MiB and takes 2.5 s a
+/// request, one at a time; `slow` takes 4 s to load. (Long enough for a
+/// few scrapes of each state on a busy machine: each starts the parser.)
 const CONFIG: &str = "memory_budget = \"1GiB\"\npublic_metrics = true\n\
     [[model]]\nname = \"hog\"\nbackend = \"hog\"\nmax_concurrency = 1\n\
-    options = { alloc_mib = 128, work_ms = 1500 }\n\
+    options = { alloc_mib = 128, work_ms = 2500 }\n\
     [[model]]\nname = \"slow\"\nbackend = \"fault\"\n\
-    options = { mode = \"ok\", load_delay_ms = 2500 }\n";
+    options = { mode = \"ok\", load_delay_ms = 4000 }\n";
 
 /// The protocol's gauges at one scrape.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,10 +101,10 @@ fn now() -> f64 {
         .as_secs_f64()
 }
 
-/// Scrapes until `condition` holds (10 s at most), and returns that scrape.
+/// Scrapes until `condition` holds (20 s at most), and returns that scrape.
 fn until(server: &Server, what: &str, condition: impl Fn(&Gauges) -> bool) -> Gauges {
     let mut last = None;
-    let seen = wait_for(Duration::from_secs(10), || {
+    let seen = wait_for(Duration::from_secs(20), || {
         let g = scrape(server);
         let done = condition(&g);
         last = Some(g);

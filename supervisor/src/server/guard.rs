@@ -17,8 +17,9 @@
 //!
 //! `/healthz` and `/readyz` skip the Host and token checks: probes address a
 //! pod by its IP and carry no secret. So does `GET /metrics` where the
-//! operator set `public_metrics`: an inference gateway's endpoint picker
-//! scrapes it by pod IP and cannot send a token.
+//! operator set `public_metrics` (an inference gateway's endpoint picker
+//! scrapes it by pod IP and cannot send a token), but for the Host check on
+//! loopback, which stays: a rebound page could read the metrics otherwise.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -38,8 +39,11 @@ pub(crate) struct Guard {
     /// non-loopback address the operator protects with a token).
     hosts: Option<Vec<String>>,
     origins: Vec<String>,
-    /// `GET /metrics` passes as the probes do.
+    /// `GET /metrics` passes as the probes do (the Host check too, but on
+    /// loopback, where it is what defeats DNS rebinding).
     public_metrics: bool,
+    /// Listening on loopback.
+    loopback: bool,
 }
 
 impl Guard {
@@ -53,6 +57,7 @@ impl Guard {
             .iter()
             .map(|h| h.to_ascii_lowercase())
             .collect();
+        let loopback = matches!(listen, Listen::Tcp(addr) if addr.ip().is_loopback());
         let check_hosts = match listen {
             Listen::Tcp(addr) if addr.ip().is_loopback() => {
                 let port = addr.port();
@@ -84,6 +89,7 @@ impl Guard {
                 .map(|o| o.trim_end_matches('/').to_ascii_lowercase())
                 .collect(),
             public_metrics: false,
+            loopback,
         }
     }
 
@@ -93,13 +99,20 @@ impl Guard {
         self
     }
 
-    /// What passes without Host or token: the probes, and the metrics
-    /// where the operator made them public.
+    /// What passes without the token: the probes, and the metrics where
+    /// the operator made them public.
     fn is_open(&self, method: &Method, path: &str) -> bool {
         is_probe(path)
             || (self.public_metrics
                 && path == "/metrics"
                 && (method == Method::GET || method == Method::HEAD))
+    }
+
+    /// What passes without the Host check: the same, but the metrics not
+    /// on loopback, where a rebound page could otherwise read them (an
+    /// endpoint picker scrapes a pod's own address, never loopback).
+    fn skips_host_check(&self, method: &Method, path: &str) -> bool {
+        is_probe(path) || (!self.loopback && self.is_open(method, path))
     }
 
     /// Why `request` is refused, or `None`.
@@ -114,7 +127,7 @@ impl Guard {
                 .and_then(|v: &header::HeaderValue| v.to_str().ok())
         };
         // A missing or unreadable Host fails the check too.
-        if !self.is_open(method, path)
+        if !self.skips_host_check(method, path)
             && let Some(hosts) = &self.hosts
             && let host = text(header::HOST).unwrap_or("")
             && !hosts.contains(&host.to_ascii_lowercase())
@@ -398,6 +411,20 @@ mod tests {
         assert_eq!(refused.code, "unauthorized");
         let posted = open.refuse(&Method::POST, "/metrics", &named).unwrap();
         assert_eq!(posted.code, "unauthorized");
+        // On loopback the Host check stays (a rebound page's Host fails
+        // it); the token is not asked for.
+        let local = Guard::new(
+            &Listen::parse("127.0.0.1:7733").unwrap(),
+            vec!["secret".into()],
+            &[],
+            &[],
+        )
+        .public_metrics(true);
+        let rebound = headers(&[(header::HOST, "evil.example:7733")]);
+        let refused = local.refuse(&Method::GET, "/metrics", &rebound).unwrap();
+        assert_eq!(refused.code, "forbidden_host");
+        let own = headers(&[(header::HOST, "127.0.0.1:7733")]);
+        assert!(local.refuse(&Method::GET, "/metrics", &own).is_none());
     }
 
     #[test]

@@ -31,9 +31,10 @@ pub struct Occupancy {
     /// number registered (no more can be).
     pub max_loaded: usize,
     /// How full the fullest of the budgets is, 0 to 1 (1: full, or past
-    /// it): the memory budget, the per-GPU VRAM budget, and `max_loaded`,
-    /// those that are set; with none set, the host's memory in use. What a
-    /// next load would have to evict for.
+    /// it): the memory budget, the per-GPU VRAM budget, and `max_loaded`
+    /// (where fewer may be loaded than are registered), those that are set;
+    /// with none set, the host's memory in use (the machine's, also inside
+    /// a container). What a next load would have to evict for.
     pub budget_usage: f64,
     /// When a model last changed state, or the config was replaced, in
     /// seconds since the Unix epoch.
@@ -81,7 +82,9 @@ impl Supervisor {
         if let Some(budget) = config.memory_budget {
             count(room.used as f64 / budget.max(1) as f64);
         }
-        if let Some(max) = config.max_loaded {
+        // Only where it can make a load evict: with every registered model
+        // loaded under it, nothing is left to load.
+        if let Some(max) = config.max_loaded.filter(|max| *max < registered) {
             count(room.loaded as f64 / max.max(1) as f64);
         }
         if let (Some(budget), Some(holders)) = (config.gpu_memory_budget, holders) {
@@ -93,7 +96,10 @@ impl Supervisor {
         }
         let budget_usage = fullest.unwrap_or_else(|| {
             let host = crate::child::memory::system_memory();
-            1.0 - host.available_bytes as f64 / host.total_bytes.max(1) as f64
+            match host.total_bytes {
+                0 => 0.0, // no /proc/meminfo to read
+                total => 1.0 - host.available_bytes as f64 / total as f64,
+            }
         });
         Occupancy {
             waiting,

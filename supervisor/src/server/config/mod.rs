@@ -105,9 +105,9 @@ pub struct ServeConfig {
     /// requests from any other origin are refused.
     #[serde(default)]
     pub allowed_origins: Vec<String>,
-    /// `GET /metrics` answers without the token and the Host check, as the
-    /// probes do: for scrapers that cannot send a token, such as an
-    /// inference gateway's endpoint picker (default false).
+    /// `GET /metrics` answers without the token (and, off loopback, without
+    /// the Host check), as the probes do: for scrapers that cannot send a
+    /// token, such as an inference gateway's endpoint picker (default false).
     #[serde(default)]
     pub public_metrics: bool,
     /// Connections held at once (default 512).

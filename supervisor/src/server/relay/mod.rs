@@ -4,8 +4,8 @@
 //!
 //! The relay parses nothing it does not need: the `model` field, to route
 //! (rewritten to the server's own name where the operator set one). Every
-//! other field, and routes berth does not serve itself (`/v1/completions`,
-//! `/v1/rerank`, audio), pass untouched; the answer's status, headers and
+//! other field, and routes berth does not serve itself (`/v1/rerank`,
+//! audio; `/v1/completions` for a server's model), pass untouched; the answer's status, headers and
 //! body come back as the server sends them, a stream's pieces as they
 //! arrive, never buffered whole. What is dropped on the way is what is
 //! hop-by-hop (`Connection`, `Transfer-Encoding`, ...) and berth's own

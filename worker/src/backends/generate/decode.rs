@@ -106,6 +106,14 @@ impl Generate {
         let mut ids: Vec<u32> = self.bos.into_iter().collect();
         ids.extend_from_slice(encoding.get_ids());
         let prompt_tokens = ids.len();
+        if prompt_tokens == 0 {
+            // A raw prompt of text the tokenizer makes nothing of, on a
+            // model without a BOS token.
+            return Err(self.error(
+                ErrorKind::BadRequest,
+                "the prompt has no tokens: send text the model's tokenizer reads",
+            ));
+        }
         if prompt_tokens >= self.context_length {
             return Err(self.error(
                 ErrorKind::InputTooLarge,
