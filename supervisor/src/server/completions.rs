@@ -15,30 +15,14 @@ use serde_json::{Value, json};
 use super::AppState;
 use super::error::{ApiError, parse};
 use super::openai::{
-    Generated, KeepAliveField, Shape, Streamed, generate, include_usage, now_unix, rand_id,
-    refuse_other_kind, request_options, usage,
+    Generated, Generation, Shape, generate, now_unix, rand_id, refuse_other_kind, usage,
 };
 
 #[derive(Deserialize)]
 struct CompletionRequest {
-    model: String,
+    #[serde(flatten)]
+    common: Generation,
     prompt: PromptField,
-    #[serde(default)]
-    max_tokens: Option<u64>,
-    #[serde(default)]
-    temperature: Option<f64>,
-    #[serde(default)]
-    top_p: Option<f64>,
-    #[serde(default)]
-    seed: Option<u64>,
-    #[serde(default)]
-    stop: Option<Value>,
-    #[serde(default)]
-    stream: bool,
-    #[serde(default)]
-    stream_options: Option<Value>,
-    #[serde(default)]
-    n: Option<u64>,
     #[serde(default)]
     best_of: Option<u64>,
     /// The prompt before the completion, in the answer.
@@ -48,11 +32,6 @@ struct CompletionRequest {
     suffix: Option<String>,
     #[serde(default)]
     logprobs: Option<Value>,
-    #[serde(default)]
-    keep_alive: Option<KeepAliveField>,
-    /// berth's extension: fail (and cancel) past this (`30s`, or seconds).
-    #[serde(default)]
-    timeout: Option<KeepAliveField>,
 }
 
 /// `prompt`: a string, or OpenAI's other forms (which berth names in its
@@ -70,9 +49,9 @@ impl CompletionRequest {
     /// The one prompt, or what is wrong with the request, said so that a
     /// client knows what to send instead.
     fn checked_prompt(&self) -> Result<String, ApiError> {
-        let model = &self.model;
+        let model = &self.common.model;
         let refuse = |what: String| Err(ApiError::bad_request(format!("model `{model}`: {what}")));
-        if self.n.is_some_and(|n| n != 1) || self.best_of.is_some_and(|n| n != 1) {
+        if self.common.n.is_some_and(|n| n != 1) || self.best_of.is_some_and(|n| n != 1) {
             return refuse("only `n: 1` and `best_of: 1` are supported".into());
         }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
@@ -108,27 +87,16 @@ impl CompletionRequest {
 pub async fn completions(State(app): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse(&body)?;
     let prompt = req.checked_prompt()?;
-    refuse_other_kind(&app, &req.model, "completions")?;
-    let sampling = [
-        ("max_tokens", req.max_tokens.map(Value::from)),
-        ("temperature", req.temperature.map(Value::from)),
-        ("top_p", req.top_p.map(Value::from)),
-        ("seed", req.seed.map(Value::from)),
-        ("stop", req.stop.clone()),
-    ];
-    let options = request_options(req.keep_alive.as_ref(), req.timeout.as_ref())?;
+    let common = &req.common;
+    refuse_other_kind(&app, &common.model, "completions")?;
+    let sampling = common.sampling(common.max_tokens);
+    let options = common.options()?;
     let id = format!("cmpl-{:x}", rand_id());
     let created = now_unix();
-    let streamed = req.stream.then(|| Streamed {
-        id: id.clone(),
-        created,
-        include_usage: include_usage(req.stream_options.as_ref()),
-        shape: Shape::Text {
-            echo: req.echo.then(|| prompt.clone()),
-        },
-    });
+    let echo = req.echo.then(|| prompt.clone());
+    let streamed = common.streamed(&id, created, Shape::Text { echo });
     let request = json!({ "raw_prompt": prompt });
-    let out = match generate(&app, &req.model, request, sampling, options, streamed).await? {
+    let out = match generate(&app, &common.model, request, sampling, options, streamed).await? {
         Generated::Stream(response) => return Ok(response),
         Generated::Done(out) => out,
     };
@@ -142,7 +110,7 @@ pub async fn completions(State(app): State<AppState>, body: Bytes) -> Result<Res
         "id": id,
         "object": "text_completion",
         "created": created,
-        "model": req.model,
+        "model": common.model,
         "choices": [{
             "index": 0,
             "text": text,

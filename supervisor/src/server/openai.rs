@@ -96,14 +96,13 @@ pub async fn models(State(app): State<AppState>) -> Json<Value> {
     Json(json!({ "object": "list", "data": data }))
 }
 
+/// What both generation routes (chat and legacy completions) take besides
+/// what the model continues.
 #[derive(Debug, Deserialize)]
-struct ChatRequest {
-    model: String,
-    messages: Vec<Value>,
+pub(super) struct Generation {
+    pub model: String,
     #[serde(default)]
-    max_tokens: Option<u64>,
-    #[serde(default)]
-    max_completion_tokens: Option<u64>,
+    pub max_tokens: Option<u64>,
     #[serde(default)]
     temperature: Option<f64>,
     #[serde(default)]
@@ -113,16 +112,55 @@ struct ChatRequest {
     #[serde(default)]
     stop: Option<Value>,
     #[serde(default)]
-    stream: bool,
+    pub stream: bool,
     #[serde(default)]
     stream_options: Option<Value>,
     #[serde(default)]
-    n: Option<u64>,
+    pub n: Option<u64>,
     #[serde(default)]
     keep_alive: Option<KeepAliveField>,
     /// berth's extension: fail (and cancel) past this (`30s`, or seconds).
     #[serde(default)]
     timeout: Option<KeepAliveField>,
+}
+
+impl Generation {
+    /// The sampling fields, with `max_tokens` as the route reads it.
+    pub(super) fn sampling(&self, max_tokens: Option<u64>) -> Sampling {
+        [
+            ("max_tokens", max_tokens.map(Value::from)),
+            ("temperature", self.temperature.map(Value::from)),
+            ("top_p", self.top_p.map(Value::from)),
+            ("seed", self.seed.map(Value::from)),
+            ("stop", self.stop.clone()),
+        ]
+    }
+
+    pub(super) fn options(&self) -> Result<RequestOptions, ApiError> {
+        request_options(self.keep_alive.as_ref(), self.timeout.as_ref())
+    }
+
+    /// How to stream the answer, where the client asked for a stream.
+    pub(super) fn streamed(&self, id: &str, created: u64, shape: Shape) -> Option<Streamed> {
+        self.stream.then(|| Streamed {
+            id: id.to_string(),
+            created,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o["include_usage"] == Value::Bool(true)),
+            shape,
+        })
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    #[serde(flatten)]
+    common: Generation,
+    messages: Vec<Value>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
 }
 
 pub async fn chat_completions(
@@ -133,33 +171,18 @@ pub async fn chat_completions(
     if req.messages.is_empty() {
         return Err(ApiError::bad_request("`messages` is empty"));
     }
-    if req.n.is_some_and(|n| n != 1) {
+    if req.common.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only `n: 1` is supported"));
     }
-    refuse_other_kind(&app, &req.model, "chat/completions")?;
-    let sampling = [
-        (
-            "max_tokens",
-            req.max_completion_tokens
-                .or(req.max_tokens)
-                .map(Value::from),
-        ),
-        ("temperature", req.temperature.map(Value::from)),
-        ("top_p", req.top_p.map(Value::from)),
-        ("seed", req.seed.map(Value::from)),
-        ("stop", req.stop.clone()),
-    ];
-    let options = request_options(req.keep_alive.as_ref(), req.timeout.as_ref())?;
+    let common = &req.common;
+    refuse_other_kind(&app, &common.model, "chat/completions")?;
+    let sampling = common.sampling(req.max_completion_tokens.or(common.max_tokens));
+    let options = common.options()?;
     let id = format!("chatcmpl-{:x}", rand_id());
     let created = now_unix();
-    let streamed = req.stream.then(|| Streamed {
-        id: id.clone(),
-        created,
-        include_usage: include_usage(req.stream_options.as_ref()),
-        shape: Shape::Chat,
-    });
+    let streamed = common.streamed(&id, created, Shape::Chat);
     let request = json!({ "messages": req.messages });
-    let out = match generate(&app, &req.model, request, sampling, options, streamed).await? {
+    let out = match generate(&app, &common.model, request, sampling, options, streamed).await? {
         Generated::Stream(response) => return Ok(response),
         Generated::Done(out) => out,
     };
@@ -167,7 +190,7 @@ pub async fn chat_completions(
         "id": id,
         "object": "chat.completion",
         "created": created,
-        "model": req.model,
+        "model": common.model,
         "choices": [{
             "index": 0,
             "message": { "role": "assistant", "content": out["text"] },
@@ -195,11 +218,6 @@ pub(super) struct Streamed {
 pub(super) enum Generated {
     Stream(Response),
     Done(Value),
-}
-
-/// Whether `stream_options` asks for a last chunk with the usage.
-pub(super) fn include_usage(stream_options: Option<&Value>) -> bool {
-    stream_options.is_some_and(|o| o["include_usage"] == Value::Bool(true))
 }
 
 /// What the generation routes share once their request is read: `request`
