@@ -112,7 +112,7 @@ pub(super) struct Generation {
     #[serde(default)]
     stop: Option<Value>,
     #[serde(default)]
-    pub stream: bool,
+    stream: bool,
     #[serde(default)]
     stream_options: Option<Value>,
     #[serde(default)]

@@ -136,7 +136,7 @@ impl Inner {
     /// Wakes whoever waits for a slot to change, the reaper included.
     fn notify_changed(&self) {
         self.changed_at
-            .store(occupancy::unix_ms_now(), Ordering::Relaxed);
+            .store(crate::base::unix_ms(), Ordering::Relaxed);
         self.changed.notify_waiters();
         self.expiry_changed.notify_one();
     }
@@ -182,7 +182,7 @@ impl Supervisor {
             config: std::sync::RwLock::new(Arc::new(config)),
             state: Mutex::new(State::default()),
             changed: Notify::new(),
-            changed_at: AtomicU64::new(occupancy::unix_ms_now()),
+            changed_at: AtomicU64::new(crate::base::unix_ms()),
             expiry_changed: Arc::default(),
             load_gate: tokio::sync::Mutex::new(()),
             shutting_down: AtomicBool::new(false),

@@ -4,10 +4,8 @@
 //! picker reads it from `/metrics` in the shapes of its Model Server
 //! Protocol (`server/metrics.rs`); an embedding host may read it here.
 
-use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use serde::Serialize;
+use std::sync::atomic::Ordering;
 
 use super::admission::{gpu_holders, room};
 use super::{ModelState, Supervisor};
@@ -111,12 +109,4 @@ impl Supervisor {
             changed_at: self.inner.changed_at.load(Ordering::Relaxed) as f64 / 1e3,
         }
     }
-}
-
-/// Now, in milliseconds since the Unix epoch.
-pub(super) fn unix_ms_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
