@@ -291,36 +291,34 @@ fn the_kubernetes_manifests_pass_the_schemas_and_the_deploy_checks() {
     // misspelt would stop berth at start, not fail a schema).
     let dir = std::env::temp_dir().join(format!("berth-k8s-configs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut read = 0;
-    for manifest in &manifests {
-        let out = Command::new(&python)
-            .args([
-                "-c",
-                "import json, sys, yaml\n\
-                 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]\n\
-                 print(json.dumps([d['data']['berth.toml'] for d in docs \
-                 if d['kind'] == 'ConfigMap' and 'berth.toml' in d.get('data', {})]))",
-            ])
-            .arg(manifest)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let configs: Vec<String> = serde_json::from_slice(&out.stdout).unwrap();
-        for (i, text) in configs.iter().enumerate() {
-            let path = dir.join(format!("{i}.toml"));
-            std::fs::write(&path, text).unwrap();
-            berth::server::config::ServeConfig::read(&path)
-                .unwrap_or_else(|e| panic!("{}: berth.toml: {e}", manifest.display()));
-            read += 1;
-        }
+    // One Python reads them all: [manifest, berth.toml] pairs.
+    let out = Command::new(&python)
+        .args([
+            "-c",
+            "import json, sys, yaml\n\
+             print(json.dumps([[path, d['data']['berth.toml']] for path in sys.argv[1:] \
+             for d in yaml.safe_load_all(open(path)) \
+             if d and d['kind'] == 'ConfigMap' and 'berth.toml' in d.get('data', {})]))",
+        ])
+        .args(&manifests)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let configs: Vec<(String, String)> = serde_json::from_slice(&out.stdout).unwrap();
+    for (i, (manifest, text)) in configs.iter().enumerate() {
+        let path = dir.join(format!("{i}.toml"));
+        std::fs::write(&path, text).unwrap();
+        berth::server::config::ServeConfig::read(&path)
+            .unwrap_or_else(|e| panic!("{manifest}: berth.toml: {e}"));
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(
-        read, 3,
+        configs.len(),
+        3,
         "the sidecar's, the DaemonSet's and the Deployment's"
     );
 }

@@ -56,7 +56,7 @@ pub fn overrun(
         .iter()
         .filter(|d| only.is_none_or(|o| o.contains(&d.index)))
         .filter_map(|device| {
-            let held: u64 = holders.iter().map(|h| held_on(device, h)).sum();
+            let held = held_by(device, holders);
             (held > budget).then_some((device, held))
         })
         .max_by_key(|(_, held)| *held)
@@ -97,11 +97,13 @@ pub fn overrun(
 pub fn fullest(devices: &[DeviceReading], budget: u64, holders: &[Holder]) -> f64 {
     devices
         .iter()
-        .map(|device| {
-            let held: u64 = holders.iter().map(|h| held_on(device, h)).sum();
-            held as f64 / budget.max(1) as f64
-        })
+        .map(|device| held_by(device, holders) as f64 / budget.max(1) as f64)
         .fold(0.0, f64::max)
+}
+
+/// What berth's workers hold on `device`, all together.
+fn held_by(device: &DeviceReading, holders: &[Holder]) -> u64 {
+    holders.iter().map(|h| held_on(device, h)).sum()
 }
 
 #[cfg(test)]
