@@ -15,7 +15,7 @@ from typing import Dict, List, NoReturn, Optional, Sequence, Type
 from . import messages
 from .backend import Backend
 from .connection import Connection
-from .preload import ENV_PRELOAD, become_preloader
+from .preloader import ENV_PRELOAD, become_preloader
 from .process import arm_parent_death, die, flush_and_exit, keep_out_of_forks, parent_gone, say
 from .version import WIRE_VERSION, __version__
 from .wire import FrameError
@@ -126,7 +126,7 @@ def serve(backends: Dict[str, Type[Backend]], argv: Optional[Sequence[str]] = No
     _handle_arguments(backends_lines(backends), sys.argv[1:] if argv is None else list(argv))
     if os.environ.get(ENV_PRELOAD) is not None:
         # A preloader: returns only in a worker it forked, set up as if
-        # started cold (preload.py).
+        # started cold (preloader.py).
         become_preloader()
     fd = _connection_fd()
     arm_parent_death()

@@ -1,4 +1,4 @@
-"""The preloader (preload.py): workers forked from a preloaded interpreter,
+"""The preloader (preloader.py): workers forked from a preloaded interpreter,
 driven end to end through the real interpreter, this process standing in
 for the supervisor (a child subreaper, as berth serve is)."""
 

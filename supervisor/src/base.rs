@@ -2,7 +2,9 @@
 //! worker ended, how a stop went, why a worker was killed, how a memory cap
 //! is enforced, how long a stop waits). They depend on nothing of berth's
 //! but the unit formatting, so config, errors, reports and the process
-//! layer can all use them without importing one another.
+//! layer can all use them without importing one another. Also this build's
+//! identity (its version and mark), which the API reports and an in-place
+//! upgrade compares.
 
 use std::fmt;
 use std::time::Duration;
@@ -230,4 +232,59 @@ mod tests {
             assert!(!is_gpu_oom(line), "{line}");
         }
     }
+}
+
+/// Which engine a command runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    Podman,
+    /// Docker, or a client that speaks its flags (nerdctl).
+    Docker,
+}
+
+impl Engine {
+    /// The engine a program is, by its file name.
+    pub fn of(program: &str) -> Option<Engine> {
+        let name = std::path::Path::new(program).file_name()?.to_str()?;
+        match name {
+            "podman" => Some(Engine::Podman),
+            "docker" | "nerdctl" => Some(Engine::Docker),
+            _ => None,
+        }
+    }
+}
+
+/// This build's mark: `unmarked`, unless the bytes after the prefix were
+/// set in the binary (tests tell two builds apart so; a packager may stamp
+/// a build id the same way). Read through a volatile load, so the
+/// compiler cannot fold the placeholder in.
+pub fn build_mark() -> String {
+    #[used]
+    static MARK: [u8; 64] = placeholder();
+    // SAFETY: a read of a static's bytes.
+    let bytes = unsafe { std::ptr::read_volatile(&raw const MARK) };
+    let text = &bytes[MARK_PREFIX.len()..];
+    let end = text.iter().position(|b| *b == 0).unwrap_or(text.len());
+    String::from_utf8_lossy(&text[..end]).into_owned()
+}
+
+/// The mark's bytes in the binary: the prefix, `unmarked`, zeroes.
+const fn placeholder() -> [u8; 64] {
+    let mut out = [0u8; 64];
+    let text = b"BERTH-BUILD-MARK:unmarked";
+    let mut i = 0;
+    while i < text.len() {
+        out[i] = text[i];
+        i += 1;
+    }
+    out
+}
+
+/// What precedes the mark in the binary.
+pub const MARK_PREFIX: &[u8] = b"BERTH-BUILD-MARK:";
+
+/// This build as an upgrade names it: version and mark.
+pub fn this_build() -> String {
+    format!("{} ({})", env!("CARGO_PKG_VERSION"), build_mark())
 }

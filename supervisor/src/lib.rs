@@ -18,32 +18,44 @@
 //! ```
 
 mod base;
-pub mod child;
+mod child;
 mod config;
+pub mod daemon;
 mod error;
 pub mod fetch;
 pub mod gpu;
 mod heap;
 pub mod logs;
-pub mod orphans;
 mod report;
-pub mod server;
+mod server;
 mod supervisor;
 mod units;
-pub mod upgrade;
 
-pub use base::{CapMechanism, KillCause, StopGraces};
+pub use base::{CapMechanism, KillCause, MARK_PREFIX, StopGraces, build_mark};
 pub use berth_protocol as protocol;
 pub use berth_protocol::{Body, Bulk};
 pub use child::handle::{Piece, ResponseStream, WorkerHandle};
+pub use child::orphans::{Strays, become_subreaper, reap_strays};
+pub use child::ports::Address;
+pub use child::spawn::main_thread_spawns;
 pub use config::{
     ContainerSpec, Engine, HttpSpec, ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env,
 };
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
-pub use report::{ExitStatus, LoadReport, StopKind, UnloadReport, Warning, WorkerStart};
+pub use report::{
+    ExitStatus, LoadReport, ReloadReport, StopKind, UnloadReport, Warning, WorkerStart,
+};
+pub use server::listen::raise_descriptor_limit;
+pub use server::metrics::render as prometheus_text;
+pub use server::{Listen, ServeOptions};
 pub use supervisor::{
     BatchingStatus, CatalogueEntry, EVENT_HISTORY, Event, EventKind, Follow, Followed, HostSample,
     Lease, MemoryHistory, ModelCounters, ModelSample, ModelState, ModelStatus, Occupancy,
     PreloaderStatus, RequestOptions, RequestStream, Supervisor, SwapReport,
 };
 pub use units::{mib, parse_bytes, parse_duration};
+
+/// Memory as the kernel counts it, per process: what reports are made of.
+pub mod memory {
+    pub use crate::child::memory::{ProcessMemory, process_memory, resident_bytes};
+}

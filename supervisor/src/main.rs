@@ -8,6 +8,6 @@ fn main() -> std::process::ExitCode {
     }
     // Workers are forked, and an in-place upgrade execs, from this (the
     // main) thread, the one that lives as long as the process: see
-    // `berth::child::spawn::main_thread_spawns`.
-    berth::child::spawn::main_thread_spawns(cli::main)
+    // `berth::main_thread_spawns`.
+    berth::main_thread_spawns(cli::main)
 }

@@ -197,7 +197,7 @@ pub struct UnloadReport {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContainerGone {
     /// `podman` or `docker`.
-    pub engine: crate::config::Engine,
+    pub engine: crate::base::Engine,
     pub name: String,
     pub id: Option<String>,
     /// The engine, asked after the forced removal, no longer knows it (a
@@ -315,6 +315,59 @@ impl fmt::Display for UnloadReport {
                     None => "it had no cgroup of berth's",
                 }
             )?;
+        }
+        Ok(())
+    }
+}
+
+/// What a reload changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadReport {
+    /// Models registered.
+    pub added: Vec<String>,
+    /// Models unloaded (if loaded) and deregistered.
+    pub removed: Vec<String>,
+    /// Models whose spec or worker kind changed: swapped if loaded, their
+    /// spec replaced if not.
+    pub changed: Vec<String>,
+    /// Models left as they were.
+    pub unchanged: Vec<String>,
+    /// Settings that changed and apply now.
+    pub settings: Vec<String>,
+    /// Settings that changed but apply only at a restart of berth.
+    pub restart_needed: Vec<String>,
+    /// `model: why` for each model a step failed for (a changed model
+    /// whose swap failed keeps its old worker and spec).
+    pub failed: Vec<String>,
+}
+
+impl std::fmt::Display for ReloadReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |v: &[String]| {
+            if v.is_empty() {
+                "none".to_string()
+            } else {
+                v.join(", ")
+            }
+        };
+        write!(
+            f,
+            "config reloaded: added {}; removed {}; changed {}; {} unchanged; settings {}",
+            list(&self.added),
+            list(&self.removed),
+            list(&self.changed),
+            self.unchanged.len(),
+            list(&self.settings)
+        )?;
+        if !self.restart_needed.is_empty() {
+            write!(
+                f,
+                "; changed but applied only at a restart: {}",
+                self.restart_needed.join(", ")
+            )?;
+        }
+        if !self.failed.is_empty() {
+            write!(f, "; FAILED: {}", self.failed.join("; "))?;
         }
         Ok(())
     }

@@ -14,7 +14,7 @@ use berth_tests::{Server, default_model};
 use serde_json::json;
 
 fn rss_mib(pid: u32) -> f64 {
-    berth::child::memory::resident_bytes(pid).unwrap_or(0) as f64 / (1u64 << 20) as f64
+    berth::memory::resident_bytes(pid).unwrap_or(0) as f64 / (1u64 << 20) as f64
 }
 
 /// 1,000 clients each send half a request head and stop.
@@ -291,7 +291,7 @@ fn ps_polling() {
 }
 
 fn main() {
-    berth::server::listen::raise_descriptor_limit();
+    berth::raise_descriptor_limit();
     println!("Hostile clients and workers ({})\n", machine());
     let which = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
     let run = |name: &str| which.as_deref().is_none_or(|w| w == name);

@@ -168,7 +168,7 @@ async fn berth_cycles(sup: &Supervisor) -> (u64, Vec<u64>, Vec<u64>, u64) {
         }
         let report = sup.unload("minilm").await.unwrap();
         loaded.push(own_rss() + report.rss_at_stop_bytes);
-        worker_left = berth::child::memory::process_memory(report.pid)
+        worker_left = berth::memory::process_memory(report.pid)
             .map(|m| m.rss_bytes)
             .unwrap_or(0);
         dropped.push(own_rss() + worker_left);

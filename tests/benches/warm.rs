@@ -77,7 +77,7 @@ impl Model {
 /// The tests' settings with the two preloading kinds declared; this
 /// process a child subreaper, as `berth serve` is.
 fn config() -> SupervisorConfig {
-    berth::orphans::become_subreaper().expect("a child subreaper");
+    berth::become_subreaper().expect("a child subreaper");
     let mut config = test_config();
     for model in [&TORCH, &JAX] {
         let mut kind = WorkerKind::command([

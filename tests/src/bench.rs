@@ -177,7 +177,7 @@ pub fn cpu_nanos(pid: u32) -> u64 {
 
 /// This process's resident memory, in bytes.
 pub fn own_rss() -> u64 {
-    berth::child::memory::process_memory(std::process::id())
+    berth::memory::process_memory(std::process::id())
         .map(|m| m.rss_bytes)
         .unwrap_or(0)
 }

@@ -45,7 +45,7 @@ impl Worker {
     pub fn config(self) -> berth::SupervisorConfig {
         let mut config = test_config();
         if self == Worker::PythonForked {
-            berth::orphans::become_subreaper().expect("a child subreaper");
+            berth::become_subreaper().expect("a child subreaper");
             let mut kind = berth::WorkerKind::command(python_worker_command());
             kind.preload = vec!["berth_worker.backends".into()];
             config.workers.insert(FORKED_KIND.into(), kind);

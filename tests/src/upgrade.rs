@@ -1,5 +1,5 @@
 //! Two builds of berth for the upgrade tests and bench: copies of the
-//! build's `berth` whose build marks (`berth::upgrade::build_mark`, what
+//! build's `berth` whose build marks (`berth::build_mark`, what
 //! `/api/version` says) are set apart, and a config of one model of each
 //! kind a worker can be (`ipc-channel`, the stream wire, an HTTP server).
 
@@ -17,7 +17,7 @@ pub fn marked_berth(mark: &str) -> PathBuf {
     assert!(mark.len() <= 40 && mark.is_ascii() && !mark.contains('\0'));
     remove_ended_copies();
     let mut bytes = std::fs::read(berth_bin()).expect("read the berth binary");
-    let prefix = berth::upgrade::MARK_PREFIX;
+    let prefix = berth::MARK_PREFIX;
     let starts: Vec<usize> = bytes
         .windows(prefix.len())
         .enumerate()

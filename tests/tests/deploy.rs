@@ -284,7 +284,7 @@ fn the_kubernetes_manifests_pass_the_schemas_and_the_deploy_checks() {
     // sizes and durations are refused); their model folders exist only
     // once `berth serve` has fetched them on the target host.
     for config in ["deploy/systemd/berth.toml", "deploy/container/berth.toml"] {
-        berth::server::config::ServeConfig::read(&repo_root().join(config))
+        berth::daemon::ServeConfig::read(&repo_root().join(config))
             .unwrap_or_else(|e| panic!("{config}: {e}"));
     }
     // So do those the manifests' ConfigMaps hold (`public_metrics`
@@ -312,7 +312,7 @@ fn the_kubernetes_manifests_pass_the_schemas_and_the_deploy_checks() {
     for (i, (manifest, text)) in configs.iter().enumerate() {
         let path = dir.join(format!("{i}.toml"));
         std::fs::write(&path, text).unwrap();
-        berth::server::config::ServeConfig::read(&path)
+        berth::daemon::ServeConfig::read(&path)
             .unwrap_or_else(|e| panic!("{manifest}: berth.toml: {e}"));
     }
     let _ = std::fs::remove_dir_all(&dir);

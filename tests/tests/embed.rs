@@ -167,7 +167,7 @@ async fn concurrent_requests_batched_in_the_worker_get_their_own_vectors() {
         b.mean_queue_ms.is_some() && b.mean_compute_ms.unwrap() > 0.0,
         "{b:?}"
     );
-    let metrics = berth::server::metrics::render(&sup);
+    let metrics = berth::prometheus_text(&sup);
     for family in [
         "berth_batch_size_bucket{model=\"batched\",le=\"1\"}",
         "berth_request_queue_seconds_count{model=\"batched\"} 97",

@@ -46,7 +46,7 @@ async fn an_unload_kills_what_left_the_group_and_says_so() {
             .unwrap();
         assert_ne!(stat.pgrp as u32, load.pid, "{model}: it left the group");
         assert_ne!(stat.session as u32, load.pid, "{model}: and the session");
-        let rss = berth::child::memory::resident_bytes(escaped).unwrap_or(0);
+        let rss = berth::memory::resident_bytes(escaped).unwrap_or(0);
         assert!(rss >= 190 << 20, "{model}: it holds 200 MiB: {rss}");
 
         let unload = sup.unload(model).await.unwrap();

@@ -13,7 +13,7 @@ use berth_tests::*;
 use serde_json::{Value, json};
 
 fn rss_of(pid: u32) -> u64 {
-    berth::child::memory::resident_bytes(pid).unwrap_or(0)
+    berth::memory::resident_bytes(pid).unwrap_or(0)
 }
 
 // ----- 1. shutdown always ends -----

@@ -1,5 +1,5 @@
 //! Warm starts: a worker kind's preloaded interpreter forks its workers
-//! (python/berth_worker/preload.py, supervisor/src/child/preload.rs), driven
+//! (python/berth_worker/preloader.py, supervisor/src/child/preload.rs), driven
 //! through the real `berth serve` and the real interpreter. The guarantees
 //! every worker gives run against forked workers in the conformance suite;
 //! this file holds what is the preloader's own: a refused preload, a dead

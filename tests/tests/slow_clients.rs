@@ -25,7 +25,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 }
 
 fn rss_of(pid: u32) -> u64 {
-    berth::child::memory::resident_bytes(pid).unwrap_or(0)
+    berth::memory::resident_bytes(pid).unwrap_or(0)
 }
 
 /// A POST on a connection of its own that is never read from.

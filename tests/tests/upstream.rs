@@ -273,7 +273,7 @@ async fn a_host_leases_a_server_and_talks_to_it() {
         .await
         .unwrap();
     assert_eq!(lease.pid(), load.pid);
-    let berth::child::upstream::Address::Tcp(addr) = lease.address().clone() else {
+    let berth::Address::Tcp(addr) = lease.address().clone() else {
         panic!("{}", lease.address())
     };
     assert_eq!(sup.stats()[0].in_flight, 1, "held as a request in flight");

@@ -131,19 +131,6 @@ impl Registry {
         Self::default()
     }
 
-    /// The backends built into `berth-worker`.
-    pub fn builtin() -> Self {
-        use crate::backends::{echo, embed, fault, generate, gpu_hog, hog};
-        let mut r = Self::new();
-        r.register_with_options("echo", echo::load, echo::OPTIONS);
-        r.register_with_options("hog", hog::load, hog::OPTIONS);
-        r.register_with_options("fault", fault::load, fault::OPTIONS);
-        r.register_with_options("generate", generate::load, generate::OPTIONS);
-        r.register_with_options("embed", embed::load, embed::OPTIONS);
-        r.register_with_options("gpu-hog", gpu_hog::load, gpu_hog::OPTIONS);
-        r
-    }
-
     /// Adds (or replaces) a backend whose options are not declared: the
     /// supervisor learns of an unknown option only when a load fails.
     pub fn register(&mut self, name: &'static str, load: LoadFn) -> &mut Self {

@@ -64,7 +64,10 @@ pub(crate) struct Container {
 /// whose pid came back.
 pub(crate) fn owner() -> String {
     let pid = std::process::id();
-    format!("{pid}.{}", crate::orphans::start_time(pid).unwrap_or(0))
+    format!(
+        "{pid}.{}",
+        crate::child::orphans::start_time(pid).unwrap_or(0)
+    )
 }
 
 /// Whether the supervisor an owner label names is alive.
@@ -75,7 +78,7 @@ fn owner_alive(owner: &str) -> bool {
     let (Ok(pid), Ok(start)) = (pid.parse::<u32>(), start.parse::<u64>()) else {
         return false;
     };
-    crate::orphans::start_time(pid) == Some(start)
+    crate::child::orphans::start_time(pid) == Some(start)
 }
 
 impl Container {
@@ -150,7 +153,7 @@ impl Container {
             format!("--label={CGROUP_LABEL}={CGROUP}"),
             // From the client's environment: the worker's mark.
             "--env".into(),
-            crate::orphans::ENV_WORKER_MARK.into(),
+            crate::child::orphans::ENV_WORKER_MARK.into(),
         ]);
         if podman && cgroup_v2 {
             args.push(SPLIT.into());

@@ -430,7 +430,7 @@ async fn launch_server(
         match process.cgroup() {
             Some(cgroup) => tree.extend(cgroup.members()),
             // Without a cgroup, what it started outside its group carries its mark.
-            None => tree.extend(crate::orphans::carrying_mark(
+            None => tree.extend(crate::child::orphans::carrying_mark(
                 process.mark(),
                 process.start_time(),
             )),

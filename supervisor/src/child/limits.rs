@@ -279,11 +279,6 @@ impl Cgroup {
         format!("/{}", inner.display())
     }
 
-    /// Which cgroup version it is.
-    pub fn version(&self) -> CapMechanism {
-        self.version
-    }
-
     /// The processes in it now.
     pub fn members(&self) -> Vec<u32> {
         members_of(&self.dir)
@@ -462,16 +457,6 @@ impl MemoryCap {
         match self.mechanism {
             CapMechanism::CgroupV2 => cgroup.read_u64("memory.peak"),
             CapMechanism::CgroupV1 => cgroup.read_u64("memory.max_usage_in_bytes"),
-            CapMechanism::RssPoll => None,
-        }
-    }
-
-    /// Memory charged to the worker's cgroup now.
-    pub fn usage(&self) -> Option<u64> {
-        let cgroup = self.cgroup.as_ref()?;
-        match self.mechanism {
-            CapMechanism::CgroupV2 => cgroup.read_u64("memory.current"),
-            CapMechanism::CgroupV1 => cgroup.read_u64("memory.usage_in_bytes"),
             CapMechanism::RssPoll => None,
         }
     }

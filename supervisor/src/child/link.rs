@@ -8,8 +8,8 @@ use ipc_channel::ipc::{IpcReceiver, IpcSender, IpcSharedMemory};
 
 use std::os::fd::{AsFd, OwnedFd};
 
+use crate::child::handover::ipc::Captured;
 use crate::child::stream::{SendError, StreamReader, StreamWriter};
-use crate::upgrade::ipc::Captured;
 
 /// Where commands go.
 #[derive(Debug, Clone)]
@@ -48,8 +48,9 @@ pub(crate) fn keep_for_handover(
 ) -> std::io::Result<(Events, WireFds)> {
     match events {
         Events::Ipc(receiver) => {
-            let captured = crate::upgrade::ipc::capture(receiver)?;
-            let receiver = crate::upgrade::ipc::rebuild(&captured.packet, captured.fd.as_fd())?;
+            let captured = crate::child::handover::ipc::capture(receiver)?;
+            let receiver =
+                crate::child::handover::ipc::rebuild(&captured.packet, captured.fd.as_fd())?;
             Ok((
                 Events::Ipc(receiver),
                 WireFds {

@@ -16,12 +16,14 @@
 pub mod container;
 pub(crate) mod death;
 pub mod handle;
+pub(crate) mod handover;
 pub(crate) mod handshake;
 pub(crate) mod health;
 pub(crate) mod launch;
 pub mod limits;
 pub(crate) mod link;
 pub mod memory;
+pub mod orphans;
 pub(crate) mod output;
 pub(crate) mod ports;
 pub(crate) mod preload;

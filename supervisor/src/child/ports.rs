@@ -17,6 +17,22 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Where a server listens.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Address {
+    Tcp(std::net::SocketAddr),
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Address::Tcp(addr) => write!(f, "http://{addr}"),
+            Address::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
 /// Ports handed out to servers that still live.
 static IN_USE: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
 
@@ -42,9 +58,9 @@ impl Reserved {
     /// What a server handed over by an in-place upgrade holds: its port
     /// (kept from other servers again) or its socket's folder (removed
     /// with it).
-    pub(crate) fn taken_over(address: &super::upstream::Address) -> Reserved {
+    pub(crate) fn taken_over(address: &Address) -> Reserved {
         match address {
-            super::upstream::Address::Tcp(addr) => {
+            Address::Tcp(addr) => {
                 let port = addr.port();
                 IN_USE
                     .lock()
@@ -55,7 +71,7 @@ impl Reserved {
                     dir: None,
                 }
             }
-            super::upstream::Address::Unix(path) => Reserved {
+            Address::Unix(path) => Reserved {
                 port: None,
                 dir: path
                     .parent()

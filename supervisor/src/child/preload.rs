@@ -1,7 +1,7 @@
 //! A worker kind's preloaded interpreter: the kind's own program, started
 //! with `BERTH_PRELOAD`, imports the kind's heavy modules once and then
 //! forks a worker for each load, swap, recycle and restart of a model of
-//! that kind (`python/berth_worker/preload.py`; docs/wire.md, "Preloaded
+//! that kind (`python/berth_worker/preloader.py`; docs/wire.md, "Preloaded
 //! workers").
 //!
 //! A fork is double: the preloader's child forks the worker and exits, so
@@ -33,7 +33,7 @@ use crate::child::stream::io as wire_io;
 pub(crate) const ENV_PRELOAD: &str = "BERTH_PRELOAD";
 
 /// The variable of spaces that makes room in the preloader's environment
-/// block for each worker's environment (preload.py), and its size.
+/// block for each worker's environment (preloader.py), and its size.
 const ENV_SPACE: &str = "BERTH_ENV_SPACE";
 const ENV_SPACE_BYTES: usize = 32 << 10;
 
@@ -96,7 +96,7 @@ struct Control {
     buf: Vec<u8>,
 }
 
-/// What the preloader says (preload.py).
+/// What the preloader says (preloader.py).
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum Said {
@@ -167,7 +167,7 @@ impl Preloader {
             return Err(failed(
                 "this supervisor is not a child subreaper, so it could not reap the workers a \
                  preloader forks (berth serve is one; a host embedding berth calls \
-                 berth::orphans::become_subreaper() first)"
+                 berth::become_subreaper() first)"
                     .into(),
             ));
         }
@@ -186,8 +186,8 @@ impl Preloader {
         let fence = Cgroup::create(&label, None)
             .inspect_err(|why| tracing::debug!(kind, "no cgroup for the preloader: {why}"))
             .ok();
-        let mark = crate::orphans::new_mark();
-        let spawning = crate::orphans::spawning();
+        let mark = crate::child::orphans::new_mark();
+        let spawning = crate::child::orphans::spawning();
         let child = spawn(SpawnOptions {
             model: &label,
             binary: program.0,
@@ -426,7 +426,7 @@ impl Preloader {
     /// moment ago is a zombie until its reaper task runs, and a fork asked
     /// of it then would find its socket broken and start the worker cold.
     pub(crate) fn is_alive(&self) -> bool {
-        self.process.try_exit().is_none() && crate::orphans::is_live(self.pid())
+        self.process.try_exit().is_none() && crate::child::orphans::is_live(self.pid())
     }
 
     /// Stops it (it holds nothing to save: its whole group is killed) and

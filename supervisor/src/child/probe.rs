@@ -89,9 +89,9 @@ fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<O
     // Kept from the stray reaper of a subreaper supervisor (the probe runs
     // outside its group) until it is reaped below.
     let (mut child, waiting) = {
-        let _spawning = crate::orphans::spawning();
+        let _spawning = crate::child::orphans::spawning();
         let child = command.spawn().map_err(|e| format!("cannot run it: {e}"))?;
-        let waiting = crate::orphans::waiting_for(child.id());
+        let waiting = crate::child::orphans::waiting_for(child.id());
         (child, waiting)
     };
     let group = child.id() as i32;

@@ -144,10 +144,10 @@ impl ProcessWatch {
             .and_then(MemoryCap::cgroup)
             .or(fence.as_ref())
             .map(|c| c.dir().to_path_buf());
-        crate::orphans::register(pid, model, mark, cgroup);
+        crate::child::orphans::register(pid, model, mark, cgroup);
         let (exit_tx, exit) = watch::channel(None);
         reap(reapable, move |status| {
-            crate::orphans::unregister(pid);
+            crate::child::orphans::unregister(pid);
             let _ = exit_tx.send(Some(status));
         });
         ProcessWatch {
@@ -158,7 +158,7 @@ impl ProcessWatch {
             cap,
             fence,
             mark: mark.to_string(),
-            start_time: crate::orphans::start_time(pid).unwrap_or(0),
+            start_time: crate::child::orphans::start_time(pid).unwrap_or(0),
             model: model.to_string(),
             kill_cause: Mutex::new(None),
             polled_peak: std::sync::atomic::AtomicU64::new(0),

@@ -312,7 +312,7 @@ pub(crate) fn worker_env(
         .map(|(k, v)| (k.to_string(), v))
         .chain(extra_env.iter().cloned())
         .collect();
-    env.push((crate::orphans::ENV_WORKER_MARK.into(), mark.into()));
+    env.push((crate::child::orphans::ENV_WORKER_MARK.into(), mark.into()));
     env.push((ENV_PARENT_PID.into(), std::process::id().to_string()));
     env.push((ENV_MODEL_NAME.into(), model.into()));
     match connect {

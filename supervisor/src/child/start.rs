@@ -74,8 +74,8 @@ pub(crate) async fn start_process(
         args,
         cap.as_ref().and_then(MemoryCap::cgroup).or(fence.as_ref()),
     );
-    let mark = crate::orphans::new_mark();
-    let spawning = crate::orphans::spawning();
+    let mark = crate::child::orphans::new_mark();
+    let spawning = crate::child::orphans::spawning();
     let procs = cap
         .as_ref()
         .and_then(MemoryCap::cgroup)

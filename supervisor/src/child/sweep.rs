@@ -26,7 +26,7 @@ pub(crate) async fn sweep_group(pgid: u32) -> u32 {
     loop {
         let members = group_members(pgid);
         // Under a subreaper, killed grandchildren are our children to reap.
-        crate::orphans::reap_strays(crate::orphans::Strays::InGroup(pgid));
+        crate::child::orphans::reap_strays(crate::child::orphans::Strays::InGroup(pgid));
         if members.is_empty() {
             return 0;
         }
@@ -66,13 +66,13 @@ pub(crate) async fn sweep_escapees(process: &ProcessWatch) -> Escapees {
         // environment for the mark.
         let mut found: Vec<u32> = match process.cgroup() {
             Some(cgroup) => cgroup.members(),
-            None => crate::orphans::carrying_mark(process.mark(), process.start_time()),
+            None => crate::child::orphans::carrying_mark(process.mark(), process.start_time()),
         };
         found.sort_unstable();
         found.dedup();
-        found.retain(|pid| crate::orphans::is_live(*pid));
+        found.retain(|pid| crate::child::orphans::is_live(*pid));
         if found.is_empty() {
-            crate::orphans::reap_exact(&seen);
+            crate::child::orphans::reap_exact(&seen);
             return Escapees {
                 found: seen.len() as u32,
                 left: 0,
@@ -94,7 +94,7 @@ pub(crate) async fn sweep_escapees(process: &ProcessWatch) -> Escapees {
             let _ =
                 nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid as i32), Signal::SIGKILL);
         }
-        crate::orphans::reap_exact(&seen);
+        crate::child::orphans::reap_exact(&seen);
         if Instant::now() >= deadline {
             tracing::error!(
                 model = process.model(),

@@ -19,7 +19,7 @@
 //!   if it has one (`docker stop NAME`), else sends its `stop_signal` to the
 //!   group, waits `stop_grace`, then SIGKILL.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -43,21 +43,7 @@ pub const DEFAULT_UNHEALTHY_AFTER: Duration = Duration::from_secs(30);
 /// Idle kept-alive connections kept per server.
 const POOL: usize = 32;
 
-/// Where a server listens.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Address {
-    Tcp(std::net::SocketAddr),
-    Unix(PathBuf),
-}
-
-impl std::fmt::Display for Address {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Address::Tcp(addr) => write!(f, "http://{addr}"),
-            Address::Unix(path) => write!(f, "unix:{}", path.display()),
-        }
-    }
-}
+pub use super::ports::Address;
 
 /// A command line with its placeholders filled in, and where the server
 /// it starts will listen.

@@ -203,9 +203,7 @@ fn line_for(event: &Value) -> String {
             event["listen"].as_str().unwrap_or("?")
         ),
         "config_reloaded" => {
-            match serde_json::from_value::<berth::server::reload::ReloadReport>(
-                event["report"].clone(),
-            ) {
+            match serde_json::from_value::<berth::ReloadReport>(event["report"].clone()) {
                 Ok(report) => format!("{} ({})", report, event["trigger"].as_str().unwrap_or("")),
                 Err(_) => event["report"].to_string(),
             }

@@ -5,7 +5,7 @@
 
 use std::process::ExitCode;
 
-use berth::server::reload::ReloadReport;
+use berth::ReloadReport;
 use berth::{LoadReport, UnloadReport};
 use clap::Args;
 

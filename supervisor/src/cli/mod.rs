@@ -124,15 +124,8 @@ pub fn main() -> ExitCode {
         }
     }
     if matches!(cli.command, Commands::Serve(_)) {
-        // Until the daemon's own handlers are in (a moment after start, and
-        // after each in-place upgrade's exec, which resets them), SIGHUP
-        // and SIGUSR2 would end berth and every model with it: ignored
-        // meanwhile. Set before any worker is spawned, so none inherits it.
-        // SAFETY: setting a signal's disposition to SIG_IGN is always sound.
-        unsafe {
-            libc::signal(libc::SIGHUP, libc::SIG_IGN);
-            libc::signal(libc::SIGUSR2, libc::SIG_IGN);
-        }
+        // Before any worker is spawned, so none inherits it.
+        berth::daemon::hold_reload_signals();
     }
     init_logging(if matches!(cli.command, Commands::Serve(_)) {
         "info"

@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use berth::server::config::ServeConfig;
 use clap::Args;
 
 #[derive(Debug, Args)]
@@ -21,56 +20,9 @@ pub struct ReapArgs {
 }
 
 pub async fn run(args: ReapArgs) -> ExitCode {
-    let mut engines = args.engine.clone();
-    if let Some(path) = &args.config {
-        match ServeConfig::read(path) {
-            Ok(config) => engines.extend(config.container_engines()),
-            Err(e) => return super::fail("invalid_config", &e, false),
-        }
+    match berth::daemon::reap(args.config.as_deref(), &args.engine).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => super::fail("invalid_config", &e, false),
     }
-    if engines.is_empty() {
-        engines = ["podman", "docker"]
-            .into_iter()
-            .filter(|e| berth::child::container::on_path(e))
-            .map(String::from)
-            .collect();
-    }
-    if sweep_engines(&engines).await {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
-}
-
-/// Sweeps each engine of the containers of a berth no longer running,
-/// saying what it removed and what it could not; whether all went well.
-pub async fn sweep_engines(engines: &[String]) -> bool {
-    let mut ok = true;
-    for engine in engines {
-        match berth::child::container::sweep(engine).await {
-            Ok(swept) => {
-                if !swept.removed.is_empty() {
-                    tracing::warn!(
-                        engine,
-                        containers = swept.removed.join(" "),
-                        "removed containers a berth no longer running left"
-                    );
-                    eprintln!(
-                        "berth: removed {} container(s) a berth no longer running left ({engine}): {}",
-                        swept.removed.len(),
-                        swept.removed.join(" ")
-                    );
-                }
-                for (name, why) in &swept.failed {
-                    ok = false;
-                    eprintln!("berth: cannot remove container {name} ({engine}): {why}");
-                }
-            }
-            Err(e) => {
-                ok = false;
-                eprintln!("berth: cannot sweep {engine}'s containers: {e}");
-            }
-        }
-    }
-    ok
 }

@@ -44,7 +44,12 @@ fn upgrade(args: &UpgradeArgs) -> Result<ExitCode, Failure> {
         None => {
             client.post("/api/upgrade", None)?;
         }
-        Some(binary) => ask_by_signal(&before, binary)?,
+        Some(binary) => berth::daemon::upgrade::ask(
+            before["pid"].as_u64(),
+            before["state_file"].as_str(),
+            binary,
+        )
+        .map_err(|e| ("upgrade_refused".to_string(), e))?,
     }
     let event = wait_for_outcome(&client, since, args.wait)?;
     if args.remote.json {
@@ -97,67 +102,6 @@ fn upgrade(args: &UpgradeArgs) -> Result<ExitCode, Failure> {
 }
 
 /// Leaves the request file beside the daemon's state file and signals it.
-fn ask_by_signal(version: &Value, binary: &std::path::Path) -> Result<(), Failure> {
-    let fail = |what: String| ("upgrade_refused".to_string(), what);
-    let binary = std::fs::canonicalize(binary)
-        .map_err(|e| fail(format!("cannot find `{}`: {e}", binary.display())))?;
-    let pid = version["pid"]
-        .as_u64()
-        .and_then(|p| i32::try_from(p).ok())
-        .ok_or_else(|| fail("the daemon did not say its pid".into()))?;
-    let Some(state_file) = version["state_file"].as_str() else {
-        return Err(fail(
-            "the daemon keeps no state file, so `--binary` cannot reach it; replace the \
-             binary it was started from and run `berth upgrade` without `--binary`"
-                .into(),
-        ));
-    };
-    // The daemon takes a request file of its own user's only.
-    {
-        use std::os::unix::fs::MetadataExt;
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
-        if let Ok(meta) = std::fs::metadata(state_file)
-            && meta.uid() != me
-        {
-            return Err(fail(format!(
-                "the daemon runs as uid {}, this is uid {me}: run `berth upgrade --binary` as                  the daemon's user (e.g. `sudo -u` it), on its host",
-                meta.uid()
-            )));
-        }
-    }
-    let path = berth::server::upgrade::request_file(std::path::Path::new(state_file));
-    let request = berth::server::upgrade::RequestFile { binary };
-    let text = serde_json::to_string(&request).map_err(|e| fail(e.to_string()))?;
-    {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let _ = std::fs::remove_file(&path);
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| {
-                fail(format!(
-                    "cannot write {} (run this as the daemon's user, on its host): {e}",
-                    path.display()
-                ))
-            })?;
-        file.write_all(text.as_bytes())
-            .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
-    }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGUSR2,
-    )
-    .map_err(|e| {
-        let _ = std::fs::remove_file(&path);
-        fail(format!(
-            "cannot signal the daemon (pid {pid}): {e}; run this as its user, on its host"
-        ))
-    })
-}
 
 /// Follows the daemon's events after `since` until the upgrade's outcome:
 /// an `upgraded` or `upgrade_failed` event (the log goes on across the

@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::base::Engine;
+
 /// A container as a model's server (`[workers.NAME] container = {...}`,
 /// with the kind's `http` table).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -123,27 +125,6 @@ impl ContainerSpec {
                 "`container.engine` {:?} is not podman or docker",
                 self.engine
             )),
-        }
-    }
-}
-
-/// Which engine a command runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Engine {
-    Podman,
-    /// Docker, or a client that speaks its flags (nerdctl).
-    Docker,
-}
-
-impl Engine {
-    /// The engine a program is, by its file name.
-    pub fn of(program: &str) -> Option<Engine> {
-        let name = std::path::Path::new(program).file_name()?.to_str()?;
-        match name {
-            "podman" => Some(Engine::Podman),
-            "docker" | "nerdctl" => Some(Engine::Docker),
-            _ => None,
         }
     }
 }

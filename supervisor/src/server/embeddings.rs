@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use super::AppState;
 use super::error::{ApiError, parse};
 use super::openai::{KeepAliveField, refuse_other_kind, request_options};
-use crate::Body;
+use berth_protocol::Body;
 
 #[derive(Debug, Deserialize)]
 struct EmbeddingsRequest {

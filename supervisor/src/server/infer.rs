@@ -38,7 +38,10 @@ use serde_json::{Value, json};
 use super::AppState;
 use super::error::ApiError;
 use super::openai::{KeepAliveField, request_options};
-use crate::{Body, Bulk, Piece, RequestStream};
+use crate::child::handle::Piece;
+use crate::supervisor::RequestStream;
+use berth_protocol::Body;
+use berth_protocol::Bulk;
 
 /// The length of the JSON that starts a body of bytes, in or out.
 pub const JSON_LENGTH: &str = "berth-json-length";
@@ -307,7 +310,7 @@ fn with_bulk(mut object: Value, body: &Body) -> Value {
 /// cancelled in the worker if the client goes away first.
 fn pieces(
     stream: RequestStream,
-    first: Option<crate::Result<Piece>>,
+    first: Option<crate::error::Result<Piece>>,
     model: String,
 ) -> impl Stream<Item = (&'static str, Value)> {
     stream::unfold((Some(stream), Some(first)), move |(stream, pending)| {

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::AppState;
 use super::error::{ApiError, parse};
-use crate::ModelSpec;
+use crate::config::ModelSpec;
 
 /// Reads every worker's procfs off the async runtime (and the supervisor
 /// reads it outside its state lock), so polling `ps` slows no request.
@@ -278,17 +278,21 @@ pub async fn swap(
 /// Reads the config files again and applies them (as `SIGHUP` does): what
 /// changed, or why nothing did.
 pub async fn reload(State(app): State<AppState>) -> Result<Json<Value>, ApiError> {
-    let Some(live) = app.live.as_ref().and_then(std::sync::Weak::upgrade) else {
-        return Err(ApiError::new(
+    let no_config = || {
+        ApiError::new(
             StatusCode::CONFLICT,
             "no_config",
             "this berth serve has no config file to reload: start it with --config (or \
              --llama-swap)",
-        ));
+        )
     };
-    match live.reload("POST /api/reload").await {
-        Ok(report) => Ok(Json(json!(report))),
-        Err(why) => Err(ApiError::new(
+    let Some(controls) = app.controls.as_ref().and_then(std::sync::Weak::upgrade) else {
+        return Err(no_config());
+    };
+    match controls.reload("POST /api/reload").await {
+        None => Err(no_config()),
+        Some(Ok(report)) => Ok(Json(json!(report))),
+        Some(Err(why)) => Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid_config",
             format!("the config was not reloaded, nothing changed: {why}"),
@@ -314,20 +318,20 @@ pub async fn upgrade(State(app): State<AppState>, body: Bytes) -> Result<Respons
             ));
         }
     }
-    let Some(upgrades) = &app.upgrades else {
+    let Some(controls) = app.controls.as_ref().and_then(std::sync::Weak::upgrade) else {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "no_upgrades",
             "this server does not upgrade in place",
         ));
     };
-    match upgrades.request("POST /api/upgrade", None).await {
-        Ok(answer) => Ok((
+    match controls.upgrade("POST /api/upgrade").await {
+        Ok(accepted) => Ok((
             StatusCode::ACCEPTED,
             Json(json!({
                 "upgrading": true,
-                "from": crate::upgrade::this_build(),
-                "to": format!("{} ({})", answer.version, answer.build),
+                "from": crate::base::this_build(),
+                "to": accepted.to,
             })),
         )
             .into_response()),
@@ -345,10 +349,14 @@ pub async fn upgrade(State(app): State<AppState>, body: Bytes) -> Result<Respons
 pub async fn version(State(app): State<AppState>) -> Json<Value> {
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "build": crate::upgrade::build_mark(),
+        "build": crate::base::build_mark(),
         "pid": std::process::id(),
-        "state_file": crate::orphans::state_file(),
+        "state_file": crate::child::orphans::state_file(),
         "last_event": app.supervisor.last_event_id(),
-        "handover_versions": crate::upgrade::READS,
+        "handover_versions": app
+            .controls
+            .as_ref()
+            .and_then(std::sync::Weak::upgrade)
+            .map_or(&[][..], |c| c.handover_versions()),
     }))
 }

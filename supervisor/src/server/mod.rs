@@ -11,12 +11,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::Supervisor;
+use crate::supervisor::Supervisor;
 
 mod base64;
 mod completions;
-pub mod config;
 mod console;
+pub(crate) mod controls;
 mod embeddings;
 mod error;
 mod events;
@@ -24,18 +24,16 @@ mod guard;
 pub mod infer;
 pub mod listen;
 pub mod llama_swap;
-mod management;
+pub(crate) mod management;
 pub mod metrics;
-pub mod notify;
 mod openai;
+pub(crate) mod options;
 mod relay;
-pub mod reload;
-mod serve;
-pub mod upgrade;
 
+pub use controls::{Controls, UpgradeAccepted};
 pub use error::ApiError;
 pub use listen::Listen;
-pub use serve::{refuse_open_door, serve, serve_on};
+pub use options::{DEFAULT_LISTEN, ServeOptions, refuse_open_door};
 
 #[derive(Clone)]
 pub(crate) struct AppState {
@@ -46,87 +44,14 @@ pub(crate) struct AppState {
     pub test_backends: bool,
     /// A llama-swap config's layer (`--llama-swap`).
     pub llama_swap: Option<Arc<llama_swap::layer::Compat>>,
-    /// The daemon's reloads (`POST /api/reload`); weak, as the front door
-    /// it builds holds this state.
-    pub live: Option<std::sync::Weak<reload::Live>>,
-    /// The daemon's in-place upgrades (`POST /api/upgrade`).
-    pub upgrades: Option<upgrade::Upgrades>,
+    /// The daemon's reloads and upgrades (`POST /api/reload`, `POST
+    /// /api/upgrade`); weak, as the daemon holds the front door it builds.
+    pub controls: Option<std::sync::Weak<dyn Controls>>,
 }
 
 /// Backends that exist to test berth: they hold memory, crash or hang on
 /// command. A client may name them only where the operator allows it.
 pub const TEST_BACKENDS: &[&str] = &["hog", "fault", "gpu-hog"];
-
-/// How the sidecar serves: its address, who may call it, and its limits.
-#[derive(Clone)]
-pub struct ServeOptions {
-    pub listen: Listen,
-    pub token: Option<String>,
-    pub max_body: usize,
-    /// Request bodies held at once, all connections together.
-    pub max_body_total: usize,
-    pub body_timeout: Duration,
-    pub max_inputs: usize,
-    pub allowed_hosts: Vec<String>,
-    pub allowed_origins: Vec<String>,
-    /// `GET /metrics` passes without token or Host check.
-    pub public_metrics: bool,
-    pub connections: listen::ConnectionLimits,
-    /// HTTP clients may register the test doubles ([`TEST_BACKENDS`]).
-    pub test_backends: bool,
-    /// Tokens accepted besides `token` (llama-swap's `apiKeys`).
-    pub api_keys: Vec<String>,
-    /// A llama-swap config's layer: its API and request rewriting.
-    pub llama_swap: Option<Arc<llama_swap::layer::Compat>>,
-    /// How to read the config again and apply it (`SIGHUP`, `POST
-    /// /api/reload`); without it, there is nothing to reload.
-    pub reload: Option<reload::ReloadFn>,
-    /// Files whose change reloads the config (`--watch-config`).
-    pub watch_config: Vec<std::path::PathBuf>,
-    /// The server's state file: `berth upgrade --binary` leaves its
-    /// request beside it.
-    pub state_file: Option<std::path::PathBuf>,
-}
-
-impl std::fmt::Debug for ServeOptions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServeOptions")
-            .field("listen", &self.listen)
-            .field("max_body", &self.max_body)
-            .field("allowed_hosts", &self.allowed_hosts)
-            .field("reload", &self.reload.is_some())
-            .field("watch_config", &self.watch_config)
-            .finish_non_exhaustive()
-    }
-}
-
-impl ServeOptions {
-    /// Defaults for everything but the address.
-    pub fn new(listen: Listen) -> ServeOptions {
-        ServeOptions {
-            listen,
-            token: None,
-            max_body: config::DEFAULT_MAX_BODY as usize,
-            max_body_total: config::DEFAULT_MAX_BODY_TOTAL as usize,
-            body_timeout: config::DEFAULT_BODY_TIMEOUT,
-            max_inputs: config::DEFAULT_MAX_INPUTS,
-            allowed_hosts: Vec::new(),
-            allowed_origins: Vec::new(),
-            public_metrics: false,
-            connections: listen::ConnectionLimits {
-                max_connections: config::DEFAULT_MAX_CONNECTIONS,
-                header_timeout: config::DEFAULT_HEADER_TIMEOUT,
-                send_timeout: config::DEFAULT_SEND_TIMEOUT,
-            },
-            test_backends: false,
-            api_keys: Vec::new(),
-            llama_swap: None,
-            reload: None,
-            watch_config: Vec::new(),
-            state_file: None,
-        }
-    }
-}
 
 impl AppState {
     /// Models registered through the API must lie inside the models
@@ -134,7 +59,10 @@ impl AppState {
     /// resolved: the API must not become a way to read any file as weights.
     /// A spec from an HTTP client: no test double unless the operator
     /// allowed them.
-    pub fn allowed(&self, spec: crate::ModelSpec) -> Result<crate::ModelSpec, ApiError> {
+    pub fn allowed(
+        &self,
+        spec: crate::config::ModelSpec,
+    ) -> Result<crate::config::ModelSpec, ApiError> {
         if !self.test_backends && TEST_BACKENDS.contains(&spec.backend.as_str()) {
             return Err(ApiError::new(
                 StatusCode::FORBIDDEN,
@@ -150,7 +78,10 @@ impl AppState {
         Ok(spec)
     }
 
-    pub fn confine(&self, mut spec: crate::ModelSpec) -> Result<crate::ModelSpec, ApiError> {
+    pub fn confine(
+        &self,
+        mut spec: crate::config::ModelSpec,
+    ) -> Result<crate::config::ModelSpec, ApiError> {
         let Some(root) = &self.supervisor.config().models_root else {
             return Ok(spec);
         };
@@ -168,19 +99,17 @@ impl AppState {
 }
 
 /// The router over `supervisor`.
-pub(crate) fn router(
+pub fn router(
     supervisor: Supervisor,
     options: &ServeOptions,
-    live: Option<&Arc<reload::Live>>,
-    upgrades: &upgrade::Upgrades,
+    controls: Option<std::sync::Weak<dyn Controls>>,
 ) -> Router {
     let state = AppState {
         supervisor,
         max_inputs: options.max_inputs,
         test_backends: options.test_backends,
         llama_swap: options.llama_swap.clone(),
-        live: live.map(Arc::downgrade),
-        upgrades: Some(upgrades.clone()),
+        controls,
     };
     let tokens = options
         .token

@@ -21,7 +21,8 @@ use super::AppState;
 use super::error::{ApiError, parse};
 use crate::child::handle::Piece;
 use crate::supervisor::RequestOptions;
-use crate::{Body, RequestStream};
+use crate::supervisor::RequestStream;
+use berth_protocol::Body;
 
 pub(super) fn now_unix() -> u64 {
     SystemTime::now()
@@ -46,8 +47,8 @@ pub(crate) fn request_options(
         |field: &str, value: Option<&KeepAliveField>| -> Result<Option<Duration>, ApiError> {
             let parsed = match value {
                 None => return Ok(None),
-                Some(KeepAliveField::Text(t)) => crate::parse_duration(t),
-                Some(KeepAliveField::Secs(s)) => crate::parse_duration(&s.to_string()),
+                Some(KeepAliveField::Text(t)) => crate::units::parse_duration(t),
+                Some(KeepAliveField::Secs(s)) => crate::units::parse_duration(&s.to_string()),
             }
             .map_err(|e| ApiError::bad_request(format!("`{field}`: {e}")))?;
             crate::config::check_duration(field, Some(parsed)).map_err(ApiError::bad_request)?;
@@ -346,7 +347,7 @@ impl Shape {
 
 fn sse_events(
     stream: RequestStream,
-    first_piece: Option<crate::Result<Piece>>,
+    first_piece: Option<crate::error::Result<Piece>>,
     model: String,
     streamed: Streamed,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
@@ -370,8 +371,8 @@ fn sse_events(
     let first = shape.start().map(&wrap);
     let chunk = move |text: Option<&str>, finish: Value| wrap(shape.choice(text, finish));
     enum Phase {
-        Start(RequestStream, Value, Option<crate::Result<Piece>>),
-        Streaming(RequestStream, Option<Option<crate::Result<Piece>>>),
+        Start(RequestStream, Value, Option<crate::error::Result<Piece>>),
+        Streaming(RequestStream, Option<Option<crate::error::Result<Piece>>>),
         Tail(Vec<Value>),
         Done,
     }

@@ -255,7 +255,7 @@ pub(super) fn index_aliases(state: &mut State, model: &str, old: &[String], new:
     }
 }
 
-impl crate::SupervisorConfig {
+impl crate::config::SupervisorConfig {
     /// Asks the default worker program, and every declared worker kind,
     /// which backends it offers: what `berth serve` checks before it says
     /// it is listening, so a missing or broken worker is found at start and

@@ -100,7 +100,7 @@ pub struct ModelCounters {
 
 impl ModelCounters {
     /// Counts a stopped worker and what its stop proved.
-    pub fn record_unload(&self, report: &crate::UnloadReport) {
+    pub fn record_unload(&self, report: &crate::report::UnloadReport) {
         self.unloads.fetch_add(1, Ordering::Relaxed);
         self.reclaimed_bytes
             .fetch_add(report.reclaimed_bytes, Ordering::Relaxed);

@@ -13,8 +13,8 @@ use tokio::sync::watch;
 use super::slot::Slot;
 use super::{Event, ModelState, Supervisor};
 use crate::child::handle::WorkerHandle;
+use crate::child::handover::HandedWorker;
 use crate::report::LoadReport;
-use crate::upgrade::state::HandedWorker;
 
 impl Supervisor {
     /// Freezes (or thaws) the models: while frozen, loads, unloads, swaps
@@ -93,7 +93,7 @@ impl Supervisor {
             let Some(report) = report else {
                 return Err(format!("model `{name}`: its load's report is missing"));
             };
-            let (w, fds) = crate::upgrade::workers::hand(&worker, idle, report)
+            let (w, fds) = crate::child::handover::hand(&worker, idle, report)
                 .map_err(|e| format!("model `{name}`: cannot hand its worker over: {e}"))?;
             handed.push(w);
             keep.extend(fds);

@@ -173,7 +173,12 @@ pub(super) async fn sampler(inner: Weak<Inner>) {
 
 fn sample(supervisor: &Supervisor) {
     let at_unix_ms = crate::base::unix_ms();
-    let rows: Vec<(String, Option<Arc<crate::WorkerHandle>>, usize, bool)> = {
+    let rows: Vec<(
+        String,
+        Option<Arc<crate::child::handle::WorkerHandle>>,
+        usize,
+        bool,
+    )> = {
         let state = supervisor.lock();
         state
             .catalogue

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use super::ModelState;
 use super::admission::is_idle;
 use super::{Inner, Supervisor};
-use crate::ModelState;
 
 /// How often a model whose keep-alive ran out while it was busy is looked
 /// at again.

@@ -161,7 +161,7 @@ impl Supervisor {
             }
             state.slots.insert(
                 model.to_string(),
-                Slot::loading(signal, need.ram, Incoming::new(gpus.clone(), &need)),
+                Slot::loading(signal, need.ram, Incoming::new(gpus.clone(), need.vram())),
             );
         }
         drop(gate);

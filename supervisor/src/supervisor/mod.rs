@@ -9,7 +9,7 @@
 //!   least recently used first; a model with work in flight never is; and
 //!   after loads, when models grow past the budget, idle ones are evicted
 //!   too (`budget.rs`); the per-GPU VRAM budget likewise, once NVML shows
-//!   what a load really took (`gpu_budget.rs`);
+//!   what a load really took (`budget.rs`);
 //! - per-model concurrency with a bounded queue;
 //! - swap: the new worker is ready before routing switches, and the old one
 //!   drains before it stops.
@@ -35,7 +35,6 @@ mod counters;
 mod crashes;
 mod events;
 mod footprint;
-mod gpu_budget;
 mod handover;
 mod history;
 mod keep_alive;

@@ -333,7 +333,7 @@ impl Supervisor {
         if let Some(slot) = self.lock().slots.get_mut(model)
             && ours(slot, done)
         {
-            slot.reserve(None, super::slot::Incoming::new(gpus.clone(), &need));
+            slot.reserve(None, super::slot::Incoming::new(gpus.clone(), need.vram()));
         }
         Ok(gpus)
     }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Semaphore, watch};
 
 use super::crashes;
-use super::{DEFAULT_MAX_CONCURRENCY, ModelCounters, ModelState, Need};
+use super::{DEFAULT_MAX_CONCURRENCY, ModelCounters, ModelState};
 use crate::child::handle::WorkerHandle;
 use crate::config::ModelSpec;
 use crate::error::Error;
@@ -291,10 +291,11 @@ pub(super) struct Incoming {
 }
 
 impl Incoming {
-    pub(super) fn new(gpus: Option<Vec<u32>>, need: &Need) -> Option<Incoming> {
+    /// Placed on `gpus`, expected to take `vram` on each.
+    pub(super) fn new(gpus: Option<Vec<u32>>, vram: u64) -> Option<Incoming> {
         gpus.map(|gpus| Incoming {
             gpus,
-            vram: need.vram(),
+            vram,
             pid: None,
         })
     }

@@ -167,7 +167,7 @@ impl Supervisor {
         if let Some(slot) = self.lock().slots.get_mut(&model) {
             // Counted until the new worker is in: a concurrent load cannot
             // take the memory it is about to use.
-            slot.reserve(Some(need.ram), Incoming::new(gpus.clone(), &need));
+            slot.reserve(Some(need.ram), Incoming::new(gpus.clone(), need.vram()));
         }
         drop(gate);
         let launched = if self.is_shutting_down() {

@@ -13,9 +13,9 @@ impl WorkerHandle {
     /// commands (captured now) and its events or socket (kept aside).
     pub(crate) fn wire_for_handover(
         &self,
-    ) -> std::io::Result<(Option<crate::upgrade::ipc::Captured>, &WireFds)> {
+    ) -> std::io::Result<(Option<crate::child::handover::ipc::Captured>, &WireFds)> {
         let commands = match &self.commands {
-            Link::Ipc(sender) => Some(crate::upgrade::ipc::capture(sender.clone())?),
+            Link::Ipc(sender) => Some(crate::child::handover::ipc::capture(sender.clone())?),
             Link::Stream(_) | Link::None => None,
         };
         Ok((commands, &self.wire_fds))

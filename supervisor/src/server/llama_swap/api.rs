@@ -81,7 +81,7 @@ fn known(app: &AppState, compat: &Compat, id: &str) -> Option<String> {
     app.supervisor.model_state(&name).map(|_| name)
 }
 
-fn states(app: &AppState) -> BTreeMap<String, (ModelState, crate::ModelSpec)> {
+fn states(app: &AppState) -> BTreeMap<String, (ModelState, crate::config::ModelSpec)> {
     app.supervisor
         .catalogue()
         .into_iter()
@@ -163,8 +163,8 @@ async fn stop(app: &AppState, model: &str) -> Result<(), ApiError> {
     let deadline = Instant::now() + config.drain_timeout + Duration::from_secs(60);
     loop {
         match app.supervisor.unload(model).await {
-            Ok(_) | Err(crate::Error::NotLoaded { .. }) => return Ok(()),
-            Err(crate::Error::Busy { .. }) if Instant::now() < deadline => {
+            Ok(_) | Err(crate::error::Error::NotLoaded { .. }) => return Ok(()),
+            Err(crate::error::Error::Busy { .. }) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Err(e) => return Err(ApiError::from(e)),

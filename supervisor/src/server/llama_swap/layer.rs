@@ -32,7 +32,7 @@ pub struct Filters {
 }
 
 impl Filters {
-    pub(super) fn from_yaml(id: &str, value: Option<&Value>) -> Result<Filters, String> {
+    pub(crate) fn from_yaml(id: &str, value: Option<&Value>) -> Result<Filters, String> {
         let Some(value) = value else {
             return Ok(Filters::default());
         };

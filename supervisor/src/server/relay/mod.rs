@@ -1,6 +1,6 @@
 //! Relaying requests to models served by HTTP servers (llama.cpp's server,
 //! vLLM, ...): a `/v1` request whose `model` names such a model is passed to
-//! its server through a [`Lease`](crate::Lease), and the answer passed back.
+//! its server through a [`Lease`](crate::supervisor::Lease), and the answer passed back.
 //!
 //! The relay parses nothing it does not need: the `model` field, to route
 //! (rewritten to the server's own name where the operator set one). Every
@@ -36,8 +36,8 @@ use request::{
 
 use super::AppState;
 use super::error::ApiError;
-use crate::Lease;
 use crate::child::upstream::PooledBody;
+use crate::supervisor::Lease;
 
 /// Headers that belong to one connection (RFC 9110 §7.6.1), and berth's
 /// own credentials: never passed on, either way.
@@ -128,7 +128,7 @@ pub(crate) async fn relay(
     let deadline = lease.deadline();
     let started = std::time::Instant::now();
     let late = move || {
-        ApiError::from(crate::Error::DeadlineExceeded {
+        ApiError::from(crate::error::Error::DeadlineExceeded {
             model: model.to_string(),
             after: started.elapsed(),
         })
@@ -260,7 +260,7 @@ pub(crate) async fn relay(
         Some(_) => Box::pin(async move {
             tokio::select! {
                 error = died => error,
-                () = until(deadline) => ApiError::from(crate::Error::DeadlineExceeded {
+                () = until(deadline) => ApiError::from(crate::error::Error::DeadlineExceeded {
                     model: model_name,
                     after: started.elapsed(),
                 }),

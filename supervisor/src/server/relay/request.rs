@@ -8,8 +8,8 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, header};
 use serde_json::Value;
 
-use crate::RequestOptions;
 use crate::server::error::ApiError;
+use crate::supervisor::RequestOptions;
 
 /// A path with no `.` or `..` segment (written plainly or percent-encoded),
 /// no encoded `/` or `\\` and no empty segment but a trailing one: what berth checked (`/v1/`)

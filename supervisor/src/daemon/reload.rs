@@ -11,69 +11,17 @@
 use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
-use serde::{Deserialize, Serialize};
 
-use crate::server::config::ServeConfig;
-use crate::server::{ServeOptions, router};
-use crate::{Supervisor, SupervisorConfig};
+use crate::config::SupervisorConfig;
+use crate::daemon::config::ServeConfig;
+use crate::report::ReloadReport;
+use crate::server::ServeOptions;
+use crate::supervisor::Supervisor;
 
 /// Reads the files again and applies them (the daemon's own, from
 /// `berth serve`): the report and the front door's new options.
 pub type ReloadFn =
     Arc<dyn Fn() -> BoxFuture<'static, Result<(ReloadReport, ServeOptions), String>> + Send + Sync>;
-
-/// What a reload changed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReloadReport {
-    /// Models registered.
-    pub added: Vec<String>,
-    /// Models unloaded (if loaded) and deregistered.
-    pub removed: Vec<String>,
-    /// Models whose spec or worker kind changed: swapped if loaded, their
-    /// spec replaced if not.
-    pub changed: Vec<String>,
-    /// Models left as they were.
-    pub unchanged: Vec<String>,
-    /// Settings that changed and apply now.
-    pub settings: Vec<String>,
-    /// Settings that changed but apply only at a restart of berth.
-    pub restart_needed: Vec<String>,
-    /// `model: why` for each model a step failed for (a changed model
-    /// whose swap failed keeps its old worker and spec).
-    pub failed: Vec<String>,
-}
-
-impl std::fmt::Display for ReloadReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let list = |v: &[String]| {
-            if v.is_empty() {
-                "none".to_string()
-            } else {
-                v.join(", ")
-            }
-        };
-        write!(
-            f,
-            "config reloaded: added {}; removed {}; changed {}; {} unchanged; settings {}",
-            list(&self.added),
-            list(&self.removed),
-            list(&self.changed),
-            self.unchanged.len(),
-            list(&self.settings)
-        )?;
-        if !self.restart_needed.is_empty() {
-            write!(
-                f,
-                "; changed but applied only at a restart: {}",
-                self.restart_needed.join(", ")
-            )?;
-        }
-        if !self.failed.is_empty() {
-            write!(f, "; FAILED: {}", self.failed.join("; "))?;
-        }
-        Ok(())
-    }
-}
 
 /// The settings a reload applies live, and those it names: the file's
 /// keys, compared by value.
@@ -167,118 +115,6 @@ pub async fn apply(
         preloader.stop().await;
     }
     report
-}
-
-/// The daemon's reloads: one at a time, each ending with the front door
-/// rebuilt from the new options.
-pub(crate) struct Live {
-    reload: ReloadFn,
-    app: tokio::sync::watch::Sender<axum::Router>,
-    supervisor: Supervisor,
-    upgrades: crate::server::upgrade::Upgrades,
-    one_at_a_time: tokio::sync::Mutex<()>,
-}
-
-impl Live {
-    pub(crate) fn new(
-        reload: ReloadFn,
-        app: tokio::sync::watch::Sender<axum::Router>,
-        supervisor: Supervisor,
-        upgrades: crate::server::upgrade::Upgrades,
-    ) -> Arc<Live> {
-        Arc::new(Live {
-            reload,
-            app,
-            supervisor,
-            upgrades,
-            one_at_a_time: tokio::sync::Mutex::new(()),
-        })
-    }
-
-    /// Reads the files again and applies them; `trigger` says what asked
-    /// (`SIGHUP`, `POST /api/reload`, a file's change).
-    pub(crate) async fn reload(self: &Arc<Self>, trigger: &str) -> Result<ReloadReport, String> {
-        let _one = self.one_at_a_time.lock().await;
-        // The service manager is told a reload runs, then that it is over
-        // (systemd's `Type=notify-reload` waits for both).
-        crate::server::notify::notify(&format!(
-            "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=reloading the config ({trigger})",
-            monotonic_usec()
-        ));
-        let reloaded = (self.reload)().await;
-        crate::server::notify::notify("READY=1\nSTATUS=serving");
-        match reloaded {
-            Ok((report, mut options)) => {
-                options.reload = Some(Arc::clone(&self.reload));
-                let _ = self.app.send_replace(router(
-                    self.supervisor.clone(),
-                    &options,
-                    Some(self),
-                    &self.upgrades,
-                ));
-                tracing::info!(trigger, "{report}");
-                self.supervisor
-                    .emit(crate::supervisor::EventKind::ConfigReloaded {
-                        trigger: trigger.to_string(),
-                        report: report.clone(),
-                    });
-                Ok(report)
-            }
-            Err(why) => {
-                tracing::error!(
-                    trigger,
-                    "the config was not reloaded, nothing changed: {why}"
-                );
-                self.supervisor
-                    .emit(crate::supervisor::EventKind::ConfigRejected {
-                        trigger: trigger.to_string(),
-                        error: why.clone(),
-                    });
-                Err(why)
-            }
-        }
-    }
-}
-
-/// `CLOCK_MONOTONIC` now, in microseconds (what `RELOADING=1` is sent
-/// with).
-pub(crate) fn monotonic_usec() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the struct we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
-    now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
-}
-
-/// Reloads when one of `files` changes (its size or modification time,
-/// looked at every second) while the daemon lives (`--watch-config`). A
-/// file caught half-written fails to read, changes nothing, and the next
-/// look sees it whole.
-pub(crate) async fn watch_files(live: std::sync::Weak<Live>, files: Vec<std::path::PathBuf>) {
-    let look = || -> Vec<Option<(std::time::SystemTime, u64)>> {
-        files
-            .iter()
-            .map(|f| {
-                let meta = std::fs::metadata(f).ok()?;
-                Some((meta.modified().ok()?, meta.len()))
-            })
-            .collect()
-    };
-    let mut seen = look();
-    let mut ticker = tokio::time::interval(std::time::Duration::from_secs(1));
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticker.tick().await;
-        let now = look();
-        if now == seen {
-            continue;
-        }
-        seen = now;
-        let Some(live) = live.upgrade() else { return };
-        let _ = live.reload("a config file changed (--watch-config)").await;
-    }
 }
 
 #[cfg(test)]

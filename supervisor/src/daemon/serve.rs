@@ -7,10 +7,31 @@ use std::time::Duration;
 
 use axum::Router;
 
-use super::{ServeOptions, listen, notify, reload, router, upgrade};
-use crate::{EventKind, Supervisor};
+use std::path::PathBuf;
 
-/// Serves until SIGTERM or SIGINT, then shuts down in bounded time:
+use super::live::Live;
+use super::notify;
+use super::reload::ReloadFn;
+use super::upgrade::{self, Upgrades};
+use crate::server::{ServeOptions, listen, refuse_open_door};
+use crate::supervisor::EventKind;
+use crate::supervisor::Supervisor;
+
+/// What the daemon serves with besides the front door's options.
+pub(crate) struct Extras {
+    /// How to read the config again and apply it (`SIGHUP`, `POST
+    /// /api/reload`); without it, there is nothing to reload.
+    pub reload: Option<ReloadFn>,
+    /// Files whose change reloads the config (`--watch-config`).
+    pub watch: Vec<PathBuf>,
+    /// The server's state file: `berth upgrade --binary` leaves its
+    /// request beside it.
+    pub state_file: Option<PathBuf>,
+}
+
+/// Serves on `bound` (bound now, or the socket an in-place upgrade handed
+/// over, with what the new binary says once it serves: `adopted`) until
+/// SIGTERM or SIGINT, then shuts down in bounded time:
 /// - new connections are no longer accepted, and open ones are told to close
 ///   after their current request;
 /// - every model drains for at most `drain_timeout`, then its worker is
@@ -22,59 +43,31 @@ use crate::{EventKind, Supervisor};
 ///
 /// A second signal stops at once: every worker's group is killed and the
 /// process exits with status 130.
-pub async fn serve(supervisor: Supervisor, options: ServeOptions) -> Result<(), String> {
-    refuse_open_door(&options)?;
-    let bound = listen::bind(&options.listen).await?;
-    serve_on(supervisor, options, bound, None).await
-}
-
-/// Listening on 0.0.0.0 without a token is refused.
-pub fn refuse_open_door(options: &ServeOptions) -> Result<(), String> {
-    if !options.listen.is_private() && options.token.is_none() && options.api_keys.is_empty() {
-        return Err(format!(
-            "refusing to listen on {} without a token: anyone who can reach it could run models; \
-             set `token` in the config (or BERTH_TOKEN), or listen on 127.0.0.1",
-            options.listen
-        ));
-    }
-    Ok(())
-}
-
-/// [`serve`] on a socket already bound: the one an in-place upgrade handed
-/// over, with what the new binary says once it serves (`adopted`).
-pub async fn serve_on(
+pub(crate) async fn serve_on(
     supervisor: Supervisor,
     options: ServeOptions,
+    extras: Extras,
     bound: listen::Bound,
     adopted: Option<EventKind>,
 ) -> Result<(), String> {
     refuse_open_door(&options)?;
-    let (upgrades, mut checked) = upgrade::Upgrades::new(supervisor.clone());
+    let (upgrades, mut checked) = Upgrades::new(supervisor.clone());
     // The front door, replaced whole by a reload; each request takes the
     // one current when it comes.
     let (app_tx, app) = tokio::sync::watch::channel(Router::new());
-    let live = options.reload.clone().map(|reload| {
-        reload::Live::new(reload, app_tx.clone(), supervisor.clone(), upgrades.clone())
-    });
-    let _ = app_tx.send_replace(router(
+    let live = Live::new(
+        extras.reload,
+        app_tx,
         supervisor.clone(),
+        upgrades,
         &options,
-        live.as_ref(),
-        &upgrades,
-    ));
+    );
     let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
-    tokio::spawn(signals(
-        stop_tx,
-        live.clone(),
-        upgrades.clone(),
-        options.state_file.clone(),
-    ));
-    if let Some(live) = &live
-        && !options.watch_config.is_empty()
-    {
-        tokio::spawn(reload::watch_files(
-            Arc::downgrade(live),
-            options.watch_config.clone(),
+    tokio::spawn(signals(stop_tx, Arc::clone(&live), extras.state_file));
+    if live.reloads() && !extras.watch.is_empty() {
+        tokio::spawn(super::watch::watch_files(
+            Arc::downgrade(&live),
+            extras.watch,
         ));
     }
     tokio::spawn(crate::heap::run_heap_trimmer());
@@ -158,7 +151,7 @@ pub async fn serve_on(
     }
     supervisor.emit(EventKind::ServerStopped);
     // What workers left behind that was adopted by this subreaper.
-    let adopted = crate::orphans::kill_adopted();
+    let adopted = crate::child::orphans::kill_adopted();
     if adopted > 0 {
         eprintln!("berth: stopped {adopted} processes workers had left behind");
     }
@@ -177,9 +170,8 @@ pub async fn serve_on(
 /// names, else to the one berth was started from).
 async fn signals(
     stop: tokio::sync::watch::Sender<bool>,
-    live: Option<Arc<reload::Live>>,
-    upgrades: upgrade::Upgrades,
-    state_file: Option<std::path::PathBuf>,
+    live: Arc<Live>,
+    state_file: Option<PathBuf>,
 ) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int), Ok(mut hup), Ok(mut usr2)) = (
@@ -197,14 +189,15 @@ async fn signals(
     };
     // SIGHUP reloads the config (its default action would end berth and
     // every model with it), at any time, draining included.
+    let reloads = Arc::clone(&live);
     tokio::spawn(async move {
+        let live = reloads;
         while hup.recv().await.is_some() {
-            match &live {
-                Some(live) => {
-                    let live = Arc::clone(live);
-                    tokio::spawn(async move { live.reload("SIGHUP").await });
-                }
-                None => tracing::warn!("SIGHUP: no config file to reload; nothing changed"),
+            if live.reloads() {
+                let live = Arc::clone(&live);
+                tokio::spawn(async move { live.reload("SIGHUP").await });
+            } else {
+                tracing::warn!("SIGHUP: no config file to reload; nothing changed");
             }
         }
     });
@@ -213,13 +206,13 @@ async fn signals(
         while usr2.recv().await.is_some() {
             let binary = match state_file.as_deref().map(upgrade::requested_binary) {
                 Some(Err(e)) => {
-                    upgrades.refuse(&e);
+                    live.upgrades.refuse(&e);
                     continue;
                 }
                 Some(Ok(binary)) => binary,
                 None => None,
             };
-            let upgrades = upgrades.clone();
+            let upgrades = live.upgrades.clone();
             tokio::spawn(async move { upgrades.request("SIGUSR2", binary).await });
         }
     });
@@ -232,7 +225,7 @@ async fn signals(
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-    let killed = crate::orphans::kill_all_now();
+    let killed = crate::child::orphans::kill_all_now();
     eprintln!("berth: second signal: killed {killed} workers' process groups; exiting now");
     std::process::exit(130);
 }

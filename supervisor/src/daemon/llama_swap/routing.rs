@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use yaml_serde::{Mapping, Value};
 
-use super::layer::{Profile, Selector, Strategy};
 use crate::config::{Group, Matrix, NamedSet, Residency};
+use crate::server::llama_swap::layer::{Profile, Selector, Strategy};
 
 /// The group llama-swap puts every model in no group into: one at a time,
 /// alone.

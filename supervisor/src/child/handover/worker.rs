@@ -12,8 +12,7 @@ use berth_protocol::{Command, Event};
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
 
 use super::ipc::{self, Captured};
-use super::state::{HandedWire, HandedWorker, Packet};
-use super::take;
+use super::{HandedWire, HandedWorker, Packet, take};
 use crate::child::handle::WorkerHandle;
 use crate::child::health;
 use crate::child::limits::{Cgroup, MemoryCap};

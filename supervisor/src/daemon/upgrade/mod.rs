@@ -12,16 +12,27 @@
 //! state file, which `berth upgrade --binary` writes before it signals.
 //! No HTTP client names a program.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 
+use crate::daemon::notify::notify;
 use crate::server::listen::{Bound, Connections};
-use crate::server::notify::notify;
-use crate::upgrade::{self, CheckAnswer};
-use crate::{EventKind, Supervisor};
+
+mod exec;
+mod request;
+pub(crate) mod state;
+mod takeover;
+
+use crate::supervisor::EventKind;
+use crate::supervisor::Supervisor;
+pub use exec::{CHECK_FLAG, CheckAnswer, fall_back, is_upgrade};
+pub(crate) use request::requested_binary;
+pub use request::{RequestFile, ask, request_file};
+pub use state::{READS, VERSION};
+pub use takeover::Takeover;
 
 /// An upgrade whose binary passed its check, for the serve loop to run.
 pub(crate) struct Checked {
@@ -77,7 +88,7 @@ impl Upgrades {
         };
         let binary = match binary {
             Some(binary) => binary,
-            None => upgrade::default_binary()?,
+            None => exec::default_binary()?,
         };
         let failed = |reason: String| {
             tracing::warn!("upgrade to {} called off: {reason}", binary.display());
@@ -87,7 +98,7 @@ impl Upgrades {
             });
             reason
         };
-        let answer = upgrade::check_binary(&binary).await.map_err(failed)?;
+        let answer = exec::check_binary(&binary).await.map_err(failed)?;
         self.supervisor.emit(EventKind::UpgradeStarted {
             trigger: trigger.to_string(),
             binary: binary.display().to_string(),
@@ -109,44 +120,6 @@ impl Upgrades {
             .map_err(|_| failed("berth is shutting down".into()))?;
         Ok(answer)
     }
-}
-
-/// The file `berth upgrade --binary` writes next to the state file.
-pub fn request_file(state_file: &Path) -> PathBuf {
-    state_file.with_extension("upgrade")
-}
-
-/// What a request file asks for.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub struct RequestFile {
-    pub binary: PathBuf,
-}
-
-/// The binary a request file next to `state_file` names, if there is one
-/// this server's own user wrote (and no one else could); it is removed.
-pub(crate) fn requested_binary(state_file: &Path) -> Result<Option<PathBuf>, String> {
-    use std::os::unix::fs::MetadataExt;
-    let path = request_file(state_file);
-    let meta = match std::fs::symlink_metadata(&path) {
-        Ok(meta) => meta,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
-    };
-    let text = std::fs::read_to_string(&path);
-    let _ = std::fs::remove_file(&path);
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    if !meta.is_file() || meta.uid() != me || meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "{} is not a request file of this server's user (a regular file of uid {me}, \
-             writable by no one else); it was removed, nothing changed",
-            path.display()
-        ));
-    }
-    let text = text.map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let request: RequestFile = serde_json::from_str(&text)
-        .map_err(|e| format!("{} is not an upgrade request: {e}", path.display()))?;
-    Ok(Some(request.binary))
 }
 
 /// How long answers say `Connection: close` before accepting stops.
@@ -172,7 +145,7 @@ pub(crate) async fn hand_over(
     let wait = supervisor.config().drain_timeout;
     notify(&format!(
         "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=upgrading in place to {}",
-        crate::server::reload::monotonic_usec(),
+        crate::daemon::notify::monotonic_usec(),
         checked.binary.display()
     ));
     let reason = hand_over_steps(
@@ -249,10 +222,10 @@ async fn hand_over_steps(
         Ok(fd) => fd,
         Err(e) => return format!("cannot hand the listening socket over: {e}"),
     };
-    let state = upgrade::state::Handover {
-        version: upgrade::VERSION,
-        ipc_channel: upgrade::ipc::IPC_CHANNEL_VERSION.to_string(),
-        from: upgrade::this_build(),
+    let state = state::Handover {
+        version: VERSION,
+        ipc_channel: crate::child::handover::ipc::IPC_CHANNEL_VERSION.to_string(),
+        from: crate::base::this_build(),
         listener: std::os::fd::AsRawFd::as_raw_fd(&listener),
         previous_binary: -1,
         workers,
@@ -272,5 +245,5 @@ async fn hand_over_steps(
         checked.answer.version,
         checked.answer.build
     );
-    upgrade::exec(&checked.binary, upgrade::Prepared { state, keep }).await
+    exec::exec(&checked.binary, exec::Prepared { state, keep }).await
 }

@@ -1,37 +1,12 @@
-//! In-place upgrade: berth replaces its own program with a new binary, in
-//! the same process, and keeps every worker.
-//!
-//! The pid stays (systemd's main pid, every worker's parent), so the
-//! workers' parent-death signal never fires: they are forked from the
-//! process's main thread (`child::spawn::main_thread_spawns`), and the
-//! exec is made from that thread too. What the new program needs to take
-//! the workers over is written to a memfd (`state.rs`): each worker's pid
-//! and start time, its wire (an `ipc-channel` endpoint crosses as the
-//! packet `ipc-channel` itself wrote, `ipc.rs`; a stream-wire socket and
-//! stdout/stderr pipes as descriptors), its cgroup, its load report, and
-//! the event log. The listening socket crosses too, so a client that
-//! connects meanwhile waits in the kernel's backlog.
-//!
-//! The steps, and what happens if any fails (`server::upgrade` runs them):
-//! 1. the new binary is checked: run with the same arguments and
-//!    `--upgrade-check`, it reads the config and says which state versions
-//!    and which `ipc-channel` it reads ([`check_binary`]); a binary that
-//!    fails here is refused and nothing changes;
-//! 2. berth stops accepting (the socket stays open), tells open connections
-//!    to close after their request, and waits for them and for every load,
-//!    swap and stop to finish; past the wait, the upgrade is called off and
-//!    berth serves on;
-//! 3. heartbeats are held, the state is written, and the main thread execs;
-//!    an exec that fails (the binary vanished) calls the upgrade off;
-//! 4. the new program adopts each worker (alive, its child, the same start
-//!    time) and serves; if it cannot serve (its config, its state), it
-//!    execs the previous binary (a descriptor of it crossed too) with the
-//!    same state, which takes every worker back ([`fall_back`]).
-//!
-//! A SIGKILL at any step kills the process, and with it every worker.
+//! The exec itself: the new binary checked ([`check_binary`]), the state
+//! written to a memfd and the process replaced ([`exec`]), the handed-over
+//! state read back in the new program ([`handed_over`]), and the way back
+//! to the previous binary when the new one cannot serve ([`fall_back`]).
+//! The states and the failures of the whole upgrade are told in
+//! `docs/internals/upgrade.md`.
 
 use std::ffi::{CString, OsString};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -39,13 +14,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::child::spawn::{Exec, ExecProgram};
 
-pub(crate) mod ipc;
-pub(crate) mod state;
-mod takeover;
-pub(crate) mod workers;
-
-pub use state::{READS, VERSION};
-pub use takeover::Takeover;
+use super::state::{self, READS, VERSION};
+use crate::child::handover::ipc;
+use crate::child::handover::take;
 
 /// The environment variable naming the previous binary's descriptor, set
 /// with [`state::ENV_STATE_FD`] for the new program.
@@ -53,40 +24,6 @@ const ENV_PREVIOUS_FD: &str = "BERTH_UPGRADE_PREVIOUS_FD";
 
 /// The flag that makes `berth serve` check it could take over, and exit.
 pub const CHECK_FLAG: &str = "--upgrade-check";
-
-/// This build's mark: `unmarked`, unless the bytes after the prefix were
-/// set in the binary (tests tell two builds apart so; a packager may stamp
-/// a build id the same way). Read through a volatile load, so the
-/// compiler cannot fold the placeholder in.
-pub fn build_mark() -> String {
-    #[used]
-    static MARK: [u8; 64] = placeholder();
-    // SAFETY: a read of a static's bytes.
-    let bytes = unsafe { std::ptr::read_volatile(&raw const MARK) };
-    let text = &bytes[MARK_PREFIX.len()..];
-    let end = text.iter().position(|b| *b == 0).unwrap_or(text.len());
-    String::from_utf8_lossy(&text[..end]).into_owned()
-}
-
-/// The mark's bytes in the binary: the prefix, `unmarked`, zeroes.
-const fn placeholder() -> [u8; 64] {
-    let mut out = [0u8; 64];
-    let text = b"BERTH-BUILD-MARK:unmarked";
-    let mut i = 0;
-    while i < text.len() {
-        out[i] = text[i];
-        i += 1;
-    }
-    out
-}
-
-/// What precedes the mark in the binary.
-pub const MARK_PREFIX: &[u8] = b"BERTH-BUILD-MARK:";
-
-/// This build as an upgrade names it: version and mark.
-pub fn this_build() -> String {
-    format!("{} ({})", env!("CARGO_PKG_VERSION"), build_mark())
-}
 
 /// What a binary answers to [`CHECK_FLAG`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -103,7 +40,7 @@ impl CheckAnswer {
     pub fn mine() -> CheckAnswer {
         CheckAnswer {
             version: env!("CARGO_PKG_VERSION").to_string(),
-            build: build_mark(),
+            build: crate::base::build_mark(),
             reads: READS.to_vec(),
             ipc_channel: ipc::IPC_CHANNEL_VERSION.to_string(),
         }
@@ -333,15 +270,4 @@ pub(crate) fn close_handover_descriptors(previous_binary: RawFd) {
             drop(unsafe { take(fd) });
         }
     }
-}
-
-/// Takes an inherited descriptor (close-on-exec from now on).
-///
-/// # Safety
-/// `fd` must be a descriptor the handover named, taken once.
-pub(crate) unsafe fn take(fd: RawFd) -> OwnedFd {
-    // SAFETY: F_SETFD on the caller's descriptor.
-    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    // SAFETY: the caller's promise.
-    unsafe { OwnedFd::from_raw_fd(fd) }
 }

@@ -4,9 +4,10 @@
 use std::os::fd::RawFd;
 
 use super::state::Handover;
-use super::take;
+use crate::child::handover::take;
 use crate::server::listen::{Bound, Listen};
-use crate::{EventKind, Supervisor};
+use crate::supervisor::EventKind;
+use crate::supervisor::Supervisor;
 
 /// What a previous berth in this process handed over.
 #[derive(Debug)]
@@ -17,7 +18,7 @@ pub struct Takeover {
 impl Takeover {
     /// The handover this process was exec'd with, if it was.
     pub fn from_env() -> Option<Result<Takeover, String>> {
-        super::handed_over().map(|state| state.map(|state| Takeover { state }))
+        super::exec::handed_over().map(|state| state.map(|state| Takeover { state }))
     }
 
     /// The workers' pids: the state file's leftovers that are not to be
@@ -52,16 +53,17 @@ impl Takeover {
                 lost.push(format!(
                     "{model} (pid {pid}): no longer in the config; its worker is stopped"
                 ));
-                super::workers::discard(worker);
+                crate::child::handover::discard(worker);
                 continue;
             };
             let idle = std::time::Duration::from_millis(worker.idle_ms);
-            let taken =
-                super::workers::adopt(worker, &spec, &config).and_then(|(handle, report)| {
+            let taken = crate::child::handover::adopt(worker, &spec, &config).and_then(
+                |(handle, report)| {
                     supervisor
                         .install_adopted(&handle, &report, idle)
                         .inspect_err(|_| handle.kill())
-                });
+                },
+            );
             match taken {
                 Ok(()) => adopted.push(format!("{model} (pid {pid})")),
                 Err(why) => {
@@ -73,12 +75,12 @@ impl Takeover {
         // Serving from here on: no fallback can come, and the state's
         // memfd and the previous binary's descriptor go (else each upgrade
         // would leave two more open, and hand them on).
-        super::close_handover_descriptors(state.previous_binary);
+        super::exec::close_handover_descriptors(state.previous_binary);
         let held_ms = crate::base::unix_ms().saturating_sub(state.paused_at_unix_ms);
         let (from, to) = match &state.fell_back {
             // This is the previous binary again: the upgrade went nowhere.
-            Some(_) => (super::this_build(), super::this_build()),
-            None => (state.from, super::this_build()),
+            Some(_) => (crate::base::this_build(), crate::base::this_build()),
+            None => (state.from, crate::base::this_build()),
         };
         tracing::info!(
             "upgraded in place from {from} to {to}: {} workers taken over, {} lost; \

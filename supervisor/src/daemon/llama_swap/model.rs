@@ -7,9 +7,9 @@ use std::time::Duration;
 use serde_json::Value as Json;
 use yaml_serde::Value;
 
-use super::layer::{Filters, Listing};
 use super::text::split_command;
 use crate::config::{HttpSpec, ModelSpec, WorkerKind};
+use crate::server::llama_swap::layer::{Filters, Listing};
 
 /// The file's settings every model falls back on.
 pub(super) struct Defaults {

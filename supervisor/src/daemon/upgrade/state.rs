@@ -7,8 +7,7 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 use serde::{Deserialize, Serialize};
 
-use crate::child::limits::{HandedCap, HandedCgroup};
-use crate::report::{LoadReport, WorkerStart};
+use crate::child::handover::HandedWorker;
 
 /// The version of this state's shape. A binary reads the versions in
 /// [`READS`]; `berth upgrade` asks the new binary before it execs.
@@ -43,71 +42,11 @@ pub(crate) struct Handover {
     pub paused_at_unix_ms: u64,
 }
 
-/// One running worker (or HTTP server) and what it was loaded as.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct HandedWorker {
-    pub model: String,
-    pub pid: u32,
-    /// Clock ticks after boot: with `pid`, which process this is.
-    pub start_time: u64,
-    pub mark: String,
-    pub backend: String,
-    pub worker_version: String,
-    pub wire: HandedWire,
-    /// Read ends of its stdout and stderr.
-    pub output: Option<(RawFd, RawFd)>,
-    pub cap: Option<HandedCap>,
-    pub fence: Option<HandedCgroup>,
-    pub start: WorkerStart,
-    /// Milliseconds since it was started, and since its model was last used.
-    pub age_ms: u64,
-    pub idle_ms: u64,
-    pub requests: u64,
-    pub load_info: Option<berth_protocol::LoadInfo>,
-    pub baseline_rss: u64,
-    pub load_micros: u64,
-    pub report: LoadReport,
-}
-
-/// A packet `ipc-channel` wrote for one endpoint, and its descriptor.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct Packet {
-    pub bytes: Vec<u8>,
-    pub fd: RawFd,
-}
-
-/// How the worker is reached.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "wire", rename_all = "snake_case")]
-pub(crate) enum HandedWire {
-    Ipc {
-        commands: Packet,
-        events: Packet,
-    },
-    Stream {
-        socket: RawFd,
-    },
-    /// An HTTP server: its address, and its container if it runs in one.
-    Http {
-        address: crate::child::upstream::Address,
-        container: Option<crate::child::container::Container>,
-    },
-}
-
 impl Handover {
     /// Every descriptor the state names: what the exec must keep open.
     pub(crate) fn descriptors(&self) -> Vec<RawFd> {
         let mut fds = vec![self.listener, self.previous_binary];
-        for w in &self.workers {
-            match &w.wire {
-                HandedWire::Ipc { commands, events } => fds.extend([commands.fd, events.fd]),
-                HandedWire::Stream { socket } => fds.push(*socket),
-                HandedWire::Http { .. } => {}
-            }
-            if let Some((out, err)) = w.output {
-                fds.extend([out, err]);
-            }
-        }
+        fds.extend(self.workers.iter().flat_map(HandedWorker::descriptors));
         fds
     }
 
@@ -146,11 +85,11 @@ impl Handover {
                 handover.version
             ));
         }
-        if handover.ipc_channel != super::ipc::IPC_CHANNEL_VERSION {
+        if handover.ipc_channel != crate::child::handover::ipc::IPC_CHANNEL_VERSION {
             return Err(format!(
                 "the handed-over workers speak ipc-channel {}; this berth is built with {}",
                 handover.ipc_channel,
-                super::ipc::IPC_CHANNEL_VERSION
+                crate::child::handover::ipc::IPC_CHANNEL_VERSION
             ));
         }
         Ok(handover)

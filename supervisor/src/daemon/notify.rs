@@ -53,3 +53,15 @@ pub async fn watchdog() {
         notify("WATCHDOG=1");
     }
 }
+
+/// `CLOCK_MONOTONIC` now, in microseconds (what `RELOADING=1` is sent
+/// with).
+pub(crate) fn monotonic_usec() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the struct we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000 + now.tv_nsec as u64 / 1_000
+}

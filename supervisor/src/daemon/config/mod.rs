@@ -28,29 +28,12 @@ use std::collections::BTreeMap;
 use crate::config::{
     Group, Matrix, ModelSpec, Residency, Rules, WorkerKind, check_bytes, check_duration,
 };
+use crate::server::options::*;
 use crate::server::{Listen, ServeOptions};
 
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:7733";
 pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(300);
-/// A client must send a request's head within this, on a new connection and
-/// on a kept-alive one waiting for its next request (the idle timeout).
-pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// A request's body must have arrived within this once its head has.
-pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(60);
-/// A write to a client that takes none of it for this long drops the
-/// connection.
-pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
-/// Connections held at once; past it, new ones get a 503 and are closed.
-pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
-pub const MAX_CONNECTIONS_LIMIT: usize = 1 << 16;
-/// Texts one embeddings request may carry (OpenAI's own limit).
-pub const DEFAULT_MAX_INPUTS: usize = 2048;
 /// Largest answer a worker may send through the sidecar.
 pub const DEFAULT_MAX_RESPONSE: u64 = 64 << 20;
-pub const DEFAULT_MAX_BODY: u64 = 16 << 20;
-/// Request bodies held at once, all connections together: past it a new
-/// body is answered 503 at once rather than read.
-pub const DEFAULT_MAX_BODY_TOTAL: u64 = 256 << 20;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -88,7 +71,7 @@ pub struct ServeConfig {
     /// First restart delay after a crash (default 500 ms, doubling to 60 s).
     #[serde(default, with = "crate::units::duration_opt")]
     pub restart_backoff: Option<Duration>,
-    /// See [`crate::SupervisorConfig::answer_spin`] (default 100 µs, `0s`
+    /// See [`crate::config::SupervisorConfig::answer_spin`] (default 100 µs, `0s`
     /// never spins, at most 1 ms).
     #[serde(default, with = "crate::units::duration_opt")]
     pub answer_spin: Option<Duration>,
@@ -382,9 +365,9 @@ impl ServeConfig {
         &self,
         (worker_binary, worker_args): (Option<PathBuf>, Vec<String>),
         models_root: PathBuf,
-    ) -> crate::SupervisorConfig {
-        let defaults = crate::SupervisorConfig::default();
-        crate::SupervisorConfig {
+    ) -> crate::config::SupervisorConfig {
+        let defaults = crate::config::SupervisorConfig::default();
+        crate::config::SupervisorConfig {
             worker_binary,
             worker_args,
             load_timeout: self.load_timeout.unwrap_or(defaults.load_timeout),

@@ -1,0 +1,221 @@
+//! `berth serve` from its options to serving: the files read, the state
+//! file taken (stopping what a killed predecessor left), the container
+//! engines swept, the models registered, and then either a fresh listener
+//! or, exec'd by an in-place upgrade, the handed-over socket and workers.
+
+use std::path::PathBuf;
+
+use super::Options;
+use super::config::ServeConfig;
+use super::files::{default_catalogue, front_door, read_files, token_of};
+use super::reload::ReloadFn;
+use super::serve::{Extras, serve_on};
+use super::upgrade::Takeover;
+use crate::child::orphans;
+use crate::server::{Listen, listen, refuse_open_door};
+use crate::supervisor::EventKind;
+use crate::supervisor::Supervisor;
+
+pub(super) async fn start(options: Options) -> Result<(), String> {
+    let has_files = options.config.is_some() || options.llama_swap.is_some();
+    if options.watch_config && !has_files {
+        return Err("--watch-config needs a config file (--config or --llama-swap)".into());
+    }
+    let (config, mut llama_swap) = read_files(&options)?;
+    let listen = Listen::parse(
+        options
+            .listen
+            .as_deref()
+            .or(config.listen.as_deref())
+            .unwrap_or(crate::server::DEFAULT_LISTEN),
+    )?;
+    let token = token_of(&options, &config)?;
+    let models_root = config.models_root();
+    // Exec'd by an in-place upgrade: the previous berth's workers and
+    // listening socket are this one's.
+    let takeover = Takeover::from_env().transpose()?;
+    let state_file = config
+        .state_file
+        .clone()
+        .unwrap_or_else(|| default_state_file(&listen));
+    // Before anything is read, written or started: this server's state
+    // file must be its own.
+    adopt_orphans(
+        state_file.clone(),
+        takeover
+            .as_ref()
+            .map(|t| t.worker_pids())
+            .unwrap_or_default(),
+    )?;
+    super::reap::sweep_engines(&config.container_engines()).await;
+    let worker = options.worker.clone();
+    let supervisor = Supervisor::new(config.supervisor_config(worker.clone(), models_root.clone()));
+    match supervisor.check_workers() {
+        Ok(()) => {}
+        // Taking workers over that run already: the next start of a kind
+        // that cannot start says so, as a load.
+        Err(e) if takeover.is_some() => {
+            tracing::warn!("a worker kind cannot start workers: {e}");
+        }
+        Err(e) => return Err(format!("cannot start workers: {e}")),
+    }
+    let models = if has_files {
+        config.models.clone()
+    } else {
+        default_catalogue(&models_root)?
+    };
+    for spec in models {
+        let name = spec.name.clone();
+        supervisor
+            .register(spec)
+            .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
+    }
+    listen::raise_descriptor_limit();
+    let front = front_door(&config, listen.clone(), token, llama_swap.as_mut());
+    refuse_open_door(&front)?;
+    let mut extras = Extras {
+        reload: None,
+        watch: Vec::new(),
+        state_file: Some(state_file),
+    };
+    if has_files {
+        extras.reload = Some(reloader(
+            &options,
+            &supervisor,
+            config,
+            listen.clone(),
+            worker,
+        ));
+        if options.watch_config {
+            extras.watch = options
+                .config
+                .iter()
+                .chain(&options.llama_swap)
+                .cloned()
+                .collect();
+        }
+    }
+    if let Some(mut takeover) = takeover {
+        let bound = takeover.listener(&listen)?;
+        let upgraded = takeover_into(takeover, &supervisor);
+        return serve_on(supervisor, front, extras, bound, Some(upgraded)).await;
+    }
+    if let Some(migrated) = llama_swap {
+        // `hooks.on_startup.preload`: one after another, in the
+        // background, as llama-swap does.
+        let preloader = supervisor.clone();
+        tokio::spawn(async move {
+            for model in migrated.preload {
+                match preloader.ensure_loaded(&model).await {
+                    Ok(_) => tracing::info!(model, "preloaded (hooks.on_startup.preload)"),
+                    Err(e) => tracing::warn!(model, "preload failed: {e}"),
+                }
+            }
+        });
+    }
+    let bound = listen::bind(&listen).await?;
+    serve_on(supervisor, front, extras, bound, None).await
+}
+
+/// How the daemon reloads (`SIGHUP`, `berth reload`, `--watch-config`):
+/// the files read and checked as at start, the worker kinds probed, and
+/// only then the change applied over `applied`, the config in force.
+fn reloader(
+    options: &Options,
+    supervisor: &Supervisor,
+    applied: ServeConfig,
+    listen: Listen,
+    worker: (Option<PathBuf>, Vec<String>),
+) -> ReloadFn {
+    let applied = std::sync::Arc::new(tokio::sync::Mutex::new(applied));
+    let (options, supervisor) = (options.clone(), supervisor.clone());
+    std::sync::Arc::new(move || {
+        let (options, supervisor, applied) = (options.clone(), supervisor.clone(), applied.clone());
+        let (listen, worker) = (listen.clone(), worker.clone());
+        Box::pin(async move {
+            let mut applied = applied.lock().await;
+            let (config, mut llama_swap, new) = tokio::task::spawn_blocking(move || {
+                let (config, llama_swap) = read_files(&options)?;
+                let token = token_of(&options, &config)?;
+                let new = config.supervisor_config(worker, config.models_root());
+                new.check_workers()
+                    .map_err(|e| format!("cannot start workers: {e}"))?;
+                Ok::<_, String>(((config, token), llama_swap, new))
+            })
+            .await
+            .map_err(|e| format!("the reload's reading of the files failed: {e}"))??;
+            let (config, token) = config;
+            let options = front_door(&config, listen.clone(), token, llama_swap.as_mut());
+            if !listen.is_private() && options.token.is_none() && options.api_keys.is_empty() {
+                return Err(format!(
+                    "the new config has no token, and berth listens on {listen}: anyone who \
+                     could reach it could run models; keep a token (or restart berth on \
+                     127.0.0.1)"
+                ));
+            }
+            let report = super::reload::apply(&supervisor, &applied, &config, new).await;
+            *applied = config;
+            Ok((report, options))
+        })
+    })
+}
+
+/// Adopts the workers an in-place upgrade handed over (those it cannot are
+/// stopped and named in the event returned).
+fn takeover_into(takeover: Takeover, supervisor: &Supervisor) -> EventKind {
+    let event = takeover.adopt(supervisor);
+    if let EventKind::Upgraded {
+        from,
+        to,
+        adopted,
+        lost,
+        ..
+    } = &event
+    {
+        eprintln!(
+            "berth: upgraded in place from {from} to {to}: {} workers kept, {} lost",
+            adopted.len(),
+            lost.len()
+        );
+        for line in lost {
+            eprintln!("berth: not kept: {line}");
+        }
+    }
+    event
+}
+
+/// Reaps what workers fork, and stops what a killed predecessor left (but
+/// `keep`: the workers an in-place upgrade hands over).
+fn adopt_orphans(state_file: PathBuf, keep: Vec<u32>) -> Result<(), String> {
+    if let Err(e) = orphans::become_subreaper() {
+        tracing::warn!("cannot become a child subreaper ({e}); orphans of workers go to init");
+    }
+    let stopped = orphans::use_state_file_keeping(&state_file, &keep)?;
+    if stopped > 0 {
+        eprintln!(
+            "berth: stopped {stopped} processes left by a previous supervisor ({})",
+            state_file.display()
+        );
+    }
+    tokio::spawn(async {
+        let mut ticker = tokio::time::interval(std::time::Duration::from_secs(1));
+        loop {
+            ticker.tick().await;
+            orphans::reap_strays(orphans::Strays::All);
+        }
+    });
+    Ok(())
+}
+
+fn default_state_file(listen: &Listen) -> PathBuf {
+    let name: String = listen
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache/berth/run")
+        .join(format!("serve-{name}.json"))
+}
