@@ -136,6 +136,36 @@ pub struct LoadSpec {
     pub options: BTreeMap<String, String>,
 }
 
+impl LoadSpec {
+    /// The refusal of options the backend does not take, in the words both
+    /// sides use (the supervisor, when a backend declared its options, at
+    /// registration; a worker at load): `None` when every option is known.
+    pub fn unknown_options(&self, known: &[&str]) -> Option<String> {
+        let unknown: Vec<String> = self
+            .options
+            .keys()
+            .filter(|k| !known.contains(&k.as_str()))
+            .map(|k| format!("`{k}`"))
+            .collect();
+        if unknown.is_empty() {
+            return None;
+        }
+        let mut takes = known.to_vec();
+        takes.sort_unstable();
+        takes.dedup();
+        Some(format!(
+            "backend `{}` has no option {} (it takes: {})",
+            self.backend,
+            unknown.join(", "),
+            if takes.is_empty() {
+                "none".to_string()
+            } else {
+                takes.join(", ")
+            }
+        ))
+    }
+}
+
 /// The answer to a successful load.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadInfo {

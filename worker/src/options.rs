@@ -1,7 +1,6 @@
 //! Typed access to a spec's `KEY=VALUE` options, with errors that name the
 //! model, the key and what was expected.
 
-use std::collections::BTreeSet;
 use std::str::FromStr;
 
 use berth_protocol::{ErrorKind, LoadSpec, WireError};
@@ -52,34 +51,12 @@ impl<'a> Options<'a> {
     /// Refuses options the backend does not know, so a typo is an error
     /// rather than a silently ignored setting.
     pub fn only(&self, known: &[&str]) -> Result<(), WireError> {
-        let known: BTreeSet<&str> = known.iter().copied().collect();
-        let unknown: Vec<&str> = self
-            .spec
-            .options
-            .keys()
-            .map(String::as_str)
-            .filter(|k| !known.contains(k))
-            .collect();
-        if unknown.is_empty() {
-            return Ok(());
+        match self.spec.unknown_options(known) {
+            None => Ok(()),
+            Some(why) => Err(WireError::new(
+                ErrorKind::BadRequest,
+                format!("model `{}`: {why}", self.spec.name),
+            )),
         }
-        Err(WireError::new(
-            ErrorKind::BadRequest,
-            format!(
-                "model `{}`: backend `{}` has no option {} (it takes: {})",
-                self.spec.name,
-                self.spec.backend,
-                unknown
-                    .iter()
-                    .map(|k| format!("`{k}`"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                if known.is_empty() {
-                    "none".to_string()
-                } else {
-                    known.iter().copied().collect::<Vec<_>>().join(", ")
-                }
-            ),
-        ))
     }
 }

@@ -101,8 +101,6 @@ fn upgrade(args: &UpgradeArgs) -> Result<ExitCode, Failure> {
     }
 }
 
-/// Leaves the request file beside the daemon's state file and signals it.
-
 /// Follows the daemon's events after `since` until the upgrade's outcome:
 /// an `upgraded` or `upgrade_failed` event (the log goes on across the
 /// exec). While the handover runs, requests wait in the backlog.

@@ -41,7 +41,7 @@ pub struct ServeOptions {
     /// `GET /metrics` passes without token or Host check.
     pub public_metrics: bool,
     pub connections: listen::ConnectionLimits,
-    /// HTTP clients may register the test doubles ([`TEST_BACKENDS`](super::TEST_BACKENDS)).
+    /// HTTP clients may register the test doubles (`hog`, `fault`, `gpu-hog`).
     pub test_backends: bool,
     /// Tokens accepted besides `token` (llama-swap's `apiKeys`).
     pub api_keys: Vec<String>,

@@ -94,29 +94,11 @@ impl Supervisor {
         };
         // Options the backend declared: another is refused now, not at load.
         if let Some(known) = &backend.options {
-            let given = spec.to_load_spec(None).options;
-            let unknown: Vec<&str> = given
-                .keys()
-                .map(String::as_str)
-                .filter(|k| !known.iter().any(|o| o == k))
-                .collect();
-            if !unknown.is_empty() {
+            let known: Vec<&str> = known.iter().map(String::as_str).collect();
+            if let Some(reason) = spec.to_load_spec(None).unknown_options(&known) {
                 return Err(Error::InvalidSpec {
                     model: spec.name.clone(),
-                    reason: format!(
-                        "backend `{}` has no option {} (it takes: {})",
-                        spec.backend,
-                        unknown
-                            .iter()
-                            .map(|k| format!("`{k}`"))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                        if known.is_empty() {
-                            "none".to_string()
-                        } else {
-                            known.join(", ")
-                        }
-                    ),
+                    reason,
                 });
             }
         }

@@ -8,11 +8,39 @@
 //! - memory budget and `max_loaded`: before a load, idle models are evicted
 //!   least recently used first; a model with work in flight never is; and
 //!   after loads, when models grow past the budget, idle ones are evicted
-//!   too (`budget.rs`); the per-GPU VRAM budget likewise, once NVML shows
-//!   what a load really took (`budget.rs`);
+//!   too, as for the per-GPU VRAM budget once NVML shows what a load really
+//!   took (`budget.rs`);
 //! - per-model concurrency with a bounded queue;
 //! - swap: the new worker is ready before routing switches, and the old one
 //!   drains before it stops.
+//!
+//! # Where each operation lives
+//!
+//! `impl Supervisor` is spread over the files of its concerns; this is
+//! the index (public operations first, then the crate's).
+//!
+//! | file | operations |
+//! |---|---|
+//! | `mod.rs` | `new`, `config`, `set_config`, `events`, `history`, `is_shutting_down`, `shutdown`; `replace_config` (a reload), `emit` |
+//! | `catalogue.rs` | `register`, `deregister`, `catalogue`, `spec`, `model_state`, `canonical` (aliases), `is_http_model`, `check_workers`; `check_spec`, `unknown` |
+//! | `requests.rs` | `request`, `request_with`, `request_stream`, `request_stream_with`, `lease`, `worker`; admission of one request (`admit`: queue, deadline, load); `request_finished` |
+//! | `tickets.rs` | (no `impl Supervisor`) `RequestStream`, `Lease`: what a caller holds while its request runs, and the bookkeeping when it ends |
+//! | `lifecycle.rs` | `load`, `load_registered`, `ensure_loaded`, `unload`; `start_load`, `launch_into_slot`, `unload_inner` |
+//! | `admission.rs` | `make_room`, and the pure decision `plan` it carries out (place, evict, wait, refuse) |
+//! | `residency.rs` | `make_way`: the evictions groups and the matrix ask for |
+//! | `budget.rs` | the budget watch (memory and VRAM, once a second), `fit_measured` (VRAM after a load), `evict` |
+//! | `swap.rs` | `swap`, `swap_with`; `replace_worker` (swaps, recycles, restarts) |
+//! | `resilience.rs` | `watch_worker`, `on_death` (restart with backoff), `maybe_recycle` |
+//! | `keep_alive.rs` | the keep-alive reaper |
+//! | `preloaders.rs` | `preloaders`; the worker kinds' preloaded interpreters started, stopped, restarted |
+//! | `status.rs` | `stats`, `gpus`, `counters` (what `ps`, `/api/ps` and `/metrics` read) |
+//! | `occupancy.rs` | `occupancy_on`: the gauges an inference gateway's picker reads |
+//! | `handover.rs` | an in-place upgrade's part: `freeze`, `busy`, `hand_over`, `install_adopted`, the event log carried over |
+//!
+//! The state they share: `slot.rs` (one model's worker and its state
+//! machine, `Entry` its catalogue record), `footprint.rs` (what a load
+//! needs room for), `crashes.rs` (restarts and quarantine), `counters.rs`,
+//! `events.rs`, `history.rs`, `types.rs` (what callers read).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -47,6 +75,7 @@ mod resilience;
 mod slot;
 mod status;
 mod swap;
+mod tickets;
 mod types;
 
 pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCounters};
@@ -56,7 +85,7 @@ pub use events::{Event, EventKind, Follow, Followed, HISTORY as EVENT_HISTORY};
 pub use history::{HostSample, MemoryHistory, ModelSample};
 pub use occupancy::Occupancy;
 pub use preloaders::PreloaderStatus;
-pub use requests::{Lease, RequestStream};
+pub use tickets::{Lease, RequestStream};
 pub use types::{
     BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport,
 };

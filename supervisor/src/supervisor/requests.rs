@@ -1,18 +1,18 @@
 //! Requests: concurrency permits and the bounded queue, routing to the
 //! current worker, deadlines, and the bookkeeping when a request ends.
 
-use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use berth_protocol::Body;
 use tokio::sync::OwnedSemaphorePermit;
 
+use super::tickets::{Lease, RequestStream, Ticket};
 use super::{
     DEFAULT_MAX_QUEUE, Inner, ModelCounters, ModelState, RequestOptions, State, Supervisor,
 };
-use crate::child::handle::{Piece, ResponseStream, WorkerHandle};
+use crate::child::handle::{Piece, WorkerHandle};
 use crate::error::{Error, Result};
 
 impl Supervisor {
@@ -82,17 +82,8 @@ impl Supervisor {
                 worker.call_stream(body.take().expect("sent once"))
             })
             .await?;
-        Ok(RequestStream {
-            inner: admitted.routed,
-            model: model.to_string(),
-            supervisor: Arc::downgrade(&self.inner),
-            counters: admitted.counters,
-            started: admitted.started,
-            keep_alive: options.keep_alive,
-            deadline: admitted.deadline,
-            failed: false,
-            _permit: admitted.permit,
-        })
+        let ticket = self.ticket(model, options, admitted.bookkeeping);
+        Ok(RequestStream::new(admitted.routed, ticket))
     }
 
     /// Holds a model served by an HTTP server ([`ModelSpec::http`]) for one
@@ -118,18 +109,8 @@ impl Supervisor {
             })
             .await?;
         let (worker, in_flight) = admitted.routed;
-        Ok(Lease {
-            worker,
-            _in_flight: in_flight,
-            model: model.to_string(),
-            supervisor: Arc::downgrade(&self.inner),
-            counters: admitted.counters,
-            started: admitted.started,
-            keep_alive: options.keep_alive,
-            deadline: admitted.deadline,
-            failed: false,
-            _permit: admitted.permit,
-        })
+        let ticket = self.ticket(model, options, admitted.bookkeeping);
+        Ok(Lease::new(worker, in_flight, ticket))
     }
 
     /// What every request goes through before it reaches a worker: the
@@ -241,16 +222,32 @@ impl Supervisor {
             counters.requests.fetch_add(1, Ordering::Relaxed);
             return Ok(Admitted {
                 routed,
-                permit,
-                counters,
-                started,
-                deadline,
+                bookkeeping: Bookkeeping {
+                    permit,
+                    counters,
+                    started,
+                    deadline,
+                },
             });
         }
         Err(Error::Busy {
             model: model.into(),
             reason: "it kept changing state; retry".into(),
         })
+    }
+
+    /// The ticket an admitted request carries to its end.
+    fn ticket(&self, model: &str, options: RequestOptions, held: Bookkeeping) -> Ticket {
+        Ticket {
+            model: model.to_string(),
+            supervisor: Arc::downgrade(&self.inner),
+            counters: held.counters,
+            started: held.started,
+            keep_alive: options.keep_alive,
+            deadline: held.deadline,
+            failed: false,
+            _permit: held.permit,
+        }
     }
 
     /// Called when a request ends: the model was just used.
@@ -285,6 +282,11 @@ impl Supervisor {
 /// A request let through to a ready worker.
 struct Admitted<T> {
     routed: T,
+    bookkeeping: Bookkeeping,
+}
+
+/// What an admitted request holds until it ends.
+struct Bookkeeping {
     permit: OwnedSemaphorePermit,
     counters: Arc<ModelCounters>,
     started: Instant,
@@ -316,158 +318,5 @@ pub(super) async fn within<T>(
                 model: model.into(),
                 after: started.elapsed(),
             }),
-    }
-}
-
-/// A request's answer, piece by piece, with the model's bookkeeping
-/// (concurrency slot, keep-alive, metrics) done when it ends.
-pub struct RequestStream {
-    inner: ResponseStream,
-    model: String,
-    supervisor: Weak<Inner>,
-    counters: Arc<ModelCounters>,
-    started: Instant,
-    keep_alive: Option<Duration>,
-    deadline: Option<tokio::time::Instant>,
-    failed: bool,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl fmt::Debug for RequestStream {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RequestStream")
-            .field("model", &self.model)
-            .finish_non_exhaustive()
-    }
-}
-
-impl RequestStream {
-    /// The next piece; `None` after the final one.
-    pub async fn next(&mut self) -> Option<Result<Piece>> {
-        let piece = match self.deadline {
-            None => self.inner.next().await,
-            Some(deadline) => match tokio::time::timeout_at(deadline, self.inner.next()).await {
-                Ok(piece) => piece,
-                Err(_) => {
-                    self.inner.cancel();
-                    Some(Err(Error::DeadlineExceeded {
-                        model: self.model.clone(),
-                        after: self.started.elapsed(),
-                    }))
-                }
-            },
-        };
-        if matches!(piece, Some(Err(_))) {
-            self.failed = true;
-        }
-        piece
-    }
-}
-
-impl Drop for RequestStream {
-    fn drop(&mut self) {
-        if self.failed {
-            self.counters.errors.fetch_add(1, Ordering::Relaxed);
-        }
-        let elapsed = self.started.elapsed();
-        self.counters.observe_latency(elapsed);
-        if let Some(run) = self.inner.run() {
-            self.counters.observe_run(run, elapsed);
-        }
-        if let Some(inner) = self.supervisor.upgrade() {
-            // One lock per request; a second only for models that recycle.
-            if Supervisor::request_finished(&inner, &self.model, self.keep_alive) {
-                Supervisor::maybe_recycle(&inner, &self.model);
-            }
-        }
-    }
-}
-
-/// A model served by an HTTP server, held for one request (see
-/// [`Supervisor::lease`]). While it lives the request counts as in flight
-/// on the server, and holds one of the model's concurrency slots; when it
-/// is dropped, the model's keep-alive, metrics and recycling policy take
-/// note, as for any request.
-pub struct Lease {
-    worker: Arc<WorkerHandle>,
-    _in_flight: crate::child::handle::InFlightToken,
-    model: String,
-    supervisor: Weak<Inner>,
-    counters: Arc<ModelCounters>,
-    started: Instant,
-    keep_alive: Option<Duration>,
-    deadline: Option<tokio::time::Instant>,
-    failed: bool,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl fmt::Debug for Lease {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease")
-            .field("model", &self.model)
-            .field("pid", &self.worker.pid())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Lease {
-    /// Where the server listens: `http://127.0.0.1:PORT` or `unix:PATH`.
-    pub fn address(&self) -> &crate::child::upstream::Address {
-        self.upstream().address()
-    }
-
-    /// The server's process.
-    pub fn pid(&self) -> u32 {
-        self.worker.pid()
-    }
-
-    pub fn model(&self) -> &str {
-        &self.model
-    }
-
-    /// The request's deadline, if it has one.
-    pub fn deadline(&self) -> Option<tokio::time::Instant> {
-        self.deadline
-    }
-
-    pub(crate) fn upstream(&self) -> &Arc<crate::child::upstream::Upstream> {
-        self.worker
-            .upstream_server()
-            .expect("a lease is only given on an HTTP server")
-    }
-
-    /// Resolves once the server has died, with the error its requests
-    /// fail with (exit status, cause, stderr tail).
-    pub async fn died(&self) -> Error {
-        let death = self.worker.death().await;
-        death.error(&self.model, self.worker.pid(), "request")
-    }
-
-    /// [`Lease::died`] as a future that owns what it needs.
-    pub fn death_watch(&self) -> impl std::future::Future<Output = Error> + Send + 'static {
-        let (worker, model) = (Arc::clone(&self.worker), self.model.clone());
-        async move {
-            let death = worker.death().await;
-            death.error(&model, worker.pid(), "request")
-        }
-    }
-
-    /// Counts the request as failed (in the model's error counter).
-    pub fn failed(&mut self) {
-        self.failed = true;
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if self.failed {
-            self.counters.errors.fetch_add(1, Ordering::Relaxed);
-        }
-        self.counters.observe_latency(self.started.elapsed());
-        if let Some(inner) = self.supervisor.upgrade()
-            && Supervisor::request_finished(&inner, &self.model, self.keep_alive)
-        {
-            Supervisor::maybe_recycle(&inner, &self.model);
-        }
     }
 }

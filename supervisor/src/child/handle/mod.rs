@@ -10,10 +10,13 @@
 //! When the worker dies, every pending request fails at once with the exit
 //! status and the last lines of stderr; nothing waits for a time-out.
 //!
-//! Beside this file: `memory` (what the supervisor reads of the worker's
-//! memory), `response` (one request's answer as its caller reads it) and
-//! `in_flight` (the count a drain waits on).
+//! Beside this file: `calls` (what is sent to the worker: its load, its
+//! requests, heartbeats), `memory` (what the supervisor reads of the
+//! worker's memory), `response` (one request's answer as its caller reads
+//! it), `in_flight` (the count a drain waits on), `spin` (the answer's
+//! busy wait) and `handover` (what an in-place upgrade reads of it).
 
+mod calls;
 mod handover;
 mod in_flight;
 mod memory;
@@ -29,7 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use berth_protocol::{Body, Command, Event, LoadInfo, LoadSpec, WorkerStats};
+use berth_protocol::{Body, Command, Event, LoadInfo, WorkerStats};
 use nix::sys::signal::Signal;
 use tokio::sync::{mpsc, watch};
 
@@ -39,8 +42,7 @@ use crate::child::handshake::Accepted;
 use crate::child::link::{Events, Link, WireFds};
 use crate::child::memory::ProcessMemory;
 use crate::child::process::ProcessWatch;
-use crate::child::routes::{Backlog, Dispatch, Routes, Waiting};
-use crate::child::stream::SendError;
+use crate::child::routes::{Dispatch, Routes};
 use crate::child::upstream::Upstream;
 use crate::error::{Error, Result};
 use crate::report::ExitStatus;
@@ -389,166 +391,6 @@ impl WorkerHandle {
             },
             during,
         )
-    }
-
-    fn send(&self, command: Command) -> std::result::Result<(), SendError> {
-        self.commands.send(command)
-    }
-
-    /// Sends `Load` and waits for the answer, the worker's death, or the deadline.
-    pub(crate) async fn load(&self, spec: LoadSpec, timeout: Duration) -> LoadOutcome {
-        self.routes.expect_load();
-        if self.send(Command::Load(spec)).is_err() {
-            return LoadOutcome::Failed(self.death_error("load").await);
-        }
-        let mut control = self.control.lock().await;
-        tokio::select! {
-            event = control.recv() => match event {
-                Some(Event::Loaded(info)) => {
-                    *self.load_info.lock().unwrap_or_else(|e| e.into_inner()) = Some(info.clone());
-                    LoadOutcome::Loaded(info)
-                }
-                Some(Event::LoadFailed(source)) => {
-                    LoadOutcome::Failed(Error::LoadFailed { model: self.model.clone(), source })
-                }
-                Some(other) => LoadOutcome::Failed(Error::UnexpectedMessage {
-                    model: self.model.clone(),
-                    expected: "Loaded or LoadFailed",
-                    received: other.name(),
-                }),
-                None => LoadOutcome::Failed(self.death_error("load").await),
-            },
-            _ = self.process.exited() => LoadOutcome::Failed(self.death_error("load").await),
-            () = tokio::time::sleep(timeout) => LoadOutcome::TimedOut,
-        }
-    }
-
-    /// Sends one request; the answer arrives on the returned stream.
-    /// Dropping the stream before its end cancels the request in the worker.
-    pub fn call_stream(&self, body: Body) -> Result<ResponseStream> {
-        if self.upstream.is_some() {
-            return Err(Error::InvalidRequest {
-                model: self.model.clone(),
-                reason: "it is served by an HTTP server, which takes HTTP requests: send them \
-                         through berth serve's /v1 routes, or lease the model \
-                         (Supervisor::lease) and send them to its address"
-                    .into(),
-            });
-        }
-        let id = self.routes.next_id();
-        let (tx, rx) = mpsc::unbounded_channel();
-        let unread = Arc::new(Backlog::default());
-        {
-            let mut routes = self.routes.lock();
-            if let Some(death) = &routes.death {
-                return Err(self.died(death, "request"));
-            }
-            routes.pending.insert(
-                id,
-                Waiting {
-                    tx,
-                    hash: body_hash(&body),
-                    unread: Arc::clone(&unread),
-                },
-            );
-        }
-        self.in_flight.enter();
-        let stream = ResponseStream {
-            id,
-            rx,
-            finished: false,
-            model: self.model.clone(),
-            pid: self.pid,
-            routes: Arc::clone(&self.routes),
-            commands: self.commands.clone(),
-            in_flight: Arc::clone(&self.in_flight),
-            unread,
-            run: None,
-            sent_at: Instant::now(),
-            answer_time: Arc::clone(&self.answer_time),
-            pieces: false,
-        };
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        match self.send(Command::Request { id, body }) {
-            Ok(()) => {}
-            // The worker is gone; its death watch answers the stream.
-            Err(SendError::Closed) => {
-                tracing::debug!(model = %self.model, pid = self.pid, "request sent to a closed channel");
-            }
-            Err(SendError::Refused(reason)) => {
-                let mut stream = stream;
-                stream.forget();
-                return Err(Error::Request {
-                    model: self.model.clone(),
-                    source: berth_protocol::WireError::new(
-                        berth_protocol::ErrorKind::BadRequest,
-                        format!(
-                            "model `{}`: the request cannot be sent: {reason}",
-                            self.model
-                        ),
-                    ),
-                });
-            }
-        }
-        Ok(stream)
-    }
-
-    /// Sends one request and waits for its result (chunks are skipped; the
-    /// final body holds the whole answer).
-    pub async fn call(&self, body: Body) -> Result<Body> {
-        let mut stream = self.call_stream(body)?;
-        loop {
-            match stream.next().await {
-                Some(Ok(Piece::Done(body))) => return Ok(body),
-                Some(Ok(Piece::Chunk(_))) => continue,
-                Some(Err(e)) => return Err(e),
-                None => return Err(self.death_error("request").await),
-            }
-        }
-    }
-
-    /// Pings the worker and waits for its pong (its own stats). An HTTP
-    /// server's health is polled instead, `timeout` being how long it may go
-    /// without answering 200: its stats are then the supervisor's own
-    /// figures (bytes relayed as progress).
-    pub async fn ping(&self, timeout: Duration) -> Option<WorkerStats> {
-        self.heartbeat(timeout).await.ok()
-    }
-
-    /// [`Self::ping`], saying why no pong came: silence for `timeout`, or
-    /// a channel already gone (the worker died, and is not reaped yet).
-    pub(crate) async fn heartbeat(&self, timeout: Duration) -> Result<WorkerStats, NoPong> {
-        if let Some(upstream) = &self.upstream {
-            // `timeout` is its `unhealthy_after`: a window, not one poll.
-            if !upstream.still_healthy(timeout).await {
-                return Err(NoPong::Silent);
-            }
-            let stats = WorkerStats {
-                rss_bytes: self.memory().last.rss_bytes,
-                peak_rss_bytes: self.memory().last.peak_rss_bytes,
-                progress: upstream.progress(),
-                requests_done: upstream.answered(),
-                in_flight: self.in_flight(),
-            };
-            self.record_stats(stats);
-            return Ok(stats);
-        }
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let mut pongs = self.pongs.clone();
-        self.send(Command::Ping { seq }).map_err(|_| NoPong::Gone)?;
-        let waited = tokio::time::timeout(
-            timeout,
-            pongs.wait_for(|p| p.as_ref().is_some_and(|(s, _)| *s >= seq)),
-        )
-        .await;
-        let stats = match waited {
-            Ok(Ok(pong)) => pong.as_ref().map(|(_, stats)| *stats).ok_or(NoPong::Gone)?,
-            // The reader dropped the pongs: the worker's channel ended.
-            Ok(Err(_)) => return Err(NoPong::Gone),
-            Err(_) => return Err(NoPong::Silent),
-        };
-        self.record_stats(stats);
-        Ok(stats)
     }
 
     /// Waits until no request is in flight, up to `timeout`. True if drained.

@@ -28,7 +28,11 @@ use std::collections::BTreeMap;
 use crate::config::{
     Group, Matrix, ModelSpec, Residency, Rules, WorkerKind, check_bytes, check_duration,
 };
-use crate::server::options::*;
+pub use crate::server::options::{
+    DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_BODY,
+    DEFAULT_MAX_BODY_TOTAL, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_INPUTS, DEFAULT_SEND_TIMEOUT,
+    MAX_CONNECTIONS_LIMIT,
+};
 use crate::server::{Listen, ServeOptions};
 
 pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(300);

@@ -7,18 +7,17 @@
 //! berth's guard (Host, Origin, token or `apiKeys`), `/health` aside.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
+use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
 use serde_json::{Map, Value as Json, json};
 
-use super::layer::{Compat, TargetState, render_capabilities};
+use super::layer::{Compat, render_capabilities};
+use super::logs::{logs_history, logs_stream};
+use super::requests::{rewrite, upstream};
 use crate::server::AppState;
 use crate::server::error::ApiError;
 use crate::supervisor::ModelState;
@@ -66,12 +65,12 @@ pub(crate) async fn front(State(app): State<AppState>, request: Request, next: N
 }
 
 /// llama-swap's error shape: `{"error": {"message", "type", "code"}}`.
-fn not_found(message: &str) -> Response {
+pub(super) fn not_found(message: &str) -> Response {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", message.to_string()).into_response()
 }
 
 /// A model's berth name from its llama-swap ID, an alias, or its name.
-fn known(app: &AppState, compat: &Compat, id: &str) -> Option<String> {
+pub(super) fn known(app: &AppState, compat: &Compat, id: &str) -> Option<String> {
     let name = compat
         .models
         .iter()
@@ -81,7 +80,7 @@ fn known(app: &AppState, compat: &Compat, id: &str) -> Option<String> {
     app.supervisor.model_state(&name).map(|_| name)
 }
 
-fn states(app: &AppState) -> BTreeMap<String, (ModelState, crate::config::ModelSpec)> {
+pub(super) fn states(app: &AppState) -> BTreeMap<String, (ModelState, crate::config::ModelSpec)> {
     app.supervisor
         .catalogue()
         .into_iter()
@@ -328,324 +327,4 @@ async fn set_profile(compat: &Compat, request: Request) -> Response {
         Ok(()) => axum::Json(json!({"active": compat.active_profile()})).into_response(),
         Err(e) => not_found(&e),
     }
-}
-
-fn logs_history(request: &Request) -> Response {
-    let html = request
-        .headers()
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|a| a.contains("text/html"));
-    if html {
-        // llama-swap sends a browser to its UI: berth's console.
-        return (StatusCode::FOUND, [(header::LOCATION, "/")]).into_response();
-    }
-    text(crate::logs::history(None))
-}
-
-fn text(bytes: Vec<u8>) -> Response {
-    let mut response = Body::from(bytes).into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    response
-}
-
-/// `/logs/stream[/{id}]`: raw text, the history first (unless
-/// `no-history`), then each new line; `id` is `proxy` (berth's log),
-/// `upstream` (every model's output), or a model's ID or alias.
-fn logs_stream(app: &AppState, request: &Request, id: &str) -> Response {
-    let id = id.trim_start_matches('/');
-    let which: Option<Option<String>> = match id {
-        "" | "proxy" => None,
-        "upstream" => Some(None),
-        id => {
-            let compat = app.llama_swap.as_ref().expect("the layer is on");
-            match known(app, compat, id) {
-                Some(name) => Some(Some(name)),
-                None => {
-                    return ApiError::bad_request(
-                        "invalid logger. Use 'proxy', 'upstream' or a model's ID",
-                    )
-                    .into_response();
-                }
-            }
-        }
-    };
-    let history = !request
-        .uri()
-        .query()
-        .unwrap_or("")
-        .split('&')
-        .any(|p| p == "no-history" || p.starts_with("no-history="));
-    let first = if history {
-        crate::logs::history(which.as_ref().map(|w| w.as_deref()))
-    } else {
-        Vec::new()
-    };
-    let follower = tokio_stream_of(crate::logs::follow());
-    let wanted = which.clone();
-    let lines = follower.filter_map(move |line| {
-        let keep = match (&wanted, &line.source) {
-            (None, crate::logs::Source::Berth) => true,
-            (Some(None), crate::logs::Source::Model(_)) => true,
-            (Some(Some(m)), crate::logs::Source::Model(n)) => m == n,
-            _ => false,
-        };
-        std::future::ready(
-            keep.then(|| Ok::<_, std::io::Error>(Bytes::copy_from_slice(&line.text))),
-        )
-    });
-    let stream =
-        futures_util::stream::once(std::future::ready(Ok(Bytes::from(first)))).chain(lines);
-    let mut response = Body::from_stream(stream).into_response();
-    let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    response
-}
-
-/// The lines a follower gets, as a stream; one that falls behind skips.
-fn tokio_stream_of(
-    rx: tokio::sync::broadcast::Receiver<crate::logs::Line>,
-) -> impl futures_util::Stream<Item = crate::logs::Line> + Send {
-    futures_util::stream::unfold(rx, |mut rx| async move {
-        loop {
-            match rx.recv().await {
-                Ok(line) => return Some((line, rx)),
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                Err(_) => return None,
-            }
-        }
-    })
-}
-
-/// The most `/`-separated parts a model ID is looked for in.
-const MAX_ID_SEGMENTS: usize = 8;
-
-/// `/upstream/{model}/{path}`: the model's server's own route, loaded
-/// first as llama-swap does. The model is the longest leading run of the
-/// path's segments that names one (or a pin of the active profile).
-async fn upstream(app: &AppState, compat: &Compat, request: Request) -> Response {
-    let path = request.uri().path()["/upstream/".len()..].to_string();
-    let segments: Vec<&str> = path.split('/').collect();
-    let mut found = None;
-    // A model ID has a few `/` at most: the path past them is the route's.
-    for end in (1..=segments.len().min(MAX_ID_SEGMENTS)).rev() {
-        let candidate = segments[..end].join("/");
-        if candidate.is_empty() {
-            continue;
-        }
-        // The active profile's pins apply here too, as in llama-swap.
-        let target = match compat.pin(&candidate) {
-            Some(Some(target)) => target,
-            Some(None) => return not_found("no model id could be identified"),
-            None => candidate.clone(),
-        };
-        if let Some(name) = known(app, compat, &target) {
-            found = Some((name, candidate, segments[end..].join("/")));
-            break;
-        }
-    }
-    let Some((name, matched, rest)) = found else {
-        return not_found("model not found");
-    };
-    let query = request
-        .uri()
-        .query()
-        .map(|q| format!("?{q}"))
-        .unwrap_or_default();
-    if rest.is_empty() && !path.ends_with('/') {
-        let status = if matches!(*request.method(), Method::GET | Method::HEAD) {
-            StatusCode::MOVED_PERMANENTLY
-        } else {
-            StatusCode::PERMANENT_REDIRECT
-        };
-        let to = format!("/upstream/{matched}/{query}");
-        return (status, [(header::LOCATION, to)]).into_response();
-    }
-    if !app.supervisor.is_http_model(&name) {
-        return ApiError::bad_request(format!(
-            "model `{name}` is served by a berth worker, which has no routes of its own"
-        ))
-        .into_response();
-    }
-    let uri: Uri = match format!("/{rest}{query}").parse() {
-        Ok(uri) => uri,
-        Err(_) => return ApiError::bad_request("the path is not a valid URI").into_response(),
-    };
-    let (parts, body) = request.into_parts();
-    let bytes = axum::body::to_bytes(body, usize::MAX)
-        .await
-        .unwrap_or_default();
-    crate::server::relay::relay(
-        app,
-        &name,
-        &parts.method,
-        &uri,
-        &parts.headers,
-        bytes,
-        false,
-    )
-    .await
-}
-
-/// A `/v1` request: the active profile's pin, then a selector, then the
-/// model's `filters` and its loading state.
-async fn rewrite(app: AppState, compat: Arc<Compat>, request: Request, next: Next) -> Response {
-    let json = request
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|t| t.contains("application/json"));
-    if !json {
-        return next.run(request).await;
-    }
-    let (mut parts, body) = request.into_parts();
-    let bytes = axum::body::to_bytes(body, usize::MAX)
-        .await
-        .unwrap_or_default();
-    let Ok(Json::Object(mut body)) = serde_json::from_slice::<Json>(&bytes) else {
-        return next
-            .run(Request::from_parts(parts, Body::from(bytes)))
-            .await;
-    };
-    let Some(mut requested) = body.get("model").and_then(Json::as_str).map(str::to_string) else {
-        return next
-            .run(Request::from_parts(parts, Body::from(bytes)))
-            .await;
-    };
-    if let Some(pin) = compat.pin(&requested) {
-        match pin {
-            Some(target) => requested = target,
-            None => return not_found("no model id could be identified"),
-        }
-    }
-    let mut spill = None;
-    if compat.selectors.contains_key(&requested) {
-        let state = |t: &str| match app.supervisor.model_state(&app.supervisor.canonical(t)) {
-            Some(ModelState::Ready) => TargetState::Ready,
-            Some(ModelState::Loading) => TargetState::Starting,
-            Some(ModelState::Draining | ModelState::Stopping) => TargetState::Stopping,
-            _ => TargetState::Idle,
-        };
-        match compat.select(&requested, &state) {
-            Ok(picked) => {
-                requested = picked.target;
-                spill = picked.spill;
-            }
-            Err(e) => {
-                return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", e)
-                    .into_response();
-            }
-        }
-    }
-    let name = app.supervisor.canonical(&requested);
-    let extras = compat.models.get(&name);
-    let renamed = body.get("model").and_then(Json::as_str) != Some(requested.as_str());
-    let filtered = extras.is_some_and(|e| !e.filters.is_empty());
-    // The body as it came, unless a pin, a selector or filters change it.
-    let bytes = if renamed || filtered {
-        body.insert("model".into(), Json::String(requested.clone()));
-        if let Some(extras) = extras {
-            extras.filters.apply(&requested, &mut body);
-        }
-        parts.headers.remove(header::CONTENT_LENGTH);
-        Bytes::from(serde_json::to_vec(&Json::Object(body.clone())).unwrap_or_default())
-    } else {
-        bytes
-    };
-    let streaming = body.get("stream").and_then(Json::as_bool).unwrap_or(false);
-    let loading = extras.is_some_and(|e| e.loading_state)
-        && streaming
-        && parts.uri.path().starts_with("/v1/chat/completions")
-        && app.supervisor.model_state(&name) != Some(ModelState::Ready);
-    let request = Request::from_parts(parts, Body::from(bytes));
-    let response = if loading {
-        loading_then(app, name, request, next).await
-    } else {
-        next.run(request).await
-    };
-    match spill {
-        None => response,
-        // Counted until the answer's body is done.
-        Some(spill) => {
-            let (head, body) = response.into_parts();
-            let body = body.into_data_stream().map(move |chunk| {
-                let _counted = &spill;
-                chunk
-            });
-            Response::from_parts(head, Body::from_stream(body))
-        }
-    }
-}
-
-/// `sendLoadingState`: the answer begins at once, saying the model loads
-/// (as llama-swap's does, in `reasoning_content`), and goes on with the
-/// server's own stream once it is ready.
-async fn loading_then(app: AppState, name: String, request: Request, next: Next) -> Response {
-    let chunk = |text: &str| {
-        Bytes::from(format!(
-            "data: {}\n\n",
-            json!({"choices": [{"delta": {"reasoning_content": text}}]})
-        ))
-    };
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
-    tokio::spawn(async move {
-        let started = Instant::now();
-        let _ = tx.send(Ok(chunk("━━━━━\n"))).await;
-        let _ = tx
-            .send(Ok(chunk(&format!("llama-swap loading model: {name}\n"))))
-            .await;
-        let supervisor = app.supervisor.clone();
-        let load_name = name.clone();
-        let mut load =
-            tokio::spawn(async move { supervisor.ensure_loaded(&load_name).await.map(drop) });
-        let loaded = loop {
-            tokio::select! {
-                done = &mut load => break done,
-                () = tokio::time::sleep(Duration::from_millis(750)) => {
-                    if tx.send(Ok(chunk("."))).await.is_err() {
-                        load.abort();
-                        return;
-                    }
-                }
-            }
-        };
-        let _ = tx
-            .send(Ok(chunk(&format!(
-                "\nDone! ({:.2}s)\n",
-                started.elapsed().as_secs_f64()
-            ))))
-            .await;
-        let _ = tx.send(Ok(chunk("━━━━━\n"))).await;
-        let _ = tx.send(Ok(chunk(" "))).await;
-        if let Ok(Err(e)) = &loaded {
-            let error = json!({"error": {"message": e.to_string(), "type": "server_error", "code": e.kind()}});
-            let _ = tx.send(Ok(Bytes::from(format!("data: {error}\n\n")))).await;
-            return;
-        }
-        let response = next.run(request).await;
-        let mut body = response.into_body().into_data_stream();
-        while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(std::io::Error::other);
-            if tx.send(chunk).await.is_err() {
-                return;
-            }
-        }
-    });
-    let stream =
-        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
-    let mut response = Body::from_stream(stream).into_response();
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
-        .extensions_mut()
-        .insert(crate::server::relay::Relayed);
-    response
 }

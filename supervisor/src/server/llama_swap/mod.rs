@@ -6,3 +6,5 @@
 
 pub mod api;
 pub mod layer;
+mod logs;
+mod requests;

@@ -1,9 +1,8 @@
 //! Bringing a worker up: spawn → hello → load, all under one deadline.
 //! Whatever goes wrong, the process is gone before the error is returned.
+//! An HTTP server's start is `server.rs`.
 
-use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,15 +14,19 @@ use crate::child::handshake::{self, HandshakeOutcome};
 use crate::child::limits::MemoryCap;
 use crate::child::memory::system_memory;
 use crate::child::process::ProcessWatch;
-use crate::child::program::{Wire, WorkerProgram, worker_program};
+use crate::child::program::{Wire, worker_program};
 use crate::child::spawn::Connect;
 use crate::child::start::{Start, Started, start_process};
-use crate::child::{container, health, link, stop, stream, upstream};
+use crate::child::{health, link, stop, stream};
 use crate::config::{ModelSpec, SupervisorConfig};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
 use crate::report::{LoadReport, Warning, WorkerStart};
 use crate::units::gib;
+
+mod server;
+
+use server::launch_server;
 
 /// The end a new worker connects to, by wire.
 enum Listening {
@@ -264,209 +267,63 @@ async fn start_and_load(
             });
         }
     };
-    let memory = handle.sample_memory().unwrap_or_default();
-    handle.set_baseline(started.elapsed());
-    health::spawn(
-        Arc::downgrade(&handle),
-        health::HealthPolicy {
-            interval: config.heartbeat_interval,
-            heartbeat_timeout: config.heartbeat_timeout,
-            stall_timeout: spec.stall_timeout,
+    let report = ready_report(
+        &handle,
+        &process,
+        spec,
+        config.heartbeat_timeout,
+        Measured {
+            started,
+            spawn_ms,
+            backend_load_ms: info.load_micros as f64 / 1e3,
+            gpus,
+            details: serde_json::from_str(&info.details).unwrap_or(serde_json::Value::Null),
+            max_batch: info.max_batch.max(1),
         },
+        config,
     );
-    let report = LoadReport {
-        model: model.into(),
-        backend: spec.backend.clone(),
-        pid,
-        worker_version: handle.worker_version().to_string(),
-        load_ms: ms(started.elapsed()),
-        spawn_ms,
-        backend_load_ms: info.load_micros as f64 / 1e3,
-        rss_bytes: memory.rss_bytes,
-        anon_bytes: memory.anon_bytes,
-        file_bytes: memory.file_bytes,
-        pss_bytes: memory.pss_bytes,
-        peak_rss_bytes: memory
-            .peak_rss_bytes
-            .max(process.cap().and_then(MemoryCap::peak).unwrap_or(0)),
-        memory_limit_bytes: process.cap().map(|c| c.limit),
-        memory_cap: process.cap().map(|c| c.mechanism),
-        gpus,
-        vram_bytes: match gpu::inventory() {
-            Inventory::Devices(devices) => gpu::process_vram(&devices, &handle.pids()),
-            Inventory::NoGpu(_) => None,
-        },
-        system_available_bytes: system_memory().available_bytes,
-        details: serde_json::from_str(&info.details).unwrap_or(serde_json::Value::Null),
-        max_batch: info.max_batch.max(1),
-        private_bytes: memory.private_bytes,
-        shared_bytes: memory.shared_bytes,
-        start: process.start_kind().clone(),
-        warnings: Vec::new(),
-    };
     Ok((handle, report))
 }
 
-/// Starts an HTTP server for `spec` and waits until its health answers 200
-/// (`child/upstream.rs`): the same spawn, cgroup, mark and reports as a
-/// worker's, with readiness in place of the hello and the load.
-#[allow(clippy::too_many_arguments)]
-async fn launch_server(
-    spec: &ModelSpec,
-    config: &SupervisorConfig,
-    program: WorkerProgram,
-    env: Vec<(String, String)>,
-    weights: Option<PathBuf>,
-    gpus: Option<Vec<u32>>,
-    spawned: &(dyn Fn(u32) + Send + Sync),
+/// What a load measured beside the worker's memory.
+struct Measured {
     started: Instant,
-) -> Result<(Arc<WorkerHandle>, LoadReport)> {
-    let model = spec.name.as_str();
-    let timeout = spec.load_timeout.unwrap_or(config.load_timeout);
-    let deadline = started + timeout;
-    let http = program.http.clone().expect("an HTTP program has its spec");
-    let prepared = upstream::prepare(
-        &program.path.display().to_string(),
-        &program.args,
-        weights.as_deref(),
-        http.port,
-        http.find_port,
-    )
-    .map_err(|reason| Error::InvalidSpec {
-        model: model.into(),
-        reason,
-    })?;
-    if let Some(port) = http.port {
-        crate::child::ports::check_free(port).map_err(|reason| Error::InvalidSpec {
-            model: model.into(),
-            reason,
-        })?;
-    }
-    let mut prepared = prepared;
-    // A container's command: run with berth's own flags (a name of its own,
-    // the model's cgroup, its GPUs by UUID, the owner's label).
-    let container = container_start(model, &mut prepared, gpus.as_deref())?;
-    let process = start_process(
-        spec,
-        &PathBuf::from(&prepared.path),
-        &prepared.args,
-        Connect::None,
-        program.cwd.as_deref(),
-        &env,
-        spawned,
-        (Start::Cold, timeout),
-    )
-    .await?
-    .process();
-    let pid = process.pid();
-    if http.find_port {
-        // Its exit is told below, as a server's that exits before ready.
-        match find_port(&process, deadline).await {
-            Some(port) => {
-                tracing::info!(model, pid, port, "found the port the server listens on");
-                prepared.address = upstream::Address::Tcp(SocketAddr::from(([127, 0, 0, 1], port)));
-            }
-            None if process.try_exit().is_none() => {
-                let phase = "listening (none of its processes listened on a port)";
-                let error = given_up(&process, model, timeout, phase).await;
-                remove_container(model, container.as_ref()).await;
-                return Err(error);
-            }
-            None => {}
-        }
-    }
-    // What runs under an engine outside the model's cgroup (a container
-    // berth could not place there, a command that talks to an engine but is
-    // no `run`: `docker compose up`) is outside berth's tree and cgroup.
-    let checked = match &container {
-        Some(container) => container.listener_in_cgroup && process.cgroup().is_some(),
-        None => crate::config::Engine::of(&prepared.path).is_none(),
-    };
-    let upstream = Arc::new(
-        upstream::Upstream::new(model, &prepared, http, env.clone()).in_container(container),
-    );
-    tracing::debug!(model, pid, address = %upstream.address(), "server started");
-    let spawn_ms = ms(started.elapsed());
-    let ready = tokio::select! {
-        ready = upstream.wait_ready(deadline) => ready,
-        exit = process.exited() => {
-            // What it started dies with it (a server's engine process
-            // holding GPU memory, say), and its container with it.
-            crate::child::sweep::sweep_all(&process).await;
-            remove_container(model, upstream.container()).await;
-            let stderr_tail = process.stderr_tail().await;
-            let cause = process
-                .kill_cause()
-                .or_else(|| crate::base::KillCause::from_stderr(&stderr_tail));
-            if let Some(crate::base::KillCause::MemoryLimit { .. }) = cause {
-                let death = crate::child::death::Death { exit, stderr_tail, cause, in_flight: Vec::new() };
-                return Err(death.error(model, pid, "load"));
-            }
-            return Err(Error::ServerFailed {
-                model: model.into(),
-                pid,
-                reason: format!("{exit} before it was ready{}", process.stderr_suffix().await),
-            });
-        }
-    };
-    if let Err(last) = ready {
-        tracing::warn!(model, pid, "the server was not ready in time: {last}");
-        let phase = "ready (its health never answered 200)";
-        let error = given_up(&process, model, timeout, phase).await;
-        remove_container(model, upstream.container()).await;
-        return Err(error);
-    }
-    // Ready: and the one answering is the server, alone on its port. A
-    // container berth ran is in the model's cgroup: its server (on the
-    // host's network) or podman's port holder (conmon) is checked as any
-    // server's. One it could not place there (no cgroup), docker's proxy of
-    // a published port, or a command that talks to an engine but is no
-    // `run`, cannot be checked; see docs/containers.md.
-    if let upstream::Address::Tcp(addr) = upstream.address()
-        && checked
-    {
-        let mut tree = crate::child::memory::group_members(pid);
-        tree.push(pid);
-        match process.cgroup() {
-            Some(cgroup) => tree.extend(cgroup.members()),
-            // Without a cgroup, what it started outside its group carries its mark.
-            None => tree.extend(crate::child::orphans::carrying_mark(
-                process.mark(),
-                process.start_time(),
-            )),
-        }
-        if let Err(reason) = crate::child::ports::check_listener(addr.port(), &tree) {
-            kill_and_reap(&process).await;
-            crate::child::sweep::sweep_all(&process).await;
-            remove_container(model, upstream.container()).await;
-            return Err(Error::ServerFailed {
-                model: model.into(),
-                pid,
-                reason,
-            });
-        }
-    }
-    let ready_ms = ms(started.elapsed()) - spawn_ms;
-    let handle =
-        WorkerHandle::upstream(model, Arc::clone(&process), Arc::clone(&upstream), started);
+    spawn_ms: f64,
+    backend_load_ms: f64,
+    gpus: Option<Vec<u32>>,
+    details: serde_json::Value,
+    max_batch: u32,
+}
+
+/// A worker (or server) that is ready: its memory sampled as the baseline
+/// its growth is measured from, its heartbeats started, and its load
+/// report, the one place a report is made (both wires and servers alike).
+fn ready_report(
+    handle: &Arc<WorkerHandle>,
+    process: &ProcessWatch,
+    spec: &ModelSpec,
+    heartbeat_timeout: Duration,
+    measured: Measured,
+    config: &SupervisorConfig,
+) -> LoadReport {
     let memory = handle.sample_memory().unwrap_or_default();
-    handle.set_baseline(started.elapsed());
+    handle.set_baseline(measured.started.elapsed());
     health::spawn(
-        Arc::downgrade(&handle),
+        Arc::downgrade(handle),
         health::HealthPolicy {
             interval: config.heartbeat_interval,
-            heartbeat_timeout: upstream.unhealthy_after(),
+            heartbeat_timeout,
             stall_timeout: spec.stall_timeout,
         },
     );
-    let report = LoadReport {
-        model: model.into(),
+    LoadReport {
+        model: spec.name.clone(),
         backend: handle.backend().to_string(),
-        pid,
+        pid: handle.pid(),
         worker_version: handle.worker_version().to_string(),
-        load_ms: ms(started.elapsed()),
-        spawn_ms,
-        backend_load_ms: ready_ms,
+        load_ms: ms(measured.started.elapsed()),
+        spawn_ms: measured.spawn_ms,
+        backend_load_ms: measured.backend_load_ms,
         rss_bytes: memory.rss_bytes,
         anon_bytes: memory.anon_bytes,
         file_bytes: memory.file_bytes,
@@ -476,27 +333,20 @@ async fn launch_server(
             .max(process.cap().and_then(MemoryCap::peak).unwrap_or(0)),
         memory_limit_bytes: process.cap().map(|c| c.limit),
         memory_cap: process.cap().map(|c| c.mechanism),
-        gpus,
+        gpus: measured.gpus,
+        // The tree the memory sample above read.
         vram_bytes: match gpu::inventory() {
-            // The tree the memory sample above read.
             Inventory::Devices(devices) => gpu::process_vram(&devices, &handle.pids()),
             Inventory::NoGpu(_) => None,
         },
         system_available_bytes: system_memory().available_bytes,
-        details: match upstream.container() {
-            Some(c) => serde_json::json!({
-                "address": upstream.address().to_string(),
-                "container": { "engine": c.engine, "name": c.name, "id": c.id() },
-            }),
-            None => serde_json::json!({ "address": upstream.address().to_string() }),
-        },
-        max_batch: 1,
+        details: measured.details,
+        max_batch: measured.max_batch,
         private_bytes: memory.private_bytes,
         shared_bytes: memory.shared_bytes,
         start: process.start_kind().clone(),
         warnings: Vec::new(),
-    };
-    Ok((handle, report))
+    }
 }
 
 /// A load that failed for want of device memory (the framework's own words
@@ -583,102 +433,5 @@ impl ModelSpec {
                 options
             },
         }
-    }
-}
-
-/// The port a server that chose its own listens on, once it does: the
-/// lowest a connection to the loopback reaches among its processes'
-/// listeners. `None` if it exits first, or none by `deadline`.
-async fn find_port(process: &Arc<ProcessWatch>, deadline: Instant) -> Option<u16> {
-    let pid = process.pid();
-    while Instant::now() < deadline {
-        let mut tree = crate::child::memory::group_members(pid);
-        tree.push(pid);
-        if let Some(cgroup) = process.cgroup() {
-            tree.extend(cgroup.members());
-        }
-        if let Some(port) = crate::child::ports::listening_ports_of(&tree).first() {
-            return Some(*port);
-        }
-        tokio::select! {
-            _ = process.exited() => return None,
-            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-        }
-    }
-    None
-}
-
-/// Where `prepared` runs a container (`podman run …`, a kind's
-/// `container`): its command becomes one start of it with berth's flags.
-fn container_start(
-    model: &str,
-    prepared: &mut upstream::Prepared,
-    gpus: Option<&[u32]>,
-) -> Result<Option<container::Container>> {
-    let argv: Vec<String> = std::iter::once(prepared.path.clone())
-        .chain(prepared.args.iter().cloned())
-        .collect();
-    let Some(run) = crate::config::RunCommand::parse(&argv) else {
-        return Ok(None);
-    };
-    let invalid = |reason| Error::InvalidSpec {
-        model: model.into(),
-        reason,
-    };
-    let run = run.map_err(invalid)?;
-    if !run.dropped.is_empty() {
-        tracing::info!(
-            model,
-            "the container's {} are berth's to give: its own are used",
-            run.dropped.join(", ")
-        );
-    }
-    let uuids: Vec<String> = gpus
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|&i| gpu::uuid(i))
-        .collect();
-    let host = container::Host::now();
-    let (container, args) =
-        container::Container::plan(model, &run, &uuids, &host).map_err(invalid)?;
-    tracing::info!(
-        model,
-        container = container.name,
-        image = run.image,
-        "starting a container"
-    );
-    prepared.args = args;
-    Ok(Some(container))
-}
-
-/// A failed start's container removed (its processes are already killed
-/// with the model's cgroup; the engine's record of it goes too).
-async fn remove_container(model: &str, container: Option<&container::Container>) {
-    if let Some(container) = container
-        && container.remove(model).await != container::Gone::Removed
-    {
-        tracing::warn!(
-            model,
-            container = container.name,
-            "the failed start's container may remain: `berth reap` removes it"
-        );
-    }
-}
-
-/// A server that did not get `phase` done within `timeout`: killed, what it
-/// started swept, and the load's error.
-async fn given_up(
-    process: &Arc<ProcessWatch>,
-    model: &str,
-    timeout: Duration,
-    phase: &'static str,
-) -> Error {
-    kill_and_reap(process).await;
-    crate::child::sweep::sweep_all(process).await;
-    Error::LoadTimeout {
-        model: model.into(),
-        pid: process.pid(),
-        timeout,
-        phase,
     }
 }

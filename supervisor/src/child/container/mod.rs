@@ -1,6 +1,6 @@
 //! A model's server in a container (`config/container.rs` takes the
 //! command apart): run with berth's own flags, stopped in order, proven
-//! gone, and swept when a berth that ran it died.
+//! gone, and swept when a berth that ran it died (`sweep.rs`).
 //!
 //! A container's processes are not the children of the `podman run`
 //! client berth starts: they hang from the engine's monitor (podman's
@@ -29,6 +29,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::config::{Engine, RunCommand};
+
+mod sweep;
+
+pub use sweep::sweep;
 
 /// The label naming the supervisor that ran a container.
 pub const OWNER_LABEL: &str = "berth.owner";
@@ -68,17 +72,6 @@ pub(crate) fn owner() -> String {
         "{pid}.{}",
         crate::child::orphans::start_time(pid).unwrap_or(0)
     )
-}
-
-/// Whether the supervisor an owner label names is alive.
-fn owner_alive(owner: &str) -> bool {
-    let Some((pid, start)) = owner.split_once('.') else {
-        return false;
-    };
-    let (Ok(pid), Ok(start)) = (pid.parse::<u32>(), start.parse::<u64>()) else {
-        return false;
-    };
-    crate::child::orphans::start_time(pid) == Some(start)
 }
 
 impl Container {
@@ -434,86 +427,6 @@ async fn exists(
     }
 }
 
-/// What a sweep found of one engine's containers.
-#[derive(Debug, Default)]
-pub struct Swept {
-    /// Containers of a berth no longer running, removed.
-    pub removed: Vec<String>,
-    /// Such containers the engine would not remove, with its words.
-    pub failed: Vec<(String, String)>,
-}
-
-/// Removes every container berth started (it carries the owner label)
-/// whose supervisor is no longer running: what a berth killed by SIGKILL
-/// left (its `conmon` and server outlive it where no systemd unit's cgroup
-/// takes them). Containers of a live berth are left alone.
-pub async fn sweep(program: &str) -> Result<Swept, String> {
-    let Some(engine) = Engine::of(program) else {
-        return Err(format!("{program} is not podman or docker"));
-    };
-    let filter = format!("label={OWNER_LABEL}");
-    let listed = run_engine(
-        program,
-        &[],
-        &["ps", "-a", "--filter", &filter, "--format", "{{.Names}}"],
-        ENGINE_TIMEOUT,
-    )
-    .await?;
-    if !listed.status.success() {
-        return Err(format!(
-            "`{program} ps` failed ({}): {}",
-            listed.status,
-            String::from_utf8_lossy(&listed.stderr).trim()
-        ));
-    }
-    let mut swept = Swept::default();
-    for name in String::from_utf8_lossy(&listed.stdout)
-        .split_whitespace()
-        .map(str::to_string)
-        .collect::<Vec<_>>()
-    {
-        let format = format!(
-            "{{{{index .Config.Labels \"{OWNER_LABEL}\"}}}} {{{{index .Config.Labels \"{CGROUP_LABEL}\"}}}}"
-        );
-        let inspected = run_engine(
-            program,
-            &[],
-            &["inspect", "--format", &format, &name],
-            ENGINE_TIMEOUT,
-        )
-        .await?;
-        let labels = String::from_utf8_lossy(&inspected.stdout).to_string();
-        let mut labels = labels.split_whitespace();
-        let (owner, cgroup) = (labels.next().unwrap_or(""), labels.next());
-        if !inspected.status.success() || owner_alive(owner) {
-            continue;
-        }
-        let removal = run_engine(program, &[], &["rm", "-f", &name], ENGINE_TIMEOUT).await?;
-        // What the engine left in the dead berth's cgroup for the model
-        // (its conmon, where the engine could not stop it), and the cgroup.
-        if let Some(dir) = cgroup.and_then(crate::child::limits::worker_cgroup_at)
-            && let Some(version) = crate::child::limits::is_worker_cgroup(&dir)
-        {
-            crate::child::limits::kill_cgroup(&dir, version);
-            for _ in 0..50 {
-                if crate::child::limits::remove_cgroup(&dir) {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-        match exists(program, &[], engine, &name).await {
-            Ok(false) => swept.removed.push(name),
-            Ok(true) => swept.failed.push((
-                name,
-                String::from_utf8_lossy(&removal.stderr).trim().to_string(),
-            )),
-            Err(e) => swept.failed.push((name, e)),
-        }
-    }
-    Ok(swept)
-}
-
 /// Fills the model's cgroup into a container's command line: `{cgroup}`
 /// becomes its path in its hierarchy and [`SPLIT`] podman's
 /// `--cgroups=split`; without a cgroup both arguments are left out (and
@@ -536,92 +449,4 @@ pub(crate) fn fill_cgroup(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn argv(line: &str) -> Vec<String> {
-        line.split_whitespace().map(String::from).collect()
-    }
-
-    /// Every start: berth's flags, a name of its own, the owner and model
-    /// labels, the mark, the cgroup, the GPUs by UUID; the operator's
-    /// options and the server's arguments as given.
-    #[test]
-    fn a_start_carries_berths_flags_and_a_name_of_its_own() {
-        let run = RunCommand::parse(&argv(
-            "podman --runtime=runc run --name mine --rm --network=host img:1 --port {port}",
-        ))
-        .unwrap()
-        .unwrap();
-        let gpus = vec!["GPU-1111".to_string(), "GPU-2222".to_string()];
-        let v1 = Host {
-            cgroup_v2: false,
-            runc: true,
-            nofile: Some(20000),
-            nproc: Some(32768),
-        };
-        let (first, args) = Container::plan("m/x", &run, &gpus, &v1).unwrap();
-        let (second, _) = Container::plan("m/x", &run, &gpus, &v1).unwrap();
-        assert_ne!(first.name, second.name);
-        assert!(first.name.starts_with("berth-m_x-"), "{}", first.name);
-        let line = args.join(" ");
-        for want in [
-            "--runtime=runc --cgroup-manager=cgroupfs run --rm --init --replace --sdnotify=ignore",
-            &format!("--name {}", first.name),
-            &format!("--label {OWNER_LABEL}={}", owner()),
-            &format!("--label {MODEL_LABEL}=m/x"),
-            "--env BERTH_WORKER_MARK",
-            "--label=berth.cgroup={cgroup}",
-            "--cgroup-parent={cgroup}",
-            "--ulimit=nofile=20000:20000 --ulimit=nproc=32768:32768",
-            "--device nvidia.com/gpu=GPU-1111 --device nvidia.com/gpu=GPU-2222",
-            "--network=host img:1 --port {port}",
-        ] {
-            assert!(line.contains(want), "{want:?} not in {line}");
-        }
-        assert!(!line.contains("mine"), "{line}");
-        assert!(owner_alive(&owner()));
-        assert!(!owner_alive("1.0") && !owner_alive("junk"));
-        // The command's own runtime is kept, no second one given.
-        assert_eq!(line.matches("--runtime").count(), 1, "{line}");
-        let v2 = Host {
-            cgroup_v2: true,
-            ..v1.clone()
-        };
-        let (_, args) = Container::plan("m", &run, &[], &v2).unwrap();
-        assert!(args.contains(&SPLIT.to_string()) && !args.join(" ").contains("cgroup-parent"));
-        // On a v1 host, runc where none is named; the command's limits kept.
-        let bare = RunCommand::parse(&argv("podman run --ulimit nofile=10:10 img"))
-            .unwrap()
-            .unwrap();
-        let (_, args) = Container::plan("m", &bare, &[], &v1).unwrap();
-        let line = args.join(" ");
-        assert!(line.contains("--runtime=runc"), "{line}");
-        assert!(
-            !line.contains("nofile=20000") && line.contains("--ulimit=nproc=32768:32768"),
-            "{line}"
-        );
-        let (_, args) = Container::plan("m", &bare, &[], &v2).unwrap();
-        assert!(!args.join(" ").contains("--runtime"));
-        let docker = RunCommand::parse(&argv("docker run img")).unwrap().unwrap();
-        let (_, d) = Container::plan("m", &docker, &gpus, &v1).unwrap();
-        let d = d.join(" ");
-        assert!(d.contains("--gpus \"device=GPU-1111,GPU-2222\""), "{d}");
-        assert!(!d.contains("--replace") && !d.contains("sdnotify"), "{d}");
-    }
-
-    #[test]
-    fn a_port_published_everywhere_is_published_on_the_loopback() {
-        let options = argv("-p {port}:8080 --publish=9000:80 -p 10.0.0.1:1:2 -v a:b");
-        assert_eq!(
-            loopback_only(&options),
-            argv("-p 127.0.0.1:{port}:8080 --publish=127.0.0.1:9000:80 -p 10.0.0.1:1:2 -v a:b")
-        );
-    }
-
-    #[test]
-    fn without_a_cgroup_its_arguments_are_left_out() {
-        let args = argv("run --cgroup-parent={cgroup} {cgroups=split} img");
-        assert_eq!(fill_cgroup(&args, None), argv("run img"));
-    }
-}
+mod tests;

@@ -142,6 +142,27 @@ struct Conn {
     idle_since: Option<Instant>,
 }
 
+impl Conn {
+    /// An HTTP/1 connection over `stream` (TCP or a unix socket), its
+    /// driver running on its own task.
+    async fn over<S>(stream: S) -> std::io::Result<Conn>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(std::io::Error::other)?;
+        let driver = tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(Conn {
+            sender,
+            driver,
+            idle_since: None,
+        })
+    }
+}
+
 /// How long a connection may wait in the pool: below the keep-alive of the
 /// servers berth runs (uvicorn's and llama.cpp's own 5 s), so a request is
 /// never written into a connection the server is closing.
@@ -276,36 +297,14 @@ impl Upstream {
     }
 
     async fn connect(&self) -> std::io::Result<Conn> {
-        let (sender, connection) = match &self.address {
+        match &self.address {
             Address::Tcp(addr) => {
                 let stream = tokio::net::TcpStream::connect(addr).await?;
                 let _ = stream.set_nodelay(true);
-                let (sender, connection) =
-                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
-                        .await
-                        .map_err(std::io::Error::other)?;
-                let driver = tokio::spawn(async move {
-                    let _ = connection.await;
-                });
-                (sender, driver)
+                Conn::over(stream).await
             }
-            Address::Unix(path) => {
-                let stream = tokio::net::UnixStream::connect(path).await?;
-                let (sender, connection) =
-                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
-                        .await
-                        .map_err(std::io::Error::other)?;
-                let driver = tokio::spawn(async move {
-                    let _ = connection.await;
-                });
-                (sender, driver)
-            }
-        };
-        Ok(Conn {
-            sender,
-            driver: connection,
-            idle_since: None,
-        })
+            Address::Unix(path) => Conn::over(tokio::net::UnixStream::connect(path).await?).await,
+        }
     }
 
     /// An idle connection from the pool, else a new one.
@@ -540,76 +539,4 @@ impl Drop for PooledBody {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn placeholders_are_filled_and_one_address_is_required() {
-        let args: Vec<String> = ["--model", "{model}", "--port", "{port}"]
-            .map(String::from)
-            .to_vec();
-        let prepared = prepare(
-            "server",
-            &args,
-            Some(Path::new("/models/x.gguf")),
-            None,
-            false,
-        )
-        .unwrap();
-        let Address::Tcp(addr) = &prepared.address else {
-            panic!("{:?}", prepared.address)
-        };
-        assert_eq!(
-            prepared.args,
-            [
-                "--model",
-                "/models/x.gguf",
-                "--port",
-                &addr.port().to_string()
-            ]
-        );
-        let socket = prepare(
-            "server",
-            &["--sock={socket}".to_string()],
-            None,
-            None,
-            false,
-        )
-        .unwrap();
-        let Address::Unix(path) = &socket.address else {
-            panic!()
-        };
-        assert_eq!(socket.args, [format!("--sock={}", path.display())]);
-        drop(socket);
-        let err = prepare("server", &["--port=8000".to_string()], None, None, false).unwrap_err();
-        assert!(err.contains("{port}"), "{err}");
-        let err = prepare(
-            "server",
-            &["{port}".into(), "{model}".into()],
-            None,
-            None,
-            false,
-        )
-        .unwrap_err();
-        assert!(err.contains("no `model` path"), "{err}");
-        // A fixed port fills `{port}` (or is named as it is); a server that
-        // finds its own port names none.
-        let free = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let fixed = prepare(
-            "server",
-            &["--port".into(), "{port}".into()],
-            None,
-            Some(free),
-            false,
-        )
-        .unwrap();
-        assert_eq!(fixed.args, ["--port".to_string(), free.to_string()]);
-        assert!(prepare("server", &[], None, None, true).is_ok());
-        let err = prepare("server", &["{port}".into()], None, None, true).unwrap_err();
-        assert!(err.contains("names no port"), "{err}");
-    }
-}
+mod tests;
