@@ -57,7 +57,7 @@ pub enum Error {
     #[error(
         "model `{model}`: the {phase} did not finish within {} and worker pid {pid} was killed; \
          raise the load timeout if the model is just slow",
-        humantime::format_duration(*.timeout)
+        crate::units::format_duration(*.timeout)
     )]
     LoadTimeout {
         model: String,
@@ -125,7 +125,11 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    #[error("no model `{model}` is registered{}", known_suffix(.known))]
+    #[error(
+        "no model `{}` is registered{}",
+        crate::input::quote(.model),
+        known_suffix(.known)
+    )]
     UnknownModel { model: String, known: Vec<String> },
 
     #[error(

@@ -25,6 +25,7 @@ mod error;
 pub mod fetch;
 pub mod gpu;
 mod heap;
+mod input;
 pub mod logs;
 mod report;
 mod server;
@@ -53,7 +54,7 @@ pub use supervisor::{
     Lease, MemoryHistory, ModelCounters, ModelSample, ModelState, ModelStatus, Occupancy,
     PreloaderStatus, RequestOptions, RequestStream, Supervisor, SwapReport,
 };
-pub use units::{mib, parse_bytes, parse_duration};
+pub use units::{format_duration, mib, parse_bytes, parse_duration};
 
 /// Memory as the kernel counts it, per process: what reports are made of.
 pub mod memory {

@@ -339,6 +339,10 @@ pub struct ReloadReport {
     /// `model: why` for each model a step failed for (a changed model
     /// whose swap failed keeps its old worker and spec).
     pub failed: Vec<String>,
+    /// The models of `failed`: kept as they were, and their steps tried
+    /// again at the next reload.
+    #[serde(default)]
+    pub pending: Vec<String>,
 }
 
 impl std::fmt::Display for ReloadReport {
@@ -367,7 +371,11 @@ impl std::fmt::Display for ReloadReport {
             )?;
         }
         if !self.failed.is_empty() {
-            write!(f, "; FAILED: {}", self.failed.join("; "))?;
+            write!(
+                f,
+                "; FAILED (kept as they were, tried again at the next reload): {}",
+                self.failed.join("; ")
+            )?;
         }
         Ok(())
     }

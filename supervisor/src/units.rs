@@ -15,6 +15,34 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         .map_err(|e| format!("`{text}` is not a duration ({e}); try 30s, 5m, 500ms"))
 }
 
+/// A duration as berth writes it, and reads it back: days, hours,
+/// minutes, seconds and what is below (`365d`, `1d 2h`, `5m 30s`,
+/// `1s 500ms`, `0s`). Never months or years, whose length a reader must
+/// guess (a year of days read `11months 30days 3h 50m 24s`).
+pub fn format_duration(d: Duration) -> String {
+    let secs = d.as_secs();
+    let nanos = d.subsec_nanos();
+    let parts = [
+        (secs / 86_400, "d"),
+        (secs / 3_600 % 24, "h"),
+        (secs / 60 % 60, "m"),
+        (secs % 60, "s"),
+        (u64::from(nanos / 1_000_000), "ms"),
+        (u64::from(nanos / 1_000 % 1_000), "us"),
+        (u64::from(nanos % 1_000), "ns"),
+    ];
+    let out: Vec<String> = parts
+        .iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, unit)| format!("{n}{unit}"))
+        .collect();
+    if out.is_empty() {
+        "0s".into()
+    } else {
+        out.join(" ")
+    }
+}
+
 /// Parses `2GiB`, `512MiB`, `1.5GB`, `4096`: binary (`KiB`, `MiB`, `GiB`,
 /// `TiB`) and decimal (`KB`, `MB`, `GB`, `TB`) units; a bare number is bytes.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
@@ -74,7 +102,7 @@ pub(crate) mod duration_opt {
 
     pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
         match d {
-            Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
+            Some(d) => s.serialize_str(&super::format_duration(*d)),
             None => s.serialize_none(),
         }
     }
@@ -171,6 +199,22 @@ mod tests {
         assert!(parse_duration("1e20").is_err());
         assert!(parse_duration("NaN").is_err());
         assert!(parse_duration("inf").is_err());
+    }
+
+    #[test]
+    fn durations_are_written_in_units_read_back() {
+        let year = Duration::from_secs(365 * 86_400);
+        assert_eq!(format_duration(year), "365d");
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1s 500ms");
+        assert_eq!(format_duration(Duration::ZERO), "0s");
+        for d in [
+            year,
+            Duration::from_secs(90_061),
+            Duration::from_nanos(1_000_001_001),
+            Duration::from_millis(1),
+        ] {
+            assert_eq!(parse_duration(&format_duration(d)).unwrap(), d);
+        }
     }
 
     #[test]

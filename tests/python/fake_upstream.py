@@ -112,6 +112,15 @@ class Handler(BaseHTTPRequestHandler):
         if isinstance(body, dict) and body.get("delay_ms"):
             time.sleep(float(body["delay_ms"]) / 1000)
         status = body.get("status", 200) if isinstance(body, dict) else 200
+        if isinstance(body, dict) and body.get("die_mid_body"):
+            # Promises 257 bytes, sends 100, and dies: an answer cut off.
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "257")
+            self.end_headers()
+            self.wfile.write(b"{" + b" " * 99)
+            self.wfile.flush()
+            os._exit(1)
         if isinstance(body, dict) and body.get("switch"):
             self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
                              b"Connection: Upgrade\r\n\r\n")

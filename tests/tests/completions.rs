@@ -184,3 +184,55 @@ fn what_berth_cannot_do_is_refused_with_a_status_naming_the_model() {
     );
     assert_eq!(status, 404, "{body}");
 }
+
+/// A prompt of 14.5 MB (under the default `max_body`), on both routes:
+/// refused as larger than the context can hold before it is tokenized, so
+/// the worker neither dies at its memory cap nor grows (it served a
+/// streamed answer meanwhile), and its pid is the same after.
+#[test]
+fn a_prompt_far_past_the_context_is_refused_before_it_is_tokenized() {
+    let server = server();
+    let (status, _) = server.post(
+        "/v1/completions",
+        json!({"model": "smollm2", "prompt": "Once", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+    let pid = |server: &Server| {
+        server
+            .ps()
+            .into_iter()
+            .find(|m| m["name"] == "smollm2")
+            .and_then(|m| m["pid"].as_u64())
+    };
+    let before = pid(&server).unwrap();
+    let rss_before = berth::memory::resident_bytes(before as u32).unwrap_or(0);
+    let huge = "word ".repeat(14_500_000 / 5);
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"model": "smollm2", "prompt": huge}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "smollm2", "messages": [{"role": "user", "content": huge}]}),
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let (status, reply) = server.post(path, body);
+        assert_eq!(status, 400, "{path}: {reply}");
+        assert_eq!(reply["error"]["code"], "input_too_large", "{reply}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{path} took {:?}",
+            started.elapsed()
+        );
+    }
+    assert_eq!(pid(&server), Some(before), "the worker died");
+    let rss_after = berth::memory::resident_bytes(before as u32).unwrap_or(0);
+    assert!(
+        rss_after < rss_before + (200 << 20),
+        "the worker grew from {} to {} MiB",
+        rss_before >> 20,
+        rss_after >> 20
+    );
+}

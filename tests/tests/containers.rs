@@ -299,3 +299,35 @@ fn a_containers_vram_is_counted_by_its_host_pids_and_proven_back() {
     assert_eq!(report["gpu_pid_gone"], true, "{report}");
     assert_eq!(report["container"]["removed"], true, "{report}");
 }
+
+/// SIGTERM while a container model loads (its server not ready yet): the
+/// start is called off, and berth exits with the container stopped and
+/// removed, as its shutdown promises for every container.
+#[test]
+fn sigterm_during_a_containers_load_leaves_no_container() {
+    let mut server = Server::start(&config("midload", "never-ready", "load_timeout = \"5m\""));
+    let url = server.url.clone();
+    let _loading = std::thread::spawn(move || {
+        let _ = ureq::post(format!("{url}/api/models/midload/load"))
+            .header("Content-Type", "application/json")
+            .send("{}");
+    });
+    assert!(
+        wait_for(Duration::from_secs(60), || containers("midload").len() == 1),
+        "the container did not start"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.pid() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(
+        server.wait_exit(Duration::from_secs(60)).is_some(),
+        "berth did not exit"
+    );
+    assert!(
+        wait_for(Duration::from_secs(10), || containers("midload").is_empty()),
+        "left: {:?}",
+        containers("midload")
+    );
+}

@@ -1,7 +1,8 @@
 //! The documentation holds together: every relative link in `README.md`,
 //! `docs/*.md` and `python/README.md` names a file that exists, every
 //! `#anchor` names a heading of its page by GitHub's slug, the README links
-//! every page of `docs/`, and the README stays a front page.
+//! every page of `docs/`, `docs/how-it-works.md` links every design
+//! document of `docs/internals/`, and the README stays a front page.
 //!
 //! Standard library only: a small Markdown reader that knows fenced code
 //! blocks, inline code spans, `[text](target)` links and ATX headings, which
@@ -24,15 +25,21 @@ fn repo_root() -> PathBuf {
 /// The pages whose links are checked: the README, every `docs/*.md`, and
 /// the Python package's README.
 fn pages(root: &Path) -> Vec<PathBuf> {
-    let mut docs: Vec<PathBuf> = fs::read_dir(root.join("docs"))
-        .expect("docs/ exists")
-        .map(|entry| entry.expect("docs/ is readable").path())
+    let mut pages = vec![root.join("README.md"), root.join("python/README.md")];
+    pages.extend(markdown_in(&root.join("docs")));
+    pages.extend(markdown_in(&root.join("docs/internals")));
+    pages
+}
+
+/// The `.md` files of one folder, sorted.
+fn markdown_in(dir: &Path) -> Vec<PathBuf> {
+    let mut docs: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|entry| entry.expect("the folder is readable").path())
         .filter(|path| path.extension().is_some_and(|ext| ext == "md"))
         .collect();
     docs.sort();
-    let mut pages = vec![root.join("README.md"), root.join("python/README.md")];
-    pages.extend(docs);
-    pages
+    docs
 }
 
 fn read(path: &Path) -> String {
@@ -401,6 +408,32 @@ fn the_readme_links_every_docs_page() {
     assert!(
         unlinked.is_empty(),
         "README.md's Documentation section does not link: {}",
+        unlinked.join(", ")
+    );
+}
+
+/// The design documents are reached from the developers' page: every
+/// `docs/internals/` page is linked from `docs/how-it-works.md`.
+#[test]
+fn how_it_works_links_every_internals_page() {
+    let root = repo_root();
+    let page = root.join("docs/how-it-works.md");
+    let linked: BTreeSet<PathBuf> = links(&read(&page))
+        .into_iter()
+        .filter(|(_, target)| !target.contains("://"))
+        .map(|(_, target)| {
+            root.join("docs")
+                .join(target.split('#').next().unwrap_or_default())
+        })
+        .collect();
+    let unlinked: Vec<String> = markdown_in(&root.join("docs/internals"))
+        .into_iter()
+        .filter(|page| !linked.contains(page))
+        .map(|page| shown(&root, &page))
+        .collect();
+    assert!(
+        unlinked.is_empty(),
+        "docs/how-it-works.md does not link: {}",
         unlinked.join(", ")
     );
 }

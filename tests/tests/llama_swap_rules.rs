@@ -271,3 +271,40 @@ worker = "by-name"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A JSON body sent to `/upstream/{model}/…` is the server's, not berth's:
+/// its `keep_alive` does not unload the model after a second. And a model
+/// named `unload` has berth's routes of its own: `POST
+/// /api/models/unload/infer` is its request, not an unload of a model
+/// named `infer`.
+#[test]
+fn upstream_bodies_are_the_servers_and_a_model_named_unload_keeps_berths_routes() {
+    let dir = daemon::temp_dir("llama-swap-hardening");
+    let fake = fake();
+    let yaml = format!(
+        "models:\n  unload:\n    cmd: {fake} --port ${{PORT}}\n  infer:\n    cmd: {fake} --port ${{PORT}}\n\
+         groups:\n  both:\n    swap: false\n    members: [unload, infer]\n"
+    );
+    let server = serve(&dir, &yaml, &[]);
+    let (status, reply) = server.post(
+        "/upstream/infer/v1/anything",
+        json!({"keep_alive": "1s", "plain": "ok"}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        running(&server).contains(&"infer".to_string()),
+        "{:?}",
+        running(&server)
+    );
+    // `unload` loaded; `infer` still running after berth's route for it.
+    let (status, reply) = server.post("/api/models/unload/load", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    let (status, reply) = server.post("/api/models/unload/infer", json!({"plain": "x"}));
+    assert_ne!(status, 404, "{reply}");
+    assert!(
+        running(&server).contains(&"infer".to_string()),
+        "{:?}",
+        running(&server)
+    );
+}

@@ -341,3 +341,21 @@ fn a_server_s_cookies_cors_and_protocol_switches_stop_at_berth() {
     let (status, _) = server.post("/v1/anything", json!({ "model": "fake" }));
     assert_eq!(status, 200);
 }
+
+/// A server that promises an answer's length, sends part of it and dies:
+/// the client gets berth's error for the server's death, whole, never a
+/// head promising bytes that do not come.
+#[test]
+fn an_answer_cut_off_by_the_servers_death_is_an_error_never_a_cut_body() {
+    let server = Server::start(&config("", "", ""));
+    let (status, reply) = server.post(
+        "/v1/embeddings",
+        json!({"model": "fake", "input": "x", "die_mid_body": true}),
+    );
+    assert_eq!(status, 502, "{reply}");
+    let code = reply["error"]["code"].as_str().unwrap_or_default();
+    assert!(
+        code == "upstream_broke_off" || code == "worker_died",
+        "{reply}"
+    );
+}

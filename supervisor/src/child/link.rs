@@ -29,7 +29,7 @@ pub(crate) enum Events {
 }
 
 /// What of a worker's wire an in-place upgrade hands over
-/// (`crate::upgrade`), kept aside close-on-exec while the worker runs: the
+/// (`crate::child::handover`), kept aside close-on-exec while the worker runs: the
 /// reader owns the live endpoint, and exec ends the reader.
 #[derive(Debug, Default)]
 pub(crate) struct WireFds {
@@ -40,7 +40,7 @@ pub(crate) struct WireFds {
 }
 
 /// Sets a handover's copy aside from `events`, and returns the events to
-/// read: an `ipc-channel` receiver captured and rebuilt (`upgrade::ipc`),
+/// read: an `ipc-channel` receiver captured and rebuilt (`child::handover::ipc`),
 /// or the stream wire's `socket` as it is.
 pub(crate) fn keep_for_handover(
     events: Events,

@@ -14,7 +14,7 @@
 //! spawn happens on one long-lived spawner thread: the process's main
 //! thread where the program installed it ([`main_thread_spawns`], as
 //! `berth` does), which also makes an in-place upgrade's `execve`
-//! (`crate::upgrade`) without ending the forking thread; else a thread of
+//! (`crate::daemon::upgrade`) without ending the forking thread; else a thread of
 //! its own, started at the first spawn (a library host).
 
 use std::io;
@@ -59,7 +59,7 @@ pub(crate) fn passthrough_env() -> impl Iterator<Item = (&'static str, String)> 
 }
 
 /// What the spawner thread does: start a worker, or replace the whole
-/// process image (an in-place upgrade, `crate::upgrade`).
+/// process image (an in-place upgrade, `crate::daemon::upgrade`).
 enum Job {
     Spawn(Command, oneshot::Sender<io::Result<Child>>),
     Exec(Exec, oneshot::Sender<io::Error>),
@@ -72,20 +72,15 @@ enum Job {
 /// `execve` ends every thread but its caller, so any other thread's exec
 /// would kill every worker.
 pub(crate) struct Exec {
-    /// The program: a path, or a descriptor of it (`fexecve`: a binary
-    /// replaced or removed on disk since it was opened).
-    pub program: ExecProgram,
+    /// A descriptor of the program (`fexecve`): the file opened and
+    /// checked, whatever has replaced or removed its path since.
+    pub program: RawFd,
     pub argv: Vec<std::ffi::CString>,
     pub env: Vec<std::ffi::CString>,
     /// Descriptors the new image inherits: close-on-exec is cleared on
     /// them right before the exec (never earlier, so no worker spawned
     /// meanwhile takes them), and set again if the exec fails.
     pub keep: Vec<RawFd>,
-}
-
-pub(crate) enum ExecProgram {
-    Path(std::ffi::CString),
-    Fd(RawFd),
 }
 
 fn spawner() -> &'static std_mpsc::Sender<Job> {
@@ -127,8 +122,33 @@ fn run_job(job: Job) -> bool {
     true
 }
 
+/// The signals that would end berth were they delivered across the exec
+/// (`execve` resets handled signals to their default action): blocked
+/// from just before the exec, so the new program finds them pending and
+/// handles them once its handlers are in (a mask survives `execve`).
+const HELD_ACROSS_EXEC: [libc::c_int; 2] = [libc::SIGHUP, libc::SIGUSR2];
+
+/// Blocks (or unblocks) [`HELD_ACROSS_EXEC`] in the calling thread.
+pub(crate) fn hold_reload_signals(hold: bool) {
+    // SAFETY: a sigset built with sigemptyset/sigaddset, applied to this
+    // thread's mask only.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for signal in HELD_ACROSS_EXEC {
+            libc::sigaddset(&mut set, signal);
+        }
+        let how = if hold {
+            libc::SIG_BLOCK
+        } else {
+            libc::SIG_UNBLOCK
+        };
+        libc::pthread_sigmask(how, &set, std::ptr::null_mut());
+    }
+}
+
 /// Replaces the process image; returns only on failure, with every kept
-/// descriptor close-on-exec again.
+/// descriptor close-on-exec again and the signals it held unblocked.
 fn exec_now(exec: &Exec) -> io::Error {
     let set_cloexec = |on: bool| {
         for &fd in &exec.keep {
@@ -141,15 +161,12 @@ fn exec_now(exec: &Exec) -> io::Error {
     let mut env: Vec<*const libc::c_char> = exec.env.iter().map(|e| e.as_ptr()).collect();
     env.push(std::ptr::null());
     set_cloexec(false);
+    hold_reload_signals(true);
     // SAFETY: argv and env are NUL-terminated arrays of C strings that
     // outlive the call; on success nothing after it runs.
-    unsafe {
-        match &exec.program {
-            ExecProgram::Path(path) => libc::execve(path.as_ptr(), argv.as_ptr(), env.as_ptr()),
-            ExecProgram::Fd(fd) => libc::fexecve(*fd, argv.as_ptr(), env.as_ptr()),
-        }
-    };
+    unsafe { libc::fexecve(exec.program, argv.as_ptr(), env.as_ptr()) };
     let error = io::Error::last_os_error();
+    hold_reload_signals(false);
     set_cloexec(true);
     error
 }
@@ -204,6 +221,16 @@ pub(crate) async fn exec(exec: Exec) -> io::Error {
         return io::Error::other("the spawner thread is gone");
     }
     rx.await
+        .unwrap_or_else(|_| io::Error::other("the spawner thread is gone"))
+}
+
+/// [`exec`] from a thread outside the async runtime (a watchdog's).
+pub(crate) fn exec_blocking(exec: Exec) -> io::Error {
+    let (reply, rx) = oneshot::channel();
+    if spawner().send(Job::Exec(exec, reply)).is_err() {
+        return io::Error::other("the spawner thread is gone");
+    }
+    rx.blocking_recv()
         .unwrap_or_else(|_| io::Error::other("the spawner thread is gone"))
 }
 

@@ -74,6 +74,8 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     // A container is removed by its engine (which kills what is left of
     // it), and its monitor given a moment to leave, before the cgroup is
     // swept: what the sweep finds then is what the engine left behind.
+    // Its id is read from its cidfile, which the removal deletes.
+    let id = container.and_then(|c| c.id());
     let removed = match container {
         Some(container) => {
             let gone = container.remove(worker.model()).await;
@@ -92,7 +94,7 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     let container = container.zip(removed).map(|(c, gone)| ContainerGone {
         engine: c.engine,
         name: c.name.clone(),
-        id: c.id(),
+        id: id.clone(),
         removed: gone == Gone::Removed,
         cgroup_empty: process.cgroup().map(|cg| cg.members().is_empty()),
         error: match gone {

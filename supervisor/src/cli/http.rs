@@ -30,6 +30,7 @@ pub struct Remote {
     pub(super) json: bool,
 }
 
+#[derive(Clone)]
 pub(super) struct Client {
     agent: ureq::Agent,
     remote: Remote,

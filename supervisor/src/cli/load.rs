@@ -37,10 +37,32 @@ pub fn unload(args: NameArgs) -> ExitCode {
     )
 }
 
-pub fn reload(remote: Remote) -> ExitCode {
-    let result = Client::new(&remote).post("/api/reload", None);
+#[derive(Debug, Args)]
+pub struct ReloadArgs {
+    /// Apply a config with no models, unloading and removing every model
+    /// (without it such a config is refused as a file caught half-written).
+    #[arg(long)]
+    pub allow_empty: bool,
+    #[command(flatten)]
+    pub remote: Remote,
+}
+
+pub fn reload(args: ReloadArgs) -> ExitCode {
+    let path = if args.allow_empty {
+        "/api/reload?allow_empty=true"
+    } else {
+        "/api/reload"
+    };
+    let result = Client::new(&args.remote).post(path, None);
+    let json = args.remote.json;
     done(
-        result.map(|v| report::<ReloadReport>(v, remote.json)),
-        remote.json,
+        result.map(|v| {
+            // Steps that failed were kept as they were: the reload is not
+            // whole, and the exit status says so.
+            let failed = v["failed"].as_array().is_some_and(|f| !f.is_empty());
+            let code = report::<ReloadReport>(v, json);
+            if failed { ExitCode::FAILURE } else { code }
+        }),
+        json,
     )
 }

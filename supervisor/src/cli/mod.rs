@@ -54,7 +54,7 @@ enum Commands {
     Unload(load::NameArgs),
     /// Make a running `berth serve` read its config again and apply it
     /// (as `SIGHUP` does), and print what changed.
-    Reload(http::Remote),
+    Reload(load::ReloadArgs),
     /// Replace a running `berth serve`'s own program with a new binary in
     /// place (`SIGUSR2` does the same): the same pid, every model still
     /// loaded, no request failed; prints how it went.
@@ -152,7 +152,7 @@ pub fn main() -> ExitCode {
             Commands::Events(args) => events::run(args),
             Commands::Load(args) => load::load(args),
             Commands::Unload(args) => load::unload(args),
-            Commands::Reload(remote) => load::reload(remote),
+            Commands::Reload(args) => load::reload(args),
             Commands::Upgrade(args) => upgrade::run(args),
             Commands::Swap(args) => swap::run(args),
             Commands::Embed(args) => embed::run(args),

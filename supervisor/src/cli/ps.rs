@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use berth::{ModelStatus, PreloaderStatus, WorkerStart, mib};
+use berth::{ModelState, ModelStatus, PreloaderStatus, WorkerStart, mib};
 
 use super::http::{Client, Remote};
 use super::output::{SIZE_WIDTH as W, done, list_or_dash};
@@ -52,11 +52,13 @@ pub fn run(remote: Remote) -> ExitCode {
                         .iter()
                         .map(|w| format!("{}: {}", m.name, w.message)),
                 );
+                // A keep-alive counts down only on a model that serves.
                 let until = match m.keep_alive_left_s {
+                    _ if m.state != ModelState::Ready => "-".to_string(),
                     None => "forever".to_string(),
                     Some(s) => format!(
                         "{} from now",
-                        humantime::format_duration(Duration::from_secs(s as u64))
+                        berth::format_duration(Duration::from_secs(s as u64))
                     ),
                 };
                 let mut line = format!(
@@ -96,7 +98,7 @@ pub fn run(remote: Remote) -> ExitCode {
                 };
                 println!(
                     "{line} {:>9} {:>9} {:>9} {batch:>6} {split:>15}  {until}",
-                    humantime::format_duration(Duration::from_secs(m.uptime_s as u64)).to_string(),
+                    berth::format_duration(Duration::from_secs(m.uptime_s as u64)).to_string(),
                     m.requests,
                     m.in_flight,
                 );
@@ -126,7 +128,7 @@ fn print_preloaders(preloaders: &[PreloaderStatus]) {
             ("ready", None) => "while its models are loaded".to_string(),
             ("ready", Some(s)) => format!(
                 "{} from now",
-                humantime::format_duration(Duration::from_secs(s as u64))
+                berth::format_duration(Duration::from_secs(s as u64))
             ),
             _ => p.reason.clone().unwrap_or_default(),
         };

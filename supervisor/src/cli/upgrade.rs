@@ -106,37 +106,52 @@ fn upgrade(args: &UpgradeArgs) -> Result<ExitCode, Failure> {
 /// exec). While the handover runs, requests wait in the backlog.
 fn wait_for_outcome(client: &Client, since: u64, wait: Duration) -> Result<Value, Failure> {
     let deadline = Instant::now() + wait;
+    let timed_out = || {
+        (
+            "timed_out".to_string(),
+            format!(
+                "the daemon did not say how the upgrade went within {}; see `berth events`",
+                berth::format_duration(wait)
+            ),
+        )
+    };
+    let client = std::sync::Arc::new(client.clone());
     loop {
-        let path = format!("/api/events?since={since}&follow=false");
-        if let Ok(reply) = client.send("GET", &path, None) {
-            let mut text = String::new();
-            let mut body = reply.body;
-            if body.read_to_string(&mut text).is_ok() {
-                for line in text.lines() {
-                    let Some(data) = line.strip_prefix("data: ") else {
-                        continue;
-                    };
-                    let Ok(event) = serde_json::from_str::<Value>(data) else {
-                        continue;
-                    };
-                    if matches!(
-                        event["type"].as_str(),
-                        Some("upgraded") | Some("upgrade_failed")
-                    ) {
-                        return Ok(event);
-                    }
-                }
-            }
+        // Each look runs beside the wait, which ends at the deadline
+        // however long a look takes (a connection held in the backlog
+        // while the handover runs, a slow answer).
+        let (tx, rx) = std::sync::mpsc::channel();
+        let looker = std::sync::Arc::clone(&client);
+        std::thread::spawn(move || {
+            let _ = tx.send(outcome_since(&looker, since));
+        });
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(Some(event)) => return Ok(event),
+            Ok(None) => {}
+            Err(_) => return Err(timed_out()),
         }
         if Instant::now() >= deadline {
-            return Err((
-                "timed_out".into(),
-                format!(
-                    "the daemon did not say how the upgrade went within {}; see `berth events`",
-                    humantime::format_duration(wait)
-                ),
-            ));
+            return Err(timed_out());
         }
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(200).min(deadline - Instant::now()));
     }
+}
+
+/// The upgrade's outcome among the events after `since`, if one is there.
+fn outcome_since(client: &Client, since: u64) -> Option<Value> {
+    let path = format!("/api/events?since={since}&follow=false");
+    let reply = client.send("GET", &path, None).ok()?;
+    let mut text = String::new();
+    let mut body = reply.body;
+    body.read_to_string(&mut text).ok()?;
+    text.lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .find(|event| {
+            matches!(
+                event["type"].as_str(),
+                Some("upgraded") | Some("upgrade_failed")
+            )
+        })
 }

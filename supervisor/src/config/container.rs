@@ -310,16 +310,22 @@ impl RunCommand {
             if !arg.starts_with('-') || arg == "-" {
                 break arg.clone();
             }
-            let (flag, inline) = match arg.split_once('=') {
-                Some((flag, _)) => (flag, true),
-                None => (arg.as_str(), false),
+            // A short flag with its value attached (`-p8080:80`,
+            // `-lkey=value`): taken apart, so it is checked as the long form.
+            let attached = short_with_value(arg);
+            let (flag, inline) = match (&attached, arg.split_once('=')) {
+                (Some((flag, _)), _) => (*flag, false),
+                (None, Some((flag, _))) => (flag, true),
+                (None, None) => (arg.as_str(), false),
             };
             if let Some((_, why)) = REFUSED.iter().find(|(f, _)| *f == flag) {
                 return Some(Err(format!(
                     "`{flag}` is not for a container berth runs: {why}"
                 )));
             }
-            let value = if !inline && WITH_VALUE.contains(&flag) {
+            let value = if let Some((_, value)) = &attached {
+                Some(value.to_string())
+            } else if !inline && WITH_VALUE.contains(&flag) {
                 match rest.next() {
                     Some(value) => Some(value.clone()),
                     None => return Some(Err(format!("`{flag}` wants a value"))),
@@ -331,8 +337,19 @@ impl RunCommand {
                 dropped.push(flag.to_string());
                 continue;
             }
-            options.push(arg.clone());
-            options.extend(value);
+            let given = value
+                .as_deref()
+                .or_else(|| arg.split_once('=').map(|(_, v)| v));
+            if let Err(e) = check_option(flag, given) {
+                return Some(Err(e));
+            }
+            match &attached {
+                Some((flag, value)) => options.extend([flag.to_string(), value.to_string()]),
+                None => {
+                    options.push(arg.clone());
+                    options.extend(value);
+                }
+            }
         };
         Some(Ok(RunCommand {
             program: program.clone(),
@@ -354,6 +371,47 @@ impl RunCommand {
                     && self.options.get(i + 1).is_some_and(|v| v == "host"))
         })
     }
+}
+
+/// The label keys berth sets on a container (`berth.owner`, `berth.model`,
+/// `berth.cgroup`): whoever else sets them could have a sweep take a live
+/// berth's container for a dead one's.
+const OWN_LABELS: &str = "berth.";
+
+/// A `run` option that may not be given: a label in berth's own namespace,
+/// a file of labels berth cannot check, a publication on every interface
+/// of every port.
+fn check_option(flag: &str, value: Option<&str>) -> Result<(), String> {
+    match flag {
+        "--label" | "-l" if value.is_some_and(|v| v.trim_start().starts_with(OWN_LABELS)) => {
+            Err(format!(
+                "`{flag} {}`: labels `{OWN_LABELS}*` are berth's own (they say which berth runs \
+                 a container, and what a sweep may remove); a command may not set them",
+                value.unwrap_or_default()
+            ))
+        }
+        "--label-file" => Err(
+            "`--label-file`: berth cannot check a file's labels against its own (`berth.*`); \
+             give each label with `--label KEY=VALUE`"
+                .into(),
+        ),
+        "-P" | "--publish-all" => Err(format!(
+            "`{flag}` publishes every port of the container on every interface; berth serves \
+             it on the loopback only: publish the server's port with `-p PORT` (or `-p \
+             HOST_PORT:PORT`), which berth binds to 127.0.0.1"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A short flag that takes a value, with the value attached (`-p8080:80`):
+/// the flag and the value.
+fn short_with_value(arg: &str) -> Option<(&str, &str)> {
+    if arg.starts_with("--") || arg.len() <= 2 || !arg.is_char_boundary(2) {
+        return None;
+    }
+    let (flag, value) = arg.split_at(2);
+    (WITH_VALUE.contains(&flag) && !value.starts_with('=')).then_some((flag, value))
 }
 
 /// Engine options before `run` that take the next argument as their value.
@@ -447,6 +505,35 @@ mod tests {
             .unwrap()
             .unwrap_err();
         assert!(err.contains("own cgroup"), "{err}");
+    }
+
+    /// A command may not set berth's own labels (a sweep would take a live
+    /// berth's container for a dead one's), give a file of labels berth
+    /// cannot check, or publish every port everywhere; an attached short
+    /// flag is checked as its long form.
+    #[test]
+    fn berths_labels_label_files_and_publish_all_are_refused() {
+        for command in [
+            "podman run --label berth.owner=1.2 img",
+            "podman run --label=berth.cgroup=/x img",
+            "docker run -l berth.model=m img",
+            "docker run -lberth.owner=9.9 img",
+            "podman run --label-file labels img",
+            "docker run -P img",
+            "docker run --publish-all img",
+        ] {
+            let err = RunCommand::parse(&argv(command))
+                .unwrap()
+                .expect_err(command);
+            assert!(
+                err.contains("berth") || err.contains("publishes"),
+                "{command}: {err}"
+            );
+        }
+        let run = RunCommand::parse(&argv("docker run -lteam=a -p18098:8080 img"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(run.options, argv("-l team=a -p 18098:8080"));
     }
 
     /// The native table stands for a command the parser reads back.

@@ -34,8 +34,8 @@ pub fn check_duration(field: &str, value: Option<Duration>) -> std::result::Resu
     match value {
         Some(d) if d > MAX_DURATION => Err(format!(
             "{field} {} is out of range: 0s to {}",
-            humantime::format_duration(d),
-            humantime::format_duration(MAX_DURATION)
+            crate::units::format_duration(d),
+            crate::units::format_duration(MAX_DURATION)
         )),
         _ => Ok(()),
     }

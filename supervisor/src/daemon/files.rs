@@ -4,32 +4,79 @@
 //! file's models and kinds merged in, and that file's API layer.
 
 use std::io::IsTerminal;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::Options;
 use super::config::ServeConfig;
 use super::llama_swap::{self, Migrated};
 use crate::config::ModelSpec;
 use crate::fetch::{DEFAULT_MODELS, fetch};
+use crate::input::{CONFIG_MAX, Stamp, quote_lines, read_text};
 use crate::server::{Listen, ServeOptions};
+
+/// The files' texts, each read once (bounded, regular files only:
+/// `crate::input`), so that what is checked is what is applied, and what
+/// an in-place upgrade hands over is what was applied.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Texts {
+    pub config: Option<(PathBuf, String)>,
+    pub llama_swap: Option<(PathBuf, String)>,
+}
+
+impl Texts {
+    /// The files `options` names, read now.
+    pub(crate) fn read(options: &Options) -> Result<Texts, String> {
+        // Read, then looked at again: a file that changed meanwhile (a save
+        // in progress) is not applied half-read.
+        let read = |path: &PathBuf, what: &str| -> Result<(PathBuf, String), String> {
+            let before = Stamp::of(path);
+            let text = read_text(path, CONFIG_MAX, what)?;
+            if Stamp::of(path) != before {
+                return Err(format!(
+                    "{what} `{}` changed while it was read (a save in progress?); nothing \
+                     changed: it is read again at its next change or reload",
+                    path.display()
+                ));
+            }
+            Ok((path.clone(), text))
+        };
+        Ok(Texts {
+            config: options
+                .config
+                .as_ref()
+                .map(|p| read(p, "the config"))
+                .transpose()?,
+            llama_swap: options
+                .llama_swap
+                .as_ref()
+                .map(|p| read(p, "the llama-swap config"))
+                .transpose()?,
+        })
+    }
+}
 
 /// The config files read and checked, as at start and at each reload: the
 /// config (the defaults without one), with a llama-swap file's models and
 /// kinds merged in, and that file's API layer.
 pub(super) fn read_files(options: &Options) -> Result<(ServeConfig, Option<Migrated>), String> {
-    let mut config = match &options.config {
-        Some(path) => {
-            let config = ServeConfig::read(path)?;
+    parse_files(&Texts::read(options)?)
+}
+
+/// [`read_files`] on texts read already.
+pub(super) fn parse_files(texts: &Texts) -> Result<(ServeConfig, Option<Migrated>), String> {
+    let mut config = match &texts.config {
+        Some((path, text)) => {
+            let config = ServeConfig::parse(text, path)?;
             fetch_named_defaults(&config.models, &config.models_root())?;
             config
                 .check()
-                .map_err(|e| format!("`{}`: {e}", path.display()))?;
+                .map_err(|e| format!("`{}`: {}", path.display(), quote_lines(&e)))?;
             config
         }
         None => ServeConfig::default(),
     };
-    let llama_swap = match &options.llama_swap {
-        Some(path) => Some(add_llama_swap(&mut config, path)?),
+    let llama_swap = match &texts.llama_swap {
+        Some((path, text)) => Some(add_llama_swap(&mut config, path, text)?),
         None => None,
     };
     Ok((config, llama_swap))
@@ -112,14 +159,13 @@ pub(super) fn default_catalogue(dir: &Path) -> Result<Vec<ModelSpec>, String> {
 
 /// Adds the models and rules of a llama-swap `config.yaml` to `config`,
 /// saying what of it berth does not honour; returns the rest of it.
-fn add_llama_swap(config: &mut ServeConfig, path: &Path) -> Result<Migrated, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+fn add_llama_swap(config: &mut ServeConfig, path: &Path, text: &str) -> Result<Migrated, String> {
     let mut migrated =
-        llama_swap::migrate(&text, &|name| std::env::var(name).ok()).map_err(|e| {
+        llama_swap::migrate(text, &|name| std::env::var(name).ok()).map_err(|e| {
             format!(
-                "`{}` is not a llama-swap config berth can read: {e}",
-                path.display()
+                "`{}` is not a llama-swap config berth can read: {}",
+                path.display(),
+                quote_lines(&e)
             )
         })?;
     for note in &migrated.notes {

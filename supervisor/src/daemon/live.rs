@@ -11,7 +11,7 @@ use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
 use super::notify::{monotonic_usec, notify};
-use super::reload::ReloadFn;
+use super::reload::{Ask, ReloadFn};
 use super::upgrade::Upgrades;
 use crate::report::ReloadReport;
 use crate::server::{Controls, ServeOptions, UpgradeAccepted, router};
@@ -66,7 +66,7 @@ impl Live {
 
     /// Reads the files again and applies them; `trigger` says what asked
     /// (`SIGHUP`, `POST /api/reload`, a file's change).
-    pub(crate) async fn reload(&self, trigger: &str) -> Result<ReloadReport, String> {
+    pub(crate) async fn reload(&self, trigger: &str, ask: Ask) -> Result<ReloadReport, String> {
         let Some(reload) = &self.reload else {
             return Err("there is no config file to reload".into());
         };
@@ -77,15 +77,18 @@ impl Live {
             "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=reloading the config ({trigger})",
             monotonic_usec()
         ));
-        let reloaded = reload().await;
+        let reloaded = reload(ask).await;
+        if let Ok((_, options)) = &reloaded {
+            self.serve(options);
+        }
+        // Once the new front door serves.
         notify("READY=1\nSTATUS=serving");
         match reloaded {
-            Ok((report, options)) => {
-                self.serve(&options);
+            Ok((report, _)) => {
                 tracing::info!(trigger, "{report}");
                 self.supervisor.emit(EventKind::ConfigReloaded {
                     trigger: trigger.to_string(),
-                    report: report.clone(),
+                    report: Box::new(report.clone()),
                 });
                 Ok(report)
             }
@@ -105,12 +108,16 @@ impl Live {
 }
 
 impl Controls for Live {
-    fn reload(&self, trigger: &'static str) -> BoxFuture<'_, Option<Result<ReloadReport, String>>> {
+    fn reload(
+        &self,
+        trigger: &'static str,
+        allow_empty: bool,
+    ) -> BoxFuture<'_, Option<Result<ReloadReport, String>>> {
         Box::pin(async move {
             if !self.reloads() {
                 return None;
             }
-            Some(Live::reload(self, trigger).await)
+            Some(Live::reload(self, trigger, Ask { allow_empty }).await)
         })
     }
 

@@ -25,7 +25,7 @@
 use std::path::PathBuf;
 
 pub mod config;
-mod files;
+pub(crate) mod files;
 mod live;
 mod llama_swap;
 mod notify;
@@ -67,6 +67,7 @@ pub struct Options {
 /// every worker back; that returns only if it cannot.
 pub async fn run(options: Options) -> Result<(), String> {
     let upgrading = upgrade::is_upgrade();
+    upgrade::watchdog(upgrade::serve_within());
     match start::start(options).await {
         Ok(()) => Ok(()),
         Err(message) if upgrading => {
@@ -86,10 +87,18 @@ pub fn check(options: &Options) -> Result<upgrade::CheckAnswer, String> {
 }
 
 /// Until the daemon's own handlers are in (a moment after start, and after
-/// each in-place upgrade's exec, which resets them), SIGHUP and SIGUSR2
-/// would end berth and every model with it: called before anything else,
-/// it ignores them meanwhile. Workers start with both at their defaults.
+/// each in-place upgrade's exec, which resets them to their defaults),
+/// SIGHUP and SIGUSR2 would end berth and every model with it: called
+/// before anything else, it makes them wait. A fresh start ignores them
+/// meanwhile; a program exec'd by an upgrade finds them blocked already
+/// (the old one blocked them right before its exec, and a mask survives
+/// it), so one sent across the exec is held, not lost, and handled once
+/// the handlers are in. Workers start with both at their defaults and
+/// unblocked.
 pub fn hold_reload_signals() {
+    if upgrade::is_upgrade() {
+        return;
+    }
     // SAFETY: setting a signal's disposition to SIG_IGN is always sound.
     unsafe {
         libc::signal(libc::SIGHUP, libc::SIG_IGN);

@@ -9,19 +9,68 @@
 //! that cannot are named. One event and one log line say what changed.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 
+use super::files::Texts;
 use crate::config::SupervisorConfig;
 use crate::daemon::config::ServeConfig;
+use crate::error::Error;
 use crate::report::ReloadReport;
 use crate::server::ServeOptions;
 use crate::supervisor::Supervisor;
 
+/// What a reload is asked with.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Ask {
+    /// A config with no models may replace one with some: every model is
+    /// then unloaded and deregistered. Without it such a config is taken
+    /// for a file caught half-written, and refused.
+    pub allow_empty: bool,
+}
+
 /// Reads the files again and applies them (the daemon's own, from
 /// `berth serve`): the report and the front door's new options.
-pub type ReloadFn =
-    Arc<dyn Fn() -> BoxFuture<'static, Result<(ReloadReport, ServeOptions), String>> + Send + Sync>;
+pub type ReloadFn = Arc<
+    dyn Fn(Ask) -> BoxFuture<'static, Result<(ReloadReport, ServeOptions), String>> + Send + Sync,
+>;
+
+/// The config in force: what the start or the last reload applied (a step
+/// that failed keeps what it would have changed as it was, so the next
+/// reload tries it again), and the files' texts it was read from, which an
+/// in-place upgrade hands over.
+#[derive(Debug)]
+pub(crate) struct Applied {
+    pub config: ServeConfig,
+    pub texts: Texts,
+}
+
+/// [`Applied`], shared by the reloads and the upgrade.
+pub(crate) type SharedApplied = Arc<tokio::sync::Mutex<Applied>>;
+
+/// How long a step whose model is busy (loading, swapping, being
+/// unloaded) waits for it to settle before the step is left pending.
+const BUSY_WAIT: Duration = Duration::from_secs(30);
+
+/// Refuses a config with no models where models are registered, unless
+/// asked: an empty file is a save caught between its truncation and its
+/// write far more often than an operator's wish.
+pub(crate) fn refuse_emptying(
+    old: &ServeConfig,
+    new: &ServeConfig,
+    ask: Ask,
+) -> Result<(), String> {
+    if ask.allow_empty || !new.models.is_empty() || old.models.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "the new config has no models, and {} are served from the files now (a file caught \
+         half-written, between its truncation and its write?); nothing changed. To remove \
+         every model, say so: `berth reload --allow-empty` (`POST /api/reload?allow_empty=true`)",
+        old.models.len()
+    ))
+}
 
 /// The settings a reload applies live, and those it names: the file's
 /// keys, compared by value.
@@ -83,38 +132,72 @@ fn models(old: &ServeConfig, new: &ServeConfig) -> ReloadReport {
 /// settings and worker kinds first (an added model may name a new kind),
 /// then the removed models, the added, the changed (one swap at a time,
 /// each make-before-break), and last the preloaded interpreters of the
-/// kinds that changed, once nothing forked from them is left.
+/// kinds that changed, once nothing forked from them is left. A step whose
+/// model is busy waits for it (at most [`BUSY_WAIT`]); a step that fails
+/// leaves its model as it was, named in `failed` and `pending`, and the
+/// config returned (what is now in force) keeps the model's old entry, so
+/// the next reload tries the step again.
 pub async fn apply(
     supervisor: &Supervisor,
     old: &ServeConfig,
     new: &ServeConfig,
     config: SupervisorConfig,
-) -> ReloadReport {
+) -> (ReloadReport, ServeConfig) {
     let mut report = models(old, new);
     (report.settings, report.restart_needed) = settings(old, new);
     let retired = supervisor.replace_config(config).await;
     let spec_of = |name: &str| new.models.iter().find(|m| m.name == name).cloned();
+    let mut failed = Vec::new();
     for name in &report.removed {
-        if let Err(e) = supervisor.deregister(name).await {
-            report.failed.push(format!("{name}: {e}"));
+        if let Err(e) = patiently(name, || supervisor.deregister(name)).await {
+            failed.push((name.clone(), e));
         }
     }
     for name in &report.added {
         let spec = spec_of(name).expect("an added model is in the new config");
         if let Err(e) = supervisor.register(spec) {
-            report.failed.push(format!("{name}: {e}"));
+            failed.push((name.clone(), e));
         }
     }
     for name in &report.changed {
         let spec = spec_of(name).expect("a changed model is in the new config");
-        if let Err(e) = supervisor.swap(spec).await {
-            report.failed.push(format!("{name}: {e}"));
+        if let Err(e) = patiently(name, || supervisor.swap(spec.clone())).await {
+            failed.push((name.clone(), e));
         }
     }
     for preloader in retired {
         preloader.stop().await;
     }
-    report
+    // What is in force: the new config, but the failed steps' models as
+    // they were.
+    let mut in_force = new.clone();
+    for (name, e) in failed {
+        in_force.models.retain(|m| m.name != name);
+        if let Some(was) = old.models.iter().find(|m| m.name == name) {
+            in_force.models.push(was.clone());
+        }
+        report.failed.push(format!("{name}: {e}"));
+        report.pending.push(name);
+    }
+    (report, in_force)
+}
+
+/// Runs `step` until it does not fail for its model being busy, or
+/// [`BUSY_WAIT`] has passed.
+async fn patiently<T, F>(model: &str, mut step: impl FnMut() -> F) -> Result<T, Error>
+where
+    F: std::future::Future<Output = Result<T, Error>>,
+{
+    let until = Instant::now() + BUSY_WAIT;
+    loop {
+        match step().await {
+            Err(Error::Busy { .. }) if Instant::now() < until => {
+                tracing::debug!(model, "the reload waits for the model to settle");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -123,6 +206,19 @@ mod tests {
 
     fn config(text: &str) -> ServeConfig {
         toml::from_str(text).unwrap()
+    }
+
+    /// A config with no models replaces one with some only when asked; an
+    /// empty one over an empty one, or one with models, is no question.
+    #[test]
+    fn an_emptying_config_is_refused_unless_asked() {
+        let some = config("[[model]]\nname = \"a\"\nbackend = \"echo\"\n");
+        let none = config("");
+        let err = refuse_emptying(&some, &none, Ask::default()).unwrap_err();
+        assert!(err.contains("--allow-empty"), "{err}");
+        assert!(refuse_emptying(&some, &none, Ask { allow_empty: true }).is_ok());
+        assert!(refuse_emptying(&none, &none, Ask::default()).is_ok());
+        assert!(refuse_emptying(&none, &some, Ask::default()).is_ok());
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use super::live::Live;
 use super::notify;
-use super::reload::ReloadFn;
+use super::reload::{Ask, ReloadFn, SharedApplied};
 use super::upgrade::{self, Upgrades};
 use crate::server::{ServeOptions, listen, refuse_open_door};
 use crate::supervisor::EventKind;
@@ -22,6 +22,9 @@ pub(crate) struct Extras {
     /// How to read the config again and apply it (`SIGHUP`, `POST
     /// /api/reload`); without it, there is nothing to reload.
     pub reload: Option<ReloadFn>,
+    /// The config in force and its texts (with a config file), which an
+    /// upgrade hands over.
+    pub applied: Option<SharedApplied>,
     /// Files whose change reloads the config (`--watch-config`).
     pub watch: Vec<PathBuf>,
     /// The server's state file: `berth upgrade --binary` leaves its
@@ -63,6 +66,11 @@ pub(crate) async fn serve_on(
         &options,
     );
     let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
+    // What an upgrade hands over besides the workers.
+    let served = upgrade::Served {
+        applied: extras.applied.clone(),
+        state_file: extras.state_file.clone(),
+    };
     tokio::spawn(signals(stop_tx, Arc::clone(&live), extras.state_file));
     if live.reloads() && !extras.watch.is_empty() {
         tokio::spawn(super::watch::watch_files(
@@ -88,57 +96,89 @@ pub(crate) async fn serve_on(
         std::process::id()
     ));
     tokio::spawn(notify::watchdog());
+    upgrade::serving();
     let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let connections = loop {
-        // Until a shutdown, or an upgrade whose binary passed its check:
-        // then no connection is accepted (new ones wait in the backlog), and
-        // open ones are told to close after their request.
+    let connections = listen::Connections::new(options.connections.max_connections);
+    loop {
+        // Until a shutdown, or an upgrade whose binary passed its check.
         let (pause_tx, pause) = tokio::sync::watch::channel(false);
-        let listening = listen::serve(&bound, app.clone(), options.connections, &closing, pause);
+        let listening = listen::serve(
+            &bound,
+            app.clone(),
+            options.connections,
+            &closing,
+            pause,
+            &connections,
+        );
         tokio::pin!(listening);
         // The accept loop ends only once paused; were it to end sooner,
         // that ends the serving too.
-        let mut ended = None;
-        let why = tokio::select! {
+        let checked = tokio::select! {
             _ = stop.wait_for(|s| *s) => None,
             Some(checked) = checked.recv() => Some(checked),
-            connections = &mut listening => {
-                ended = Some(connections);
+            () = &mut listening => None,
+        };
+        let Some(checked) = checked else {
+            let _ = pause_tx.send(true);
+            listening.await;
+            break;
+        };
+        // An upgrade. First, still accepting: answers say `Connection:
+        // close`, event streams end, and the connections open now are
+        // waited for; the new ones each serve one request. Past the wait,
+        // the upgrade is called off without new connections ever having
+        // waited.
+        supervisor.handing_over(true);
+        closing.store(true, std::sync::atomic::Ordering::SeqCst);
+        let older = connections.new_epoch();
+        let wait = supervisor.config().drain_timeout;
+        let drained = tokio::select! {
+            drained = connections.wait_closed_before(older, wait) => drained,
+            _ = stop.wait_for(|s| *s) => false,
+            () = &mut listening => false,
+        };
+        let called_off = if *stop.borrow() {
+            Some("berth was asked to stop".to_string())
+        } else if !drained {
+            Some(format!(
+                "{} connections were still open after {} (a long answer streaming?); nothing \
+                 changed: ask again when they are done",
+                connections.open_before(older),
+                crate::units::format_duration(wait)
+            ))
+        } else {
+            // Then accepting stops (new connections wait in the backlog
+            // for the new binary), and the last one-request connections
+            // finish.
+            let _ = pause_tx.send(true);
+            listening.await;
+            if connections.wait_closed(upgrade::LAST_REQUESTS).await {
                 None
+            } else {
+                Some(format!(
+                    "{} connections opened during the handover were still open after {} (a \
+                     stream begun meanwhile?); nothing changed: ask again",
+                    connections.open(),
+                    crate::units::format_duration(upgrade::LAST_REQUESTS)
+                ))
             }
-        };
-        if why.is_some() && ended.is_none() {
-            // An upgrade: answers say `Connection: close` for a moment
-            // before accepting stops, so that busy clients move to new
-            // connections, which wait in the backlog for the new binary.
-            supervisor.handing_over(true);
-            closing.store(true, std::sync::atomic::Ordering::SeqCst);
-            tokio::select! {
-                () = tokio::time::sleep(upgrade::SETTLE) => {}
-                connections = &mut listening => ended = Some(connections),
-            }
-        }
-        let _ = pause_tx.send(true);
-        let connections = match ended {
-            Some(connections) => connections,
-            None => listening.await,
-        };
-        let Some(checked) = why else {
-            break connections;
         };
         // Returns only when the upgrade was called off: serve on.
-        upgrade::hand_over(&supervisor, &bound, &connections, &checked, &stop).await;
+        upgrade::hand_over(&supervisor, &bound, &checked, &stop, &served, called_off).await;
         closing.store(false, std::sync::atomic::Ordering::SeqCst);
-    };
+        if *stop.borrow() {
+            break;
+        }
+    }
     drop(bound);
     supervisor.emit(EventKind::ServerDraining);
     notify::notify(&format!(
         "STOPPING=1\nSTATUS=draining requests (at most {}), then stopping every worker",
-        humantime::format_duration(supervisor.config().drain_timeout)
+        crate::units::format_duration(supervisor.config().drain_timeout)
     ));
     eprintln!(
         "berth: shutting down: draining requests (at most {}), then stopping every worker",
-        humantime::format_duration(supervisor.config().drain_timeout)
+        crate::units::format_duration(supervisor.config().drain_timeout)
     );
     // Each report is logged by the supervisor as the unload ends.
     for failed in supervisor
@@ -187,6 +227,9 @@ async fn signals(
         std::future::pending::<()>().await;
         return;
     };
+    // The handlers are in: what an upgrade's exec held (see
+    // `daemon::hold_reload_signals`) is delivered now, to this thread.
+    crate::child::spawn::hold_reload_signals(false);
     // SIGHUP reloads the config (its default action would end berth and
     // every model with it), at any time, draining included.
     let reloads = Arc::clone(&live);
@@ -195,7 +238,7 @@ async fn signals(
         while hup.recv().await.is_some() {
             if live.reloads() {
                 let live = Arc::clone(&live);
-                tokio::spawn(async move { live.reload("SIGHUP").await });
+                tokio::spawn(async move { live.reload("SIGHUP", Ask::default()).await });
             } else {
                 tracing::warn!("SIGHUP: no config file to reload; nothing changed");
             }
@@ -204,13 +247,21 @@ async fn signals(
     // SIGUSR2 upgrades in place (its default action would end berth).
     tokio::spawn(async move {
         while usr2.recv().await.is_some() {
-            let binary = match state_file.as_deref().map(upgrade::requested_binary) {
-                Some(Err(e)) => {
+            // Off the async threads: it opens and reads a file.
+            let requested = match state_file.clone() {
+                Some(state) => {
+                    tokio::task::spawn_blocking(move || upgrade::requested_binary(&state))
+                        .await
+                        .unwrap_or_else(|e| Err(format!("reading the request file failed: {e}")))
+                }
+                None => Ok(None),
+            };
+            let binary = match requested {
+                Err(e) => {
                     live.upgrades.refuse(&e);
                     continue;
                 }
-                Some(Ok(binary)) => binary,
-                None => None,
+                Ok(binary) => binary,
             };
             let upgrades = live.upgrades.clone();
             tokio::spawn(async move { upgrades.request("SIGUSR2", binary).await });

@@ -4,11 +4,12 @@
 //! or, exec'd by an in-place upgrade, the handed-over socket and workers.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use super::Options;
-use super::config::ServeConfig;
-use super::files::{default_catalogue, front_door, read_files, token_of};
-use super::reload::ReloadFn;
+use super::files::{Texts, default_catalogue, front_door, parse_files, token_of};
+use super::reload::{Applied, ReloadFn, SharedApplied, refuse_emptying};
 use super::serve::{Extras, serve_on};
 use super::upgrade::Takeover;
 use crate::child::orphans;
@@ -21,7 +22,25 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
     if options.watch_config && !has_files {
         return Err("--watch-config needs a config file (--config or --llama-swap)".into());
     }
-    let (config, mut llama_swap) = read_files(&options)?;
+    // Exec'd by an in-place upgrade: the previous berth's workers and
+    // listening socket are this one's, and so is what it served: the
+    // config's texts it had applied, its state file, its catalogue. An
+    // upgrade changes the binary and nothing else.
+    let takeover = Takeover::from_env().transpose()?;
+    // A fault for the upgrade's tests: a takeover that hangs on its way to
+    // serving, in the build whose mark the variable names (its watchdog
+    // then hands every worker back to the previous binary).
+    if takeover.is_some()
+        && std::env::var("BERTH_FAULT_TAKEOVER_HANG").is_ok_and(|m| m == crate::base::build_mark())
+    {
+        tracing::warn!("BERTH_FAULT_TAKEOVER_HANG: this takeover hangs, as asked");
+        std::future::pending::<()>().await;
+    }
+    let texts = match takeover.as_ref().and_then(Takeover::files) {
+        Some(texts) => texts,
+        None => Texts::read(&options)?,
+    };
+    let (config, mut llama_swap) = parse_files(&texts)?;
     let listen = Listen::parse(
         options
             .listen
@@ -31,13 +50,13 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
     )?;
     let token = token_of(&options, &config)?;
     let models_root = config.models_root();
-    // Exec'd by an in-place upgrade: the previous berth's workers and
-    // listening socket are this one's.
-    let takeover = Takeover::from_env().transpose()?;
-    let state_file = config
-        .state_file
-        .clone()
-        .unwrap_or_else(|| default_state_file(&listen));
+    let state_file = match takeover.as_ref().and_then(Takeover::state_file) {
+        Some(state_file) => state_file,
+        None => config
+            .state_file
+            .clone()
+            .unwrap_or_else(|| default_state_file(&listen)),
+    };
     // Before anything is read, written or started: this server's state
     // file must be its own.
     adopt_orphans(
@@ -47,7 +66,11 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
             .map(|t| t.worker_pids())
             .unwrap_or_default(),
     )?;
-    super::reap::sweep_engines(&config.container_engines()).await;
+    // The previous program swept at its start; a takeover holds new
+    // connections meanwhile, so it does not sweep again.
+    if takeover.is_none() {
+        super::reap::sweep_engines(&config.container_engines()).await;
+    }
     let worker = options.worker.clone();
     let supervisor = Supervisor::new(config.supervisor_config(worker.clone(), models_root.clone()));
     match supervisor.check_workers() {
@@ -59,10 +82,10 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
         }
         Err(e) => return Err(format!("cannot start workers: {e}")),
     }
-    let models = if has_files {
-        config.models.clone()
-    } else {
-        default_catalogue(&models_root)?
+    let models = match takeover.as_ref().and_then(Takeover::catalogue) {
+        Some(catalogue) => catalogue,
+        None if has_files => config.models.clone(),
+        None => default_catalogue(&models_root)?,
     };
     for spec in models {
         let name = spec.name.clone();
@@ -75,14 +98,17 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
     refuse_open_door(&front)?;
     let mut extras = Extras {
         reload: None,
+        applied: None,
         watch: Vec::new(),
         state_file: Some(state_file),
     };
     if has_files {
+        let applied = Arc::new(tokio::sync::Mutex::new(Applied { config, texts }));
+        extras.applied = Some(Arc::clone(&applied));
         extras.reload = Some(reloader(
             &options,
             &supervisor,
-            config,
+            applied,
             listen.clone(),
             worker,
         ));
@@ -117,34 +143,47 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
     serve_on(supervisor, front, extras, bound, None).await
 }
 
+/// How long a reload may take to read and check the files: a disk that
+/// hangs, or a config that names models to fetch, must not hold every
+/// later reload for good.
+const READ_BOUND: Duration = Duration::from_secs(120);
+
 /// How the daemon reloads (`SIGHUP`, `berth reload`, `--watch-config`):
 /// the files read and checked as at start, the worker kinds probed, and
 /// only then the change applied over `applied`, the config in force.
 fn reloader(
     options: &Options,
     supervisor: &Supervisor,
-    applied: ServeConfig,
+    applied: SharedApplied,
     listen: Listen,
     worker: (Option<PathBuf>, Vec<String>),
 ) -> ReloadFn {
-    let applied = std::sync::Arc::new(tokio::sync::Mutex::new(applied));
     let (options, supervisor) = (options.clone(), supervisor.clone());
-    std::sync::Arc::new(move || {
+    Arc::new(move |ask| {
         let (options, supervisor, applied) = (options.clone(), supervisor.clone(), applied.clone());
         let (listen, worker) = (listen.clone(), worker.clone());
         Box::pin(async move {
             let mut applied = applied.lock().await;
-            let (config, mut llama_swap, new) = tokio::task::spawn_blocking(move || {
-                let (config, llama_swap) = read_files(&options)?;
+            let read = tokio::task::spawn_blocking(move || {
+                let texts = Texts::read(&options)?;
+                let (config, llama_swap) = parse_files(&texts)?;
                 let token = token_of(&options, &config)?;
                 let new = config.supervisor_config(worker, config.models_root());
                 new.check_workers()
                     .map_err(|e| format!("cannot start workers: {e}"))?;
-                Ok::<_, String>(((config, token), llama_swap, new))
-            })
-            .await
-            .map_err(|e| format!("the reload's reading of the files failed: {e}"))??;
-            let (config, token) = config;
+                Ok::<_, String>(((config, token, texts), llama_swap, new))
+            });
+            let ((config, token, texts), mut llama_swap, new) =
+                tokio::time::timeout(READ_BOUND, read)
+                    .await
+                    .map_err(|_| {
+                        format!(
+                            "reading and checking the files took over {}; nothing changed",
+                            crate::units::format_duration(READ_BOUND)
+                        )
+                    })?
+                    .map_err(|e| format!("the reload's reading of the files failed: {e}"))??;
+            refuse_emptying(&applied.config, &config, ask)?;
             let options = front_door(&config, listen.clone(), token, llama_swap.as_mut());
             if !listen.is_private() && options.token.is_none() && options.api_keys.is_empty() {
                 return Err(format!(
@@ -153,8 +192,12 @@ fn reloader(
                      127.0.0.1)"
                 ));
             }
-            let report = super::reload::apply(&supervisor, &applied, &config, new).await;
-            *applied = config;
+            let (report, in_force) =
+                super::reload::apply(&supervisor, &applied.config, &config, new).await;
+            *applied = Applied {
+                config: in_force,
+                texts,
+            };
             Ok((report, options))
         })
     })

@@ -17,8 +17,13 @@ pub struct UpgradeAccepted {
 /// The daemon's answers to the management API.
 pub trait Controls: Send + Sync {
     /// Reads the config files again and applies them; `None` when the
-    /// daemon has no config file to read.
-    fn reload(&self, trigger: &'static str) -> BoxFuture<'_, Option<Result<ReloadReport, String>>>;
+    /// daemon has no config file to read. `allow_empty`: a config with no
+    /// models may replace one with some.
+    fn reload(
+        &self,
+        trigger: &'static str,
+        allow_empty: bool,
+    ) -> BoxFuture<'_, Option<Result<ReloadReport, String>>>;
 
     /// Checks the binary berth was started from, as the file is now, and
     /// hands it to the serve loop; `Err` says why not, and nothing changed.

@@ -205,17 +205,98 @@ fn bind_unix(path: &Path) -> Result<Bound, String> {
     })
 }
 
-/// The connections being served; [`Connections::wait_closed`] waits for
-/// them to end.
+/// The connections being served, across the accept loops of the server's
+/// life; [`Connections::wait_closed`] waits for them to end. Each is
+/// counted under the epoch it was accepted in, so an upgrade can wait for
+/// the connections older than its start to finish while it still accepts
+/// (the newer ones are told to close after one request).
 #[derive(Debug, Clone)]
 pub struct Connections {
     slots: Arc<Semaphore>,
     max: usize,
+    epoch: Arc<std::sync::atomic::AtomicU64>,
+    by_epoch: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, usize>>>,
+}
+
+/// One connection's place in [`Connections`], given back when dropped.
+struct Held {
+    _slot: tokio::sync::OwnedSemaphorePermit,
+    epoch: u64,
+    by_epoch: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, usize>>>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut by = self.by_epoch.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = by.get_mut(&self.epoch) {
+            *n -= 1;
+            if *n == 0 {
+                by.remove(&self.epoch);
+            }
+        }
+    }
 }
 
 impl Connections {
+    /// Room for `max` connections at once.
+    pub fn new(max: usize) -> Connections {
+        Connections {
+            slots: Arc::new(Semaphore::new(max)),
+            max,
+            epoch: Arc::default(),
+            by_epoch: Arc::default(),
+        }
+    }
+
     pub fn open(&self) -> usize {
         self.max - self.slots.available_permits()
+    }
+
+    /// A slot for a new connection, counted in the current epoch; `None`
+    /// at the cap.
+    fn hold(&self) -> Option<Held> {
+        let slot = Arc::clone(&self.slots).try_acquire_owned().ok()?;
+        let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst);
+        *self
+            .by_epoch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(epoch)
+            .or_default() += 1;
+        Some(Held {
+            _slot: slot,
+            epoch,
+            by_epoch: Arc::clone(&self.by_epoch),
+        })
+    }
+
+    /// Starts a new epoch: connections accepted from now on are counted
+    /// apart from those open now. Returns it.
+    pub fn new_epoch(&self) -> u64 {
+        self.epoch.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1
+    }
+
+    /// The connections open that were accepted before epoch `epoch`.
+    pub fn open_before(&self, epoch: u64) -> usize {
+        self.by_epoch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .range(..epoch)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// True once every connection accepted before `epoch` has closed,
+    /// false if `timeout` passed first.
+    pub async fn wait_closed_before(&self, epoch: u64, timeout: Duration) -> bool {
+        let until = tokio::time::Instant::now() + timeout;
+        while self.open_before(epoch) > 0 {
+            if tokio::time::Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
     }
 
     /// True once every connection has closed, false if `timeout` passed first.
@@ -244,20 +325,17 @@ fn refusal(max: usize) -> Vec<u8> {
     .into_bytes()
 }
 
-/// Accepts and serves connections until `stop` turns true, then tells every
-/// open connection to finish its request and close, and returns the
-/// connections so the caller can wait for them as long as it chooses.
+/// Accepts and serves connections (counted in `connections`) until `stop`
+/// turns true, then tells every open connection to finish its request and
+/// close; the caller waits for them as long as it chooses.
 pub async fn serve(
     bound: &Bound,
     app: watch::Receiver<Router>,
     limits: ConnectionLimits,
     closing: &Arc<std::sync::atomic::AtomicBool>,
     mut stop: watch::Receiver<bool>,
-) -> Connections {
-    let connections = Connections {
-        slots: Arc::new(Semaphore::new(limits.max_connections)),
-        max: limits.max_connections,
-    };
+    connections: &Connections,
+) {
     let refusal = refusal(limits.max_connections);
     loop {
         let accepted = tokio::select! {
@@ -277,7 +355,7 @@ pub async fn serve(
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&connections.slots).try_acquire_owned() else {
+        let Some(slot) = connections.hold() else {
             stream.refuse(&refusal);
             continue;
         };
@@ -290,7 +368,6 @@ pub async fn serve(
             drop(slot);
         });
     }
-    connections
 }
 
 enum Stream {

@@ -182,15 +182,18 @@ fn spec_over(
         && given != name
     {
         return Err(ApiError::bad_request(format!(
-            "the body names model `{given}` but the path names `{name}`"
+            "the body names model `{}` but the path names `{}`",
+            crate::input::quote(given),
+            crate::input::quote(name)
         )));
     }
     object.insert("name".into(), Value::String(name.into()));
     serde_path_to_error::deserialize(value).map_err(|e| {
         ApiError::bad_request(format!(
-            "model `{name}`: invalid spec: {}: {}",
-            e.path(),
-            e.inner()
+            "model `{}`: invalid spec: {}: {}",
+            crate::input::quote(name),
+            crate::input::quote(&e.path().to_string()),
+            crate::input::quote(&e.inner().to_string())
         ))
     })
 }
@@ -275,9 +278,22 @@ pub async fn swap(
     Ok(Json(json!(app.supervisor.swap_with(spec, load).await?)))
 }
 
+/// `POST /api/reload`'s query.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReloadQuery {
+    /// A config with no models may replace one with some (every model is
+    /// then unloaded and deregistered).
+    #[serde(default)]
+    allow_empty: bool,
+}
+
 /// Reads the config files again and applies them (as `SIGHUP` does): what
 /// changed, or why nothing did.
-pub async fn reload(State(app): State<AppState>) -> Result<Json<Value>, ApiError> {
+pub async fn reload(
+    State(app): State<AppState>,
+    axum::extract::Query(query): axum::extract::Query<ReloadQuery>,
+) -> Result<Json<Value>, ApiError> {
     let no_config = || {
         ApiError::new(
             StatusCode::CONFLICT,
@@ -289,7 +305,7 @@ pub async fn reload(State(app): State<AppState>) -> Result<Json<Value>, ApiError
     let Some(controls) = app.controls.as_ref().and_then(std::sync::Weak::upgrade) else {
         return Err(no_config());
     };
-    match controls.reload("POST /api/reload").await {
+    match controls.reload("POST /api/reload", query.allow_empty).await {
         None => Err(no_config()),
         Some(Ok(report)) => Ok(Json(json!(report))),
         Some(Err(why)) => Err(ApiError::new(

@@ -1,6 +1,7 @@
 //! `/metrics`: the supervisor's counters and state as Prometheus text.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::gpu::DeviceStatus;
@@ -27,182 +28,297 @@ type HistogramFamily = (
     fn(&ModelCounters) -> HistogramSnapshot,
 );
 
-/// The supervisor's state as Prometheus text exposition.
-pub fn render(supervisor: &Supervisor) -> String {
-    let counters = supervisor.counters();
-    // One NVML reading for the workers' VRAM and the devices' gauges.
-    let inventory = crate::gpu::inventory();
-    let stats = supervisor.stats_on(&inventory);
-    let mut out = String::new();
-    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    };
-    let simple: [Counter; 8] = [
-        ("berth_requests_total", "Requests sent to the model.", |c| {
-            c.requests.load(Ordering::Relaxed)
-        }),
-        ("berth_request_errors_total", "Requests that failed.", |c| {
-            c.errors.load(Ordering::Relaxed)
-        }),
-        ("berth_loads_total", "Workers loaded for the model.", |c| {
-            c.loads.load(Ordering::Relaxed)
-        }),
-        (
-            "berth_unloads_total",
-            "Workers stopped for the model.",
-            |c| c.unloads.load(Ordering::Relaxed),
-        ),
-        (
-            "berth_restarts_total",
-            "Workers restarted after a crash.",
-            |c| c.restarts.load(Ordering::Relaxed),
-        ),
-        (
-            "berth_recycles_total",
-            "Workers replaced for crossing max_rss or max_requests.",
-            |c| c.recycles.load(Ordering::Relaxed),
-        ),
-        (
-            "berth_reclaimed_bytes_total",
-            "Anonymous memory confirmed returned by unloads.",
-            |c| c.reclaimed_bytes.load(Ordering::Relaxed),
-        ),
-        (
-            "berth_gpu_reclaimed_bytes_total",
-            "Device memory confirmed returned by unloads (NVML).",
-            |c| c.gpu_reclaimed_bytes.load(Ordering::Relaxed),
-        ),
-    ];
-    for (name, help, get) in simple {
-        family(&mut out, name, "counter", help);
-        for (model, c) in &counters {
-            let _ = writeln!(out, "{name}{{model=\"{}\"}} {}", escape(model), get(c));
+const COUNTERS: [Counter; 8] = [
+    ("berth_requests_total", "Requests sent to the model.", |c| {
+        c.requests.load(Ordering::Relaxed)
+    }),
+    ("berth_request_errors_total", "Requests that failed.", |c| {
+        c.errors.load(Ordering::Relaxed)
+    }),
+    ("berth_loads_total", "Workers loaded for the model.", |c| {
+        c.loads.load(Ordering::Relaxed)
+    }),
+    (
+        "berth_unloads_total",
+        "Workers stopped for the model.",
+        |c| c.unloads.load(Ordering::Relaxed),
+    ),
+    (
+        "berth_restarts_total",
+        "Workers restarted after a crash.",
+        |c| c.restarts.load(Ordering::Relaxed),
+    ),
+    (
+        "berth_recycles_total",
+        "Workers replaced for crossing max_rss or max_requests.",
+        |c| c.recycles.load(Ordering::Relaxed),
+    ),
+    (
+        "berth_reclaimed_bytes_total",
+        "Anonymous memory confirmed returned by unloads.",
+        |c| c.reclaimed_bytes.load(Ordering::Relaxed),
+    ),
+    (
+        "berth_gpu_reclaimed_bytes_total",
+        "Device memory confirmed returned by unloads (NVML).",
+        |c| c.gpu_reclaimed_bytes.load(Ordering::Relaxed),
+    ),
+];
+
+/// The counter only a machine with GPUs has.
+const GPU_ONLY: &str = "berth_gpu_reclaimed_bytes_total";
+
+const HISTOGRAMS: [HistogramFamily; 4] = [
+    (
+        "berth_request_duration_seconds",
+        "Request latency, queueing included.",
+        &LATENCY_BUCKETS,
+        |c| c.latency.snapshot(),
+    ),
+    (
+        "berth_request_queue_seconds",
+        "Of a request's time, the part spent waiting (for a slot, a load, its batch), as its worker reported its compute.",
+        &LATENCY_BUCKETS,
+        |c| c.queue.snapshot(),
+    ),
+    (
+        "berth_request_compute_seconds",
+        "Of a request's time, the part the backend spent on its batch.",
+        &LATENCY_BUCKETS,
+        |c| c.compute.snapshot(),
+    ),
+    (
+        "berth_batch_size",
+        "Requests that ran together in each request's batch.",
+        &BATCH_BUCKETS,
+        |c| c.batch.snapshot(),
+    ),
+];
+
+const WORKER_GAUGES: [WorkerGauge; 3] = [
+    (
+        "berth_worker_rss_bytes",
+        "Resident memory of the model's worker.",
+        |s| Some(s.rss_bytes),
+    ),
+    (
+        "berth_worker_private_bytes",
+        "Resident memory only the model's worker maps: what its exit gives back.",
+        |s| Some(s.private_bytes),
+    ),
+    (
+        "berth_worker_vram_bytes",
+        "Device memory the model's worker holds (NVML).",
+        |s| s.vram_bytes,
+    ),
+];
+
+/// Models one piece of the text holds: a scrape of thousands of models is
+/// written out a piece at a time, as its reader takes it, so a slow reader
+/// holds one piece, not the whole text.
+const MODELS_A_PIECE: usize = 64;
+
+/// One family of per-model series, as the pieces walk them.
+#[derive(Clone, Copy)]
+enum Family {
+    Counter(Counter),
+    /// Left out for models that never served: their buckets are all zero,
+    /// and they were most of the text.
+    Histogram(HistogramFamily),
+    Worker(WorkerGauge),
+    PeakRss,
+    QueueDepth,
+    InFlight,
+}
+
+/// What one scrape reads, taken at once (the procfs and NVML reads), then
+/// written out piece by piece ([`Snapshot::pieces`]).
+pub struct Snapshot {
+    counters: Vec<(String, Arc<ModelCounters>)>,
+    stats: Vec<ModelStatus>,
+    families: Vec<Family>,
+    /// The families not per model (the gateway's gauges, the preloaders',
+    /// the devices'): small, written whole.
+    tail: String,
+}
+
+impl Snapshot {
+    /// Reads the supervisor's counters and state now. Blocking (procfs,
+    /// NVML): call it off the async threads.
+    pub fn take(supervisor: &Supervisor) -> Snapshot {
+        let counters = supervisor.counters();
+        // One NVML reading for the workers' VRAM and the devices' gauges.
+        let inventory = crate::gpu::inventory();
+        let on_gpu = matches!(inventory, crate::gpu::Inventory::Devices(_));
+        let stats = supervisor.stats_on(&inventory);
+        let mut families: Vec<Family> = COUNTERS
+            .into_iter()
+            .filter(|(name, _, _)| on_gpu || *name != GPU_ONLY)
+            .map(Family::Counter)
+            .collect();
+        families.extend(HISTOGRAMS.into_iter().map(Family::Histogram));
+        families.extend(WORKER_GAUGES.into_iter().map(Family::Worker));
+        families.extend([Family::PeakRss, Family::QueueDepth, Family::InFlight]);
+        let mut tail = String::new();
+        family(
+            &mut tail,
+            "berth_models_loaded",
+            "gauge",
+            "Models with a worker.",
+        );
+        let _ = writeln!(tail, "berth_models_loaded {}", stats.len());
+        render_occupancy(&mut tail, &supervisor.occupancy_on(&inventory));
+        render_preloaders(&mut tail, &supervisor.preloaders());
+        render_gpus(&mut tail, &supervisor.gpus_on(inventory));
+        Snapshot {
+            counters,
+            stats,
+            families,
+            tail,
         }
     }
-    let histograms: [HistogramFamily; 4] = [
-        (
-            "berth_request_duration_seconds",
-            "Request latency, queueing included.",
-            &LATENCY_BUCKETS,
-            |c| c.latency.snapshot(),
-        ),
-        (
-            "berth_request_queue_seconds",
-            "Of a request's time, the part spent waiting (for a slot, a load, its batch), as its worker reported its compute.",
-            &LATENCY_BUCKETS,
-            |c| c.queue.snapshot(),
-        ),
-        (
-            "berth_request_compute_seconds",
-            "Of a request's time, the part the backend spent on its batch.",
-            &LATENCY_BUCKETS,
-            |c| c.compute.snapshot(),
-        ),
-        (
-            "berth_batch_size",
-            "Requests that ran together in each request's batch.",
-            &BATCH_BUCKETS,
-            |c| c.batch.snapshot(),
-        ),
-    ];
-    for (name, help, bounds, get) in histograms {
-        family(&mut out, name, "histogram", help);
-        for (model, c) in &counters {
-            let m = escape(model);
-            let h = get(c);
-            for (bound, bucket) in bounds.iter().zip(&h.buckets) {
-                let _ = writeln!(
-                    out,
-                    "{name}_bucket{{model=\"{m}\",le=\"{bound}\"}} {bucket}"
-                );
+
+    /// The text, piece by piece, each written when it is asked for.
+    pub fn pieces(mut self) -> impl Iterator<Item = String> + Send {
+        let (mut family, mut offset) = (0, 0);
+        let mut tail = Some(std::mem::take(&mut self.tail));
+        let snapshot = self;
+        std::iter::from_fn(move || {
+            let Some(which) = snapshot.families.get(family).copied() else {
+                return tail.take();
+            };
+            let mut out = String::new();
+            let items = snapshot.write(which, offset, &mut out);
+            offset += MODELS_A_PIECE;
+            if offset >= items {
+                family += 1;
+                offset = 0;
             }
-            let count = h.count;
-            let _ = writeln!(out, "{name}_bucket{{model=\"{m}\",le=\"+Inf\"}} {count}");
-            let _ = writeln!(out, "{name}_sum{{model=\"{m}\"}} {}", h.sum);
-            let _ = writeln!(out, "{name}_count{{model=\"{m}\"}} {count}");
+            Some(out)
+        })
+    }
+
+    /// Writes `which`'s header (at offset 0) and its series for the models
+    /// from `offset`, at most [`MODELS_A_PIECE`]; returns how many models
+    /// the family walks.
+    fn write(&self, which: Family, offset: usize, out: &mut String) -> usize {
+        let counters = || self.counters.iter().skip(offset).take(MODELS_A_PIECE);
+        let stats = || self.stats.iter().skip(offset).take(MODELS_A_PIECE);
+        match which {
+            Family::Counter((name, help, get)) => {
+                if offset == 0 {
+                    family(out, name, "counter", help);
+                }
+                for (model, c) in counters() {
+                    let _ = writeln!(out, "{name}{{model=\"{}\"}} {}", escape(model), get(c));
+                }
+                self.counters.len()
+            }
+            Family::Histogram((name, help, bounds, get)) => {
+                if offset == 0 {
+                    family(out, name, "histogram", help);
+                }
+                for (model, c) in counters() {
+                    let h = get(c);
+                    if h.count == 0 {
+                        continue;
+                    }
+                    let m = escape(model);
+                    for (bound, bucket) in bounds.iter().zip(&h.buckets) {
+                        let _ = writeln!(
+                            out,
+                            "{name}_bucket{{model=\"{m}\",le=\"{bound}\"}} {bucket}"
+                        );
+                    }
+                    let count = h.count;
+                    let _ = writeln!(out, "{name}_bucket{{model=\"{m}\",le=\"+Inf\"}} {count}");
+                    let _ = writeln!(out, "{name}_sum{{model=\"{m}\"}} {}", h.sum);
+                    let _ = writeln!(out, "{name}_count{{model=\"{m}\"}} {count}");
+                }
+                self.counters.len()
+            }
+            Family::Worker((name, help, get)) => {
+                if offset == 0 {
+                    family(out, name, "gauge", help);
+                }
+                for (s, value) in stats().filter_map(|s| get(s).map(|v| (s, v))) {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{model=\"{}\",pid=\"{}\"}} {value}",
+                        escape(&s.name),
+                        s.pid.unwrap_or(0),
+                    );
+                }
+                self.stats.len()
+            }
+            Family::PeakRss => {
+                if offset == 0 {
+                    family(
+                        out,
+                        "berth_worker_peak_rss_bytes",
+                        "gauge",
+                        "Highest peak RSS of any stopped worker of the model.",
+                    );
+                }
+                for (model, c) in counters() {
+                    let peak = c.worker_peak_rss_bytes.load(Ordering::Relaxed);
+                    let _ = writeln!(
+                        out,
+                        "berth_worker_peak_rss_bytes{{model=\"{}\"}} {peak}",
+                        escape(model)
+                    );
+                }
+                self.counters.len()
+            }
+            Family::QueueDepth => {
+                if offset == 0 {
+                    family(
+                        out,
+                        "berth_queue_depth",
+                        "gauge",
+                        "Requests waiting for a concurrency slot.",
+                    );
+                }
+                for s in stats() {
+                    let _ = writeln!(
+                        out,
+                        "berth_queue_depth{{model=\"{}\"}} {}",
+                        escape(&s.name),
+                        s.queued
+                    );
+                }
+                self.stats.len()
+            }
+            Family::InFlight => {
+                if offset == 0 {
+                    family(
+                        out,
+                        "berth_in_flight",
+                        "gauge",
+                        "Requests inside the model's worker.",
+                    );
+                }
+                for s in stats() {
+                    let _ = writeln!(
+                        out,
+                        "berth_in_flight{{model=\"{}\"}} {}",
+                        escape(&s.name),
+                        s.in_flight
+                    );
+                }
+                self.stats.len()
+            }
         }
     }
-    let worker_gauges: [WorkerGauge; 3] = [
-        (
-            "berth_worker_rss_bytes",
-            "Resident memory of the model's worker.",
-            |s| Some(s.rss_bytes),
-        ),
-        (
-            "berth_worker_private_bytes",
-            "Resident memory only the model's worker maps: what its exit gives back.",
-            |s| Some(s.private_bytes),
-        ),
-        (
-            "berth_worker_vram_bytes",
-            "Device memory the model's worker holds (NVML).",
-            |s| s.vram_bytes,
-        ),
-    ];
-    for (name, help, get) in worker_gauges {
-        family(&mut out, name, "gauge", help);
-        for (s, value) in stats.iter().filter_map(|s| get(s).map(|v| (s, v))) {
-            let _ = writeln!(
-                out,
-                "{name}{{model=\"{}\",pid=\"{}\"}} {value}",
-                escape(&s.name),
-                s.pid.unwrap_or(0),
-            );
-        }
-    }
-    family(
-        &mut out,
-        "berth_worker_peak_rss_bytes",
-        "gauge",
-        "Highest peak RSS of any stopped worker of the model.",
-    );
-    for (model, c) in &counters {
-        let peak = c.worker_peak_rss_bytes.load(Ordering::Relaxed);
-        let _ = writeln!(
-            out,
-            "berth_worker_peak_rss_bytes{{model=\"{}\"}} {peak}",
-            escape(model)
-        );
-    }
-    family(
-        &mut out,
-        "berth_queue_depth",
-        "gauge",
-        "Requests waiting for a concurrency slot.",
-    );
-    for s in &stats {
-        let _ = writeln!(
-            out,
-            "berth_queue_depth{{model=\"{}\"}} {}",
-            escape(&s.name),
-            s.queued
-        );
-    }
-    family(
-        &mut out,
-        "berth_in_flight",
-        "gauge",
-        "Requests inside the model's worker.",
-    );
-    for s in &stats {
-        let _ = writeln!(
-            out,
-            "berth_in_flight{{model=\"{}\"}} {}",
-            escape(&s.name),
-            s.in_flight
-        );
-    }
-    family(
-        &mut out,
-        "berth_models_loaded",
-        "gauge",
-        "Models with a worker.",
-    );
-    let _ = writeln!(out, "berth_models_loaded {}", stats.len());
-    render_occupancy(&mut out, &supervisor.occupancy_on(&inventory));
-    render_preloaders(&mut out, &supervisor.preloaders());
-    render_gpus(&mut out, &supervisor.gpus_on(inventory));
-    out
+}
+
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// The supervisor's state as Prometheus text exposition, whole.
+pub fn render(supervisor: &Supervisor) -> String {
+    Snapshot::take(supervisor).pieces().collect()
 }
 
 /// The gauges an inference gateway's endpoint picker scrapes to choose a
@@ -350,6 +466,37 @@ fn render_gpus(out: &mut String, status: &crate::gpu::GpuStatus) {
                 escape(&d.name),
                 get(d)
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{ModelSpec, SupervisorConfig};
+
+    /// Thousands of models: the text comes in pieces of at most
+    /// [`MODELS_A_PIECE`] models, and the models that never served have no
+    /// histogram series (their buckets were most of the text).
+    #[tokio::test]
+    async fn the_text_comes_in_pieces_without_the_histograms_of_models_that_never_served() {
+        let supervisor = Supervisor::new(SupervisorConfig::default());
+        for n in 0..300 {
+            supervisor
+                .register(ModelSpec::new(format!("m{n}"), "echo"))
+                .unwrap();
+        }
+        let pieces: Vec<String> = Snapshot::take(&supervisor).pieces().collect();
+        assert!(pieces.len() > 20, "{} pieces", pieces.len());
+        let text = pieces.concat();
+        assert_eq!(text.matches("berth_requests_total{").count(), 300);
+        assert!(!text.contains("berth_request_duration_seconds_bucket"));
+        assert!(text.contains("# TYPE berth_request_duration_seconds histogram"));
+        let largest = pieces.iter().map(String::len).max().unwrap();
+        assert!(largest < 64 << 10, "a piece of {largest} bytes");
+        // Without a GPU, no GPU counter.
+        if matches!(crate::gpu::inventory(), crate::gpu::Inventory::NoGpu(_)) {
+            assert!(!text.contains("berth_gpu_reclaimed_bytes_total"));
         }
     }
 }

@@ -313,7 +313,7 @@ async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Nex
                 "body_timeout",
                 format!(
                     "the request body did not arrive within body_timeout ({})",
-                    humantime::format_duration(limits.timeout)
+                    crate::units::format_duration(limits.timeout)
                 ),
             )
             .into_response();
@@ -383,11 +383,23 @@ async fn openai_shaped(response: Response) -> Response {
     ApiError::new(status, code, message).into_response()
 }
 
+/// `/metrics`: read at once (off the async threads: procfs and NVML reads
+/// block for milliseconds), written out a piece at a time as the reader
+/// takes it, so a slow scraper of thousands of models holds one piece.
 async fn metrics(State(app): State<AppState>) -> Response {
-    // procfs and NVML reads block for milliseconds.
     let supervisor = app.supervisor.clone();
-    match tokio::task::spawn_blocking(move || metrics::render(&supervisor)).await {
-        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+    match tokio::task::spawn_blocking(move || metrics::Snapshot::take(&supervisor)).await {
+        Ok(snapshot) => {
+            let pieces =
+                futures_util::stream::iter(snapshot.pieces().map(|piece| {
+                    Ok::<_, std::convert::Infallible>(axum::body::Bytes::from(piece))
+                }));
+            (
+                [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                axum::body::Body::from_stream(pieces),
+            )
+                .into_response()
+        }
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("rendering the metrics failed: {e}\n"),

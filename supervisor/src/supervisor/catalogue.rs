@@ -187,6 +187,15 @@ impl Supervisor {
             .collect()
     }
 
+    /// Every registered model's spec, as registered.
+    pub(crate) fn specs(&self) -> Vec<ModelSpec> {
+        self.lock()
+            .catalogue
+            .values()
+            .map(|entry| entry.spec.clone())
+            .collect()
+    }
+
     /// A registered model's state, as [`Supervisor::catalogue`] gives it.
     pub fn model_state(&self, model: &str) -> Option<ModelState> {
         let state = self.lock();

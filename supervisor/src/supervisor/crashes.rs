@@ -163,7 +163,7 @@ impl CrashHistory {
         format!(
             "more than {} crashes within {}; last: {}",
             spec.max_restarts.unwrap_or(DEFAULT_MAX_RESTARTS),
-            humantime::format_duration(spec.restart_window.unwrap_or(DEFAULT_RESTART_WINDOW)),
+            crate::units::format_duration(spec.restart_window.unwrap_or(DEFAULT_RESTART_WINDOW)),
             self.last_exit
                 .as_ref()
                 .map(|e| e.description.as_str())

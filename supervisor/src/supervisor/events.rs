@@ -78,7 +78,7 @@ pub enum EventKind {
     /// The config was reloaded (`trigger`: what asked), and what changed.
     ConfigReloaded {
         trigger: String,
-        report: crate::report::ReloadReport,
+        report: Box<crate::report::ReloadReport>,
     },
     /// A reload was refused (the new config did not read or check):
     /// nothing changed.

@@ -1,4 +1,4 @@
-//! The supervisor's part of an in-place upgrade (`crate::upgrade`): freeze
+//! The supervisor's part of an in-place upgrade (`crate::daemon::upgrade`): freeze
 //! (nothing starts, stops or swaps), say what is still busy, write down
 //! every ready worker, and, in the new process, install the workers handed
 //! over as ready models whose loads are long done.

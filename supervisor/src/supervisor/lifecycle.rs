@@ -13,6 +13,22 @@ use crate::config::ModelSpec;
 use crate::error::{Error, ErrorClass, Result};
 use crate::report::{LoadReport, UnloadReport};
 
+/// One launch in progress, counted in `Inner::launching` while it lives.
+struct Launching<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Launching<'a> {
+    fn count(launching: &'a std::sync::atomic::AtomicUsize) -> Launching<'a> {
+        launching.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Launching(launching)
+    }
+}
+
+impl Drop for Launching<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Whether a failed load is the model's own failure (its worker, weights
 /// or spec), which earns a backoff, and not the supervisor's circumstances
 /// (no room in a budget, a shutdown, a conflict with another operation).
@@ -71,14 +87,21 @@ impl Supervisor {
         let choosing = std::time::Instant::now();
         let start = self.worker_start(spec).await;
         let chose_ms = choosing.elapsed().as_secs_f64() * 1e3;
-        let (worker, mut report) = launch::launch(
-            spec,
-            &self.config(),
-            gpus,
-            &|pid| self.note_incoming_pid(model, pid),
-            start,
-        )
-        .await?;
+        let launched = {
+            // Counted while it runs: a shutdown waits for launches to end
+            // (what they started stopped) before berth exits.
+            let _launching = Launching::count(&self.inner.launching);
+            launch::launch(
+                spec,
+                &self.config(),
+                gpus,
+                &|pid| self.note_incoming_pid(model, pid),
+                start,
+                self.inner.stopping.subscribe(),
+            )
+            .await
+        };
+        let (worker, mut report) = launched?;
         report.load_ms += chose_ms;
         report.spawn_ms += chose_ms;
         // Measured: within the per-GPU budget before it takes a request.
@@ -245,7 +268,7 @@ impl Supervisor {
                 tracing::warn!(
                     model,
                     "load failed; requests start the next attempt in {}",
-                    humantime::format_duration(delay)
+                    crate::units::format_duration(delay)
                 );
                 None
             }

@@ -93,6 +93,9 @@ pub use types::{
 use footprint::Need;
 use slot::{Entry, Slot};
 
+/// How long a shutdown waits for launches in progress to end.
+const LAUNCHES_END_WITHIN: Duration = Duration::from_secs(60);
+
 /// Default per-model concurrency and queue bounds.
 pub const DEFAULT_MAX_CONCURRENCY: usize = 8;
 pub const DEFAULT_MAX_QUEUE: usize = 64;
@@ -140,8 +143,11 @@ struct Inner {
     /// event followers end their streams.
     handing_over: tokio::sync::watch::Sender<bool>,
     /// Turns true when shutdown begins: whoever waits for a load stops
-    /// waiting and is told so, rather than be cut off when the process ends.
+    /// waiting and is told so, rather than be cut off when the process ends;
+    /// a server's start in progress is called off (its container removed).
     stopping: tokio::sync::watch::Sender<bool>,
+    /// Launches in progress: a shutdown waits for them to end.
+    launching: std::sync::atomic::AtomicUsize,
     /// Worker kinds' preloaded interpreters.
     preloaders: preloaders::Preloaders,
     /// What happened, for followers.
@@ -217,6 +223,7 @@ impl Supervisor {
             frozen: AtomicBool::new(false),
             handing_over: tokio::sync::watch::Sender::new(false),
             stopping: tokio::sync::watch::Sender::new(false),
+            launching: Default::default(),
             preloaders: Default::default(),
             events: Default::default(),
             history: Default::default(),
@@ -369,6 +376,13 @@ impl Supervisor {
             if busy {
                 let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
             }
+        }
+        // Launches still running end now (told by `stopping`), each
+        // stopping what it started: waited for, so nothing they started
+        // (a container) outlives berth.
+        let until = std::time::Instant::now() + LAUNCHES_END_WITHIN;
+        while self.inner.launching.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.inner.notify_changed();
         self.stop_preloaders().await;

@@ -139,7 +139,7 @@ impl Supervisor {
             if !left.is_zero() {
                 return Start::ColdBecause(format!(
                     "{failed} (the next try is in {})",
-                    humantime::format_duration(Duration::from_secs(left.as_secs().max(1)))
+                    crate::units::format_duration(Duration::from_secs(left.as_secs().max(1)))
                 ));
             }
         }
@@ -167,7 +167,7 @@ impl Supervisor {
                         tracing::warn!(
                             "{reason}; this worker starts cold, and the kind's loads until a \
                              new try in {}",
-                            humantime::format_duration(slot.backoff)
+                            crate::units::format_duration(slot.backoff)
                         );
                         slot.failed = Some(reason.clone());
                     }
@@ -403,7 +403,7 @@ async fn preloader_reaper(inner: Weak<Inner>) {
                     kind,
                     pid = p.pid(),
                     "no model of the kind loaded for {}; stopping its preloaded interpreter",
-                    humantime::format_duration(keep_alive)
+                    crate::units::format_duration(keep_alive)
                 );
                 p.stop().await;
             }

@@ -172,7 +172,11 @@ impl Supervisor {
     /// the new workers fail, until it serves or the model is marked failed.
     async fn restart(self, model: String, spec: ModelSpec, mut delay: Duration, done: Done) {
         loop {
-            tracing::info!(model, "restarting in {}", humantime::format_duration(delay));
+            tracing::info!(
+                model,
+                "restarting in {}",
+                crate::units::format_duration(delay)
+            );
             tokio::time::sleep(delay).await;
             let wanted = match self.lock().slots.get_mut(&model) {
                 Some(slot) if slot.state == ModelState::Loading && ours(slot, &done) => {

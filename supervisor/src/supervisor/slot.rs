@@ -113,9 +113,12 @@ impl Slot {
 
     /// A swap or recycle starts; refused unless the model is ready and no
     /// other replacement is under way.
-    pub(super) fn begin_swap(&mut self) -> std::result::Result<(), ModelState> {
-        if self.swapping || self.state() != ModelState::Ready {
-            return Err(self.state());
+    pub(super) fn begin_swap(&mut self) -> std::result::Result<(), String> {
+        if self.swapping {
+            return Err("a swap of it is in progress".into());
+        }
+        if self.state() != ModelState::Ready {
+            return Err(format!("it is {}", self.state()));
         }
         self.swapping = true;
         Ok(())

@@ -43,10 +43,10 @@ impl Supervisor {
                 None => false,
                 Some(slot) if slot.state == ModelState::Failed && slot.worker.is_none() => false,
                 Some(slot) => {
-                    if let Err(now) = slot.begin_swap() {
+                    if let Err(reason) = slot.begin_swap() {
                         return Err(Error::Busy {
                             model: model.clone(),
-                            reason: format!("it is {now}"),
+                            reason,
                         });
                     }
                     true

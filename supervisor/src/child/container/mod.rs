@@ -96,13 +96,17 @@ impl Container {
                 }
             })
             .collect();
+        // Counted from this program's start in ms: after an in-place
+        // upgrade (the same pid) a new name is never one a container
+        // handed over still runs under.
+        static BASE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let base = *BASE.get_or_init(crate::base::unix_ms);
         let name = format!(
             "berth-{safe}-{}-{}",
             std::process::id(),
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            base + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         );
-        let dir = std::env::temp_dir().join("berth-containers");
-        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        let dir = private_dir()?;
         let cidfile = dir.join(format!("{name}.cid"));
         let _ = std::fs::remove_file(&cidfile);
         let podman = run.engine == Engine::Podman;
@@ -262,12 +266,6 @@ impl Container {
     }
 }
 
-impl Drop for Container {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.cidfile);
-    }
-}
-
 /// The options with a port published on every interface (`-p
 /// {port}:8080`, as llama-swap's examples write it) published on the
 /// loopback only: berth's front door is the way in, with its tokens.
@@ -288,13 +286,47 @@ fn loopback_only(options: &[String]) -> Vec<String> {
     out
 }
 
-/// `HOST_PORT:CONTAINER_PORT` bound to 127.0.0.1 (an address given is kept).
+/// A publication bound to 127.0.0.1: `HOST_PORT:CONTAINER_PORT` and a
+/// bare `CONTAINER_PORT` (published on a port the engine picks) are, an
+/// address given is kept.
 fn loopback(mapping: &str) -> String {
-    if mapping.matches(':').count() == 1 {
-        format!("127.0.0.1:{mapping}")
-    } else {
-        mapping.to_string()
+    match mapping.matches(':').count() {
+        0 => format!("127.0.0.1::{mapping}"),
+        1 => format!("127.0.0.1:{mapping}"),
+        _ => mapping.to_string(),
     }
+}
+
+/// The folder of berth's cidfiles: this user's alone (0700, owned by this
+/// user, checked), under `$XDG_RUNTIME_DIR` where there is one, else
+/// `berth-UID` in the temporary folder. A folder another user made there,
+/// or one others may write, is refused rather than used.
+fn private_dir() -> Result<PathBuf, String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let base = match std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
+        Some(run) if run.is_absolute() && run.is_dir() => run.join("berth"),
+        _ => std::env::temp_dir().join(format!("berth-{uid}")),
+    };
+    let dir = base.join("containers");
+    for folder in [&base, &dir] {
+        match std::fs::DirBuilder::new().mode(0o700).create(folder) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("cannot make {}: {e}", folder.display())),
+        }
+        let meta = std::fs::symlink_metadata(folder)
+            .map_err(|e| format!("cannot read {}: {e}", folder.display()))?;
+        if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
+            return Err(format!(
+                "{} is not a folder of this user's alone (uid {uid}, mode 0700); berth keeps \
+                 its containers' cidfiles there: remove it, or set XDG_RUNTIME_DIR",
+                folder.display()
+            ));
+        }
+    }
+    Ok(dir)
 }
 
 /// What a container's start needs to know of this host.

@@ -20,6 +20,17 @@ pub(super) fn owner_alive(owner: &str) -> bool {
     crate::child::orphans::start_time(pid) == Some(start)
 }
 
+/// Whether worker cgroup `dir` (named `MODEL-PID-N`) was made by the
+/// supervisor an owner label (`PID.START`) names.
+pub(super) fn made_by(dir: &std::path::Path, owner: &str) -> bool {
+    let maker = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.rsplit('-').nth(1));
+    let owner_pid = owner.split_once('.').map(|(pid, _)| pid);
+    maker.is_some() && maker == owner_pid
+}
+
 /// What a sweep found of one engine's containers.
 #[derive(Debug, Default)]
 pub struct Swept {
@@ -76,9 +87,12 @@ pub async fn sweep(program: &str) -> Result<Swept, String> {
         }
         let removal = run_engine(program, &[], &["rm", "-f", &name], ENGINE_TIMEOUT).await?;
         // What the engine left in the dead berth's cgroup for the model
-        // (its conmon, where the engine could not stop it), and the cgroup.
+        // (its conmon, where the engine could not stop it), and the cgroup:
+        // only a cgroup the dead owner made (its name carries the maker's
+        // pid), so a label naming another berth's cgroup kills nothing.
         if let Some(dir) = cgroup.and_then(crate::child::limits::worker_cgroup_at)
             && let Some(version) = crate::child::limits::is_worker_cgroup(&dir)
+            && made_by(&dir, owner)
         {
             crate::child::limits::kill_cgroup(&dir, version);
             for _ in 0..50 {

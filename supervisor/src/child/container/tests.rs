@@ -74,10 +74,13 @@ fn a_start_carries_berths_flags_and_a_name_of_its_own() {
 
 #[test]
 fn a_port_published_everywhere_is_published_on_the_loopback() {
-    let options = argv("-p {port}:8080 --publish=9000:80 -p 10.0.0.1:1:2 -v a:b");
+    let options = argv("-p {port}:8080 --publish=9000:80 -p 10.0.0.1:1:2 -v a:b -p 18099");
     assert_eq!(
         loopback_only(&options),
-        argv("-p 127.0.0.1:{port}:8080 --publish=127.0.0.1:9000:80 -p 10.0.0.1:1:2 -v a:b")
+        argv(
+            "-p 127.0.0.1:{port}:8080 --publish=127.0.0.1:9000:80 -p 10.0.0.1:1:2 -v a:b \
+             -p 127.0.0.1::18099"
+        )
     );
 }
 
@@ -85,4 +88,28 @@ fn a_port_published_everywhere_is_published_on_the_loopback() {
 fn without_a_cgroup_its_arguments_are_left_out() {
     let args = argv("run --cgroup-parent={cgroup} {cgroups=split} img");
     assert_eq!(fill_cgroup(&args, None), argv("run img"));
+}
+
+/// The sweep kills a cgroup only where its name's maker is the dead owner:
+/// a forged `berth.cgroup` label naming another berth's cgroup kills
+/// nothing.
+#[test]
+fn a_cgroup_is_the_owners_only_by_its_makers_pid() {
+    use std::path::Path;
+    assert!(super::sweep::made_by(
+        Path::new("/sys/fs/cgroup/x/berth/m-4121-3"),
+        "4121.998"
+    ));
+    assert!(!super::sweep::made_by(
+        Path::new("/sys/fs/cgroup/x/berth/m-4121-3"),
+        "77.998"
+    ));
+    assert!(super::sweep::made_by(
+        Path::new("/sys/fs/cgroup/x/berth/a-b-55-0"),
+        "55.1"
+    ));
+    assert!(!super::sweep::made_by(
+        Path::new("/sys/fs/cgroup/x/berth/m"),
+        "55.1"
+    ));
 }

@@ -1,4 +1,4 @@
-//! What an in-place upgrade (`crate::upgrade`) reads of a worker's handle,
+//! What an in-place upgrade (`crate::child::handover`) reads of a worker's handle,
 //! and what an adopted worker's handle takes over.
 
 use std::sync::atomic::Ordering;

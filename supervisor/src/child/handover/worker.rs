@@ -161,11 +161,71 @@ fn kill_group(pid: u32) {
 
 /// A handed-over worker that is not to be served (its model left the
 /// config): its descriptors are closed and, if it is still this process's
-/// child, its group is killed; what it left is swept as any escapee.
+/// child, it goes with all it started (see [`dispose`]).
 pub(crate) fn discard(w: HandedWorker) {
     drop(take_descriptors(&w));
     if is_the_child(w.pid, w.start_time).is_ok() {
-        kill_group(w.pid);
+        Disposal::of(&w).run();
+    }
+}
+
+/// A handed-over worker berth will not serve, stopped with everything of it:
+/// its group killed now; then, in the background, its own cgroup killed
+/// and removed once empty (else an empty folder stays behind), and its
+/// container, if it ran one, removed by its engine (else it would keep
+/// running under the live berth's owner label, which no sweep takes).
+struct Disposal {
+    pid: u32,
+    model: String,
+    cgroup: Option<crate::child::limits::HandedCgroup>,
+    container: Option<crate::child::container::Container>,
+}
+
+impl Disposal {
+    fn of(w: &HandedWorker) -> Disposal {
+        Disposal {
+            pid: w.pid,
+            model: w.model.clone(),
+            cgroup: w
+                .fence
+                .clone()
+                .or_else(|| w.cap.as_ref().and_then(|c| c.cgroup.clone())),
+            container: match &w.wire {
+                HandedWire::Http { container, .. } => container.clone(),
+                _ => None,
+            },
+        }
+    }
+
+    fn run(&self) {
+        kill_group(self.pid);
+        self.leftovers();
+    }
+
+    /// Its cgroup and container, in the background.
+    fn leftovers(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (model, cgroup, container) = (
+            self.model.clone(),
+            self.cgroup.clone(),
+            self.container.clone(),
+        );
+        runtime.spawn(async move {
+            if let Some(container) = container {
+                let _ = container.remove(&model).await;
+            }
+            if let Some(cgroup) = cgroup {
+                crate::child::limits::kill_cgroup(&cgroup.dir, cgroup.version);
+                for _ in 0..200 {
+                    if crate::child::limits::remove_cgroup(&cgroup.dir) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        });
     }
 }
 
@@ -180,10 +240,16 @@ pub(crate) fn adopt(
     // Taken first, whatever follows: a worker refused here is killed, and
     // its descriptors closed.
     let (taken, output) = take_descriptors(&w);
-    is_the_child(w.pid, w.start_time)?;
+    let disposal = Disposal::of(&w);
+    if let Err(why) = is_the_child(w.pid, w.start_time) {
+        // Gone (or another's): what is left of it (its cgroup, a
+        // container) goes, but no process of that pid is touched.
+        disposal.leftovers();
+        return Err(why);
+    }
     let refuse = |why: String| {
-        // Alive and ours, but not to be served: it goes (with its group).
-        kill_group(w.pid);
+        // Alive and ours, but not to be served: it goes, with all of it.
+        disposal.run();
         why
     };
     let cap = w

@@ -46,15 +46,18 @@ fn ms(d: Duration) -> f64 {
 /// by the supervisor's placement) when the model asks for GPUs. `spawned`
 /// hears the worker's pid as soon as it runs. A worker placed on GPUs that
 /// holds no device memory once loaded is warned about in its report (or
-/// stopped, with `require_gpu_memory`).
+/// stopped, with `require_gpu_memory`). `cancel` turning true (a shutdown)
+/// calls off a server's start: what it started is stopped (its container
+/// removed) before the error returns.
 pub(crate) async fn launch(
     spec: &ModelSpec,
     config: &SupervisorConfig,
     gpus: Option<Vec<u32>>,
     spawned: &(dyn Fn(u32) + Send + Sync),
     start: Start,
+    cancel: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(Arc<WorkerHandle>, LoadReport)> {
-    let (handle, mut report) = start_and_load(spec, config, gpus, spawned, start).await?;
+    let (handle, mut report) = start_and_load(spec, config, gpus, spawned, start, cancel).await?;
     if let Some(warning) = Warning::gpu_unused(report.gpus.as_deref(), report.vram_bytes) {
         if spec.require_gpu_memory {
             stop::stop(&handle, config.stop_graces).await;
@@ -76,6 +79,7 @@ async fn start_and_load(
     gpus: Option<Vec<u32>>,
     spawned: &(dyn Fn(u32) + Send + Sync),
     start: Start,
+    cancel: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(Arc<WorkerHandle>, LoadReport)> {
     let started = Instant::now();
     let timeout = spec.load_timeout.unwrap_or(config.load_timeout);
@@ -110,7 +114,10 @@ async fn start_and_load(
         }
     };
     if program.wire == Wire::Http {
-        return launch_server(spec, config, program, env, weights, gpus, spawned, started).await;
+        return launch_server(
+            spec, config, program, env, weights, gpus, spawned, started, cancel,
+        )
+        .await;
     }
     // The wire's listening end: a one-shot ipc server, or a socket pair
     // whose other end the child inherits (closed here once it is started).

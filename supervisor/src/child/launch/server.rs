@@ -34,6 +34,7 @@ pub(super) async fn launch_server(
     gpus: Option<Vec<u32>>,
     spawned: &(dyn Fn(u32) + Send + Sync),
     started: Instant,
+    mut cancel: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(Arc<WorkerHandle>, LoadReport)> {
     let model = spec.name.as_str();
     let timeout = spec.load_timeout.unwrap_or(config.load_timeout);
@@ -103,6 +104,15 @@ pub(super) async fn launch_server(
     let spawn_ms = ms(started.elapsed());
     let ready = tokio::select! {
         ready = upstream.wait_ready(deadline) => ready,
+        () = cancelled(&mut cancel) => {
+            // A shutdown while it starts: it goes, and its container with
+            // it, before berth exits (the engine's container would outlive
+            // berth otherwise).
+            kill_and_reap(&process).await;
+            crate::child::sweep::sweep_all(&process).await;
+            remove_container(model, upstream.container()).await;
+            return Err(Error::ShuttingDown { model: model.into() });
+        }
         exit = process.exited() => {
             // What it started dies with it (a server's engine process
             // holding GPU memory, say), and its container with it.
@@ -282,5 +292,12 @@ async fn given_up(
         pid: process.pid(),
         timeout,
         phase,
+    }
+}
+
+/// Resolves once `cancel` turns true (never, if its sender is gone).
+async fn cancelled(cancel: &mut tokio::sync::watch::Receiver<bool>) {
+    if cancel.wait_for(|c| *c).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }

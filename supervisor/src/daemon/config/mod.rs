@@ -169,10 +169,20 @@ impl ServeConfig {
     /// path is taken inside [`models_root`](Self::models_root), so a config
     /// names `all-MiniLM-L6-v2` wherever `berth fetch` put it.
     pub fn read(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
-        let mut config: ServeConfig = toml::from_str(&text)
-            .map_err(|e| format!("`{}` is not a valid berth config: {e}", path.display()))?;
+        let text = crate::input::read_text(path, crate::input::CONFIG_MAX, "the config")?;
+        Self::parse(&text, path)
+    }
+
+    /// A config from its text (`path` names it in errors, and its models'
+    /// relative paths are under its `models_dir`).
+    pub fn parse(text: &str, path: &Path) -> Result<Self, String> {
+        let mut config: ServeConfig = toml::from_str(text).map_err(|e| {
+            format!(
+                "`{}` is not a valid berth config: {}",
+                path.display(),
+                crate::input::quote_lines(&e.to_string())
+            )
+        })?;
         let mut seen = std::collections::HashSet::new();
         for model in &config.models {
             if !seen.insert(&model.name) {
@@ -269,7 +279,7 @@ impl ServeConfig {
         {
             return Err(format!(
                 "answer_spin {} is out of range: 0s to 1ms",
-                humantime::format_duration(spin)
+                crate::units::format_duration(spin)
             ));
         }
         for (field, value) in [

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::child::spawn::{Exec, ExecProgram};
+use crate::child::spawn::Exec;
 
 use super::state::{self, READS, VERSION};
 use crate::child::handover::ipc;
@@ -62,17 +62,55 @@ pub fn default_binary() -> Result<PathBuf, String> {
     })
 }
 
+/// The new binary, opened once: the file checked is the file exec'd,
+/// whatever replaces its path in between (the check runs it through this
+/// process's descriptor, `/proc/PID/fd/N`, and the exec is an `fexecve`
+/// of the same descriptor).
+#[derive(Debug)]
+pub(crate) struct Binary {
+    pub path: PathBuf,
+    fd: OwnedFd,
+}
+
+impl Binary {
+    /// Opens `path`: a regular file this user may execute.
+    pub(crate) fn open(path: &Path) -> Result<Binary, String> {
+        use std::os::unix::fs::PermissionsExt;
+        let shown = path.display();
+        let file = std::fs::File::open(path).map_err(|e| format!("cannot open `{shown}`: {e}"))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| format!("cannot read `{shown}`: {e}"))?;
+        if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+            return Err(format!("`{shown}` is not an executable file"));
+        }
+        Ok(Binary {
+            path: path.to_path_buf(),
+            fd: OwnedFd::from(file),
+        })
+    }
+
+    /// The path that runs exactly the file opened, from this process.
+    fn through_descriptor(&self) -> PathBuf {
+        PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            self.fd.as_raw_fd()
+        ))
+    }
+}
+
 /// Runs `binary` as this process was run, with [`CHECK_FLAG`]: it must
 /// start, read the config, and adopt this build's state.
-pub async fn check_binary(binary: &Path) -> Result<CheckAnswer, String> {
+pub(crate) async fn check_binary(binary: &Binary) -> Result<CheckAnswer, String> {
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let mut command = tokio::process::Command::new(binary);
+    let mut command = tokio::process::Command::new(binary.through_descriptor());
     command
         .args(&args)
         .arg(CHECK_FLAG)
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
-    let shown = binary.display();
+    let shown = binary.path.display();
     let out = tokio::time::timeout(CHECK_TIMEOUT, command.output())
         .await
         .map_err(|_| {
@@ -143,22 +181,23 @@ pub(crate) struct Prepared {
     pub keep: Vec<OwnedFd>,
 }
 
-/// Writes `prepared` down and execs `binary` in this process; returns only
-/// if the exec failed, with why (every descriptor then closes again).
-pub(crate) async fn exec(binary: &Path, mut prepared: Prepared) -> String {
+/// Writes `prepared` down and execs `binary` (the file opened and checked)
+/// in this process; returns only if the exec failed, with why (every
+/// descriptor then closes again).
+pub(crate) async fn exec(binary: &Binary, mut prepared: Prepared) -> String {
     let previous = match this_binary() {
         Ok(fd) => fd,
         Err(e) => return format!("cannot open this binary for a fallback: {e}"),
     };
     prepared.state.previous_binary = previous.as_raw_fd();
+    prepared.state.binary = binary.fd.as_raw_fd();
     let memfd = match prepared.state.to_memfd() {
         Ok(fd) => fd,
         Err(e) => return format!("cannot write the handover state: {e}"),
     };
-    let program = match CString::new(binary.as_os_str().as_encoded_bytes()) {
-        Ok(p) => ExecProgram::Path(p),
-        Err(_) => return "the binary's path has a NUL byte".into(),
-    };
+    // The descriptor stays open across the exec (a script's interpreter
+    // reads it), and the new program closes it once it serves.
+    let program = binary.fd.as_raw_fd();
     let mut keep = prepared.state.descriptors();
     keep.push(memfd.as_raw_fd());
     let exec = match exec_of(program, memfd.as_raw_fd(), previous.as_raw_fd(), keep) {
@@ -167,13 +206,13 @@ pub(crate) async fn exec(binary: &Path, mut prepared: Prepared) -> String {
     };
     let error = crate::child::spawn::exec(exec).await;
     drop((memfd, previous, prepared.keep));
-    format!("cannot exec `{}`: {error}", binary.display())
+    format!("cannot exec `{}`: {error}", binary.path.display())
 }
 
 /// The exec of `program` with this process's arguments, its environment
 /// and the state's descriptors.
 fn exec_of(
-    program: ExecProgram,
+    program: RawFd,
     state_fd: RawFd,
     previous_fd: RawFd,
     keep: Vec<RawFd>,
@@ -226,35 +265,105 @@ pub fn is_upgrade() -> bool {
 /// Returns only if that exec failed too, with why: the caller then exits,
 /// and the workers die with the process.
 pub async fn fall_back(reason: &str) -> String {
+    match fall_back_exec(reason) {
+        Ok((exec, memfd)) => {
+            let error = crate::child::spawn::exec(exec).await;
+            drop(memfd);
+            format!("cannot exec the previous binary again: {error}")
+        }
+        Err(e) => e,
+    }
+}
+
+/// [`fall_back`] from a thread outside the async runtime.
+fn fall_back_blocking(reason: &str) -> String {
+    match fall_back_exec(reason) {
+        Ok((exec, memfd)) => {
+            let error = crate::child::spawn::exec_blocking(exec);
+            drop(memfd);
+            format!("cannot exec the previous binary again: {error}")
+        }
+        Err(e) => e,
+    }
+}
+
+/// The exec of the previous binary with the state handed over, marked with
+/// why (and the state's new memfd, to hold until the exec).
+fn fall_back_exec(reason: &str) -> Result<(Exec, OwnedFd), String> {
     let fd = |name: &str| -> Option<RawFd> { std::env::var(name).ok()?.parse().ok() };
     let (Some(state_fd), Some(previous)) = (fd(state::ENV_STATE_FD), fd(ENV_PREVIOUS_FD)) else {
-        return "no previous binary was handed over".into();
+        return Err("no previous binary was handed over".into());
     };
     // The state says why, for the previous binary's event.
     let state = match state::Handover::read(state_fd) {
         // This is the previous binary, exec'd back already: once is all.
         Ok(state) if state.fell_back.is_some() => {
-            return "the previous binary, exec'd back already, cannot serve either".into();
+            return Err("the previous binary, exec'd back already, cannot serve either".into());
         }
         Ok(mut state) => {
             state.fell_back = Some(reason.to_string());
             state
         }
-        Err(e) => return format!("the handed-over state cannot be read back: {e}"),
+        Err(e) => return Err(format!("the handed-over state cannot be read back: {e}")),
     };
-    let memfd = match state.to_memfd() {
-        Ok(fd) => fd,
-        Err(e) => return format!("cannot write the handover state again: {e}"),
-    };
+    let memfd = state
+        .to_memfd()
+        .map_err(|e| format!("cannot write the handover state again: {e}"))?;
     let mut keep = state.descriptors();
     keep.push(memfd.as_raw_fd());
-    let exec = match exec_of(ExecProgram::Fd(previous), memfd.as_raw_fd(), previous, keep) {
-        Ok(exec) => exec,
-        Err(e) => return e,
-    };
-    let error = crate::child::spawn::exec(exec).await;
-    drop(memfd);
-    format!("cannot exec the previous binary again: {error}")
+    let exec = exec_of(previous, memfd.as_raw_fd(), previous, keep)?;
+    Ok((exec, memfd))
+}
+
+/// How long a program exec'd by an upgrade may take to serve before the
+/// previous binary takes every worker back: a binary that passed its
+/// check but hangs on its way to serving must not freeze berth for good.
+/// `BERTH_UPGRADE_SERVE_WITHIN` (a duration) sets another.
+pub(crate) fn serve_within() -> Duration {
+    std::env::var("BERTH_UPGRADE_SERVE_WITHIN")
+        .ok()
+        .and_then(|v| crate::units::parse_duration(&v).ok())
+        .unwrap_or(Duration::from_secs(60))
+}
+
+/// Set once this process serves (or, exec'd by an upgrade, has taken the
+/// workers over and serves): the watchdog stands down.
+static SERVING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Says this process serves.
+pub(crate) fn serving() {
+    SERVING.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// In a program exec'd by an upgrade: a thread that, if the program does
+/// not serve within `within`, execs the previous binary with the state
+/// handed over (from the main thread, as every exec is), which takes every
+/// worker back.
+pub(crate) fn watchdog(within: Duration) {
+    if !is_upgrade() {
+        return;
+    }
+    let started = std::time::Instant::now();
+    let _ = std::thread::Builder::new()
+        .name("berth-upgrade-watchdog".into())
+        .spawn(move || {
+            while started.elapsed() < within {
+                if SERVING.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if SERVING.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            let reason = format!(
+                "the upgraded binary did not serve within {}",
+                crate::units::format_duration(within)
+            );
+            eprintln!("berth: {reason}; going back to the previous binary");
+            let why = fall_back_blocking(&reason);
+            eprintln!("berth: {why}");
+        });
 }
 
 /// Closes the state's memfd and the previous binary's descriptor, once the

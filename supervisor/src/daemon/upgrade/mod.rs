@@ -1,5 +1,6 @@
-//! The daemon's in-place upgrade (`crate::upgrade` has the mechanism):
-//! who may ask for one (`SIGUSR2`, `POST /api/upgrade`, and `berth upgrade
+//! The daemon's in-place upgrade: berth replaces its own program with a
+//! new binary, in the same process, and keeps every worker
+//! (`docs/internals/upgrade.md` tells it whole). Here: who may ask for one (`SIGUSR2`, `POST /api/upgrade`, and `berth upgrade
 //! --binary`, which signals), the check of the new binary while berth still
 //! serves, and the handover itself, run by the serve loop once it has
 //! stopped accepting: wait for what is in flight, write the state, exec.
@@ -11,6 +12,10 @@
 //! request file only the server's own user can have written, next to its
 //! state file, which `berth upgrade --binary` writes before it signals.
 //! No HTTP client names a program.
+//!
+//! Beside this file: `exec.rs` (the check, the exec, the fallback),
+//! `state.rs` (what crosses the exec), `takeover.rs` (the new program's
+//! side), `request.rs` (the request file of `berth upgrade --binary`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,7 +24,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 use crate::daemon::notify::notify;
-use crate::server::listen::{Bound, Connections};
+use crate::server::listen::Bound;
 
 mod exec;
 mod request;
@@ -29,6 +34,7 @@ mod takeover;
 use crate::supervisor::EventKind;
 use crate::supervisor::Supervisor;
 pub use exec::{CHECK_FLAG, CheckAnswer, fall_back, is_upgrade};
+pub(crate) use exec::{serve_within, serving, watchdog};
 pub(crate) use request::requested_binary;
 pub use request::{RequestFile, ask, request_file};
 pub use state::{READS, VERSION};
@@ -36,7 +42,8 @@ pub use takeover::Takeover;
 
 /// An upgrade whose binary passed its check, for the serve loop to run.
 pub(crate) struct Checked {
-    pub binary: PathBuf,
+    /// The file checked, opened once: the one exec'd.
+    pub binary: exec::Binary,
     pub answer: CheckAnswer,
     pub trigger: String,
     /// Held until the upgrade ends: one at a time.
@@ -50,7 +57,14 @@ pub(crate) struct Upgrades {
     supervisor: Supervisor,
     /// One upgrade at a time, from its check to its end.
     running: Arc<tokio::sync::Mutex<()>>,
+    /// When the last attempt was asked for: attempts come at most one per
+    /// [`ATTEMPTS_EVERY`] (each stops new connections for a moment, and a
+    /// check runs a program).
+    last_attempt: Arc<std::sync::Mutex<Option<Instant>>>,
 }
+
+/// The least time between two upgrade attempts.
+pub(crate) const ATTEMPTS_EVERY: Duration = Duration::from_secs(2);
 
 impl Upgrades {
     pub(crate) fn new(supervisor: Supervisor) -> (Upgrades, mpsc::Receiver<Checked>) {
@@ -60,6 +74,7 @@ impl Upgrades {
                 to_loop,
                 supervisor,
                 running: Arc::default(),
+                last_attempt: Arc::default(),
             },
             from,
         )
@@ -83,35 +98,60 @@ impl Upgrades {
         trigger: &str,
         binary: Option<PathBuf>,
     ) -> Result<CheckAnswer, String> {
-        let Ok(one) = Arc::clone(&self.running).try_lock_owned() else {
-            return Err("an upgrade is already under way".into());
-        };
-        let binary = match binary {
-            Some(binary) => binary,
-            None => exec::default_binary()?,
-        };
-        let failed = |reason: String| {
-            tracing::warn!("upgrade to {} called off: {reason}", binary.display());
+        let refused = |binary: &str, reason: String| {
+            tracing::warn!("upgrade ({trigger}) refused: {reason}");
             self.supervisor.emit(EventKind::UpgradeFailed {
-                binary: binary.display().to_string(),
+                binary: binary.to_string(),
                 reason: reason.clone(),
             });
             reason
         };
+        if self.supervisor.is_shutting_down() {
+            return Err(refused("(not checked)", "berth is shutting down".into()));
+        }
+        let Ok(one) = Arc::clone(&self.running).try_lock_owned() else {
+            return Err(refused(
+                "(not checked)",
+                "an upgrade is already under way; ask again once it is done".into(),
+            ));
+        };
+        {
+            let mut last = self.last_attempt.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(at) = *last
+                && at.elapsed() < ATTEMPTS_EVERY
+            {
+                return Err(refused(
+                    "(not checked)",
+                    format!(
+                        "the last upgrade attempt was {} ms ago; attempts come at most one per \
+                         {} s",
+                        at.elapsed().as_millis(),
+                        ATTEMPTS_EVERY.as_secs()
+                    ),
+                ));
+            }
+            *last = Some(Instant::now());
+        }
+        let path = match binary {
+            Some(binary) => binary,
+            None => exec::default_binary().map_err(|e| refused("(unknown)", e))?,
+        };
+        let shown = path.display().to_string();
+        let binary = exec::Binary::open(&path).map_err(|e| refused(&shown, e))?;
+        let failed = |reason: String| refused(&shown, format!("called off: {reason}"));
         let answer = exec::check_binary(&binary).await.map_err(failed)?;
         self.supervisor.emit(EventKind::UpgradeStarted {
             trigger: trigger.to_string(),
-            binary: binary.display().to_string(),
+            binary: shown.clone(),
         });
         tracing::info!(
-            "upgrade ({trigger}): `{}` (berth {} {}) passed its check; handing over",
-            binary.display(),
+            "upgrade ({trigger}): `{shown}` (berth {} {}) passed its check; handing over",
             answer.version,
             answer.build
         );
         self.to_loop
             .send(Checked {
-                binary: binary.clone(),
+                binary,
                 answer: answer.clone(),
                 trigger: trigger.to_string(),
                 _one: one,
@@ -122,48 +162,67 @@ impl Upgrades {
     }
 }
 
-/// How long answers say `Connection: close` before accepting stops.
-pub(crate) const SETTLE: Duration = Duration::from_millis(300);
+/// How long the connections accepted while an upgrade waited for the older
+/// ones may take to finish once accepting has stopped (each serves one
+/// request, answered with `Connection: close`).
+pub(crate) const LAST_REQUESTS: Duration = Duration::from_secs(5);
 
 /// How long heartbeats already sent may take to come back before the
 /// wires change hands anyway (a pong arriving later is dropped by nobody:
 /// it waits in the socket for the new berth, which ignores it).
 const PONGS_WAIT: Duration = Duration::from_secs(2);
 
-/// Runs a checked upgrade: the listener is no longer polled, and the open
-/// connections were told to close after their request. Returns only if the
-/// upgrade was called off, with why; berth then serves on.
+/// What the daemon serves with that an upgrade hands over besides the
+/// workers: the config in force (with the texts it was read from) and the
+/// state file.
+pub(crate) struct Served {
+    pub applied: Option<super::reload::SharedApplied>,
+    pub state_file: Option<PathBuf>,
+}
+
+/// Runs a checked upgrade once accepting has stopped and the connections
+/// have closed (`called_off` says why they did not, if they did not).
+/// Returns only if the upgrade was called off, with why; berth then serves
+/// on.
 pub(crate) async fn hand_over(
     supervisor: &Supervisor,
     bound: &Bound,
-    connections: &Connections,
     checked: &Checked,
     stop: &watch::Receiver<bool>,
+    served: &Served,
+    called_off: Option<String>,
 ) -> String {
     let paused = Instant::now();
     let paused_at_unix_ms = crate::base::unix_ms();
     let wait = supervisor.config().drain_timeout;
-    notify(&format!(
-        "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=upgrading in place to {}",
-        crate::daemon::notify::monotonic_usec(),
-        checked.binary.display()
-    ));
-    let reason = hand_over_steps(
-        supervisor,
-        (bound, connections, stop),
-        checked,
-        (paused, paused_at_unix_ms),
-        wait,
-    )
-    .await;
+    let reason = match called_off {
+        Some(reason) => reason,
+        None => {
+            notify(&format!(
+                "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=upgrading in place to {}",
+                crate::daemon::notify::monotonic_usec(),
+                checked.binary.path.display()
+            ));
+            let reason = hand_over_steps(
+                supervisor,
+                (bound, stop),
+                checked,
+                served,
+                (paused, paused_at_unix_ms),
+                wait,
+            )
+            .await;
+            notify("READY=1\nSTATUS=serving (the upgrade was called off)");
+            reason
+        }
+    };
     // Called off: everything as it was.
     supervisor.handing_over(false);
     supervisor.freeze(false);
     crate::child::health::pause(false);
     supervisor.restart_preloaders();
-    notify("READY=1\nSTATUS=serving (the upgrade was called off)");
     supervisor.emit(EventKind::UpgradeFailed {
-        binary: checked.binary.display().to_string(),
+        binary: checked.binary.path.display().to_string(),
         reason: reason.clone(),
     });
     tracing::warn!("upgrade called off: {reason}");
@@ -172,26 +231,30 @@ pub(crate) async fn hand_over(
 
 async fn hand_over_steps(
     supervisor: &Supervisor,
-    (bound, connections, stop): (&Bound, &Connections, &watch::Receiver<bool>),
+    (bound, stop): (&Bound, &watch::Receiver<bool>),
     checked: &Checked,
+    served: &Served,
     (paused, paused_at_unix_ms): (Instant, u64),
     wait: Duration,
 ) -> String {
     let stopping = || *stop.borrow();
     const STOPPING: &str = "berth was asked to stop";
-    if !connections.wait_closed(wait).await {
-        return format!(
-            "{} connections were still open after {} (a long answer streaming?); nothing \
-             changed: ask again when they are done",
-            connections.open(),
-            humantime::format_duration(wait)
-        );
-    }
-    if stopping() {
-        return STOPPING.into();
-    }
-    supervisor.freeze(true);
     let deadline = paused + wait;
+    // No reload runs across the handover: the config in force is the one
+    // handed over.
+    let applied = match &served.applied {
+        Some(applied) => match tokio::time::timeout_at(deadline.into(), applied.lock()).await {
+            Ok(guard) => Some(guard),
+            Err(_) => {
+                return format!(
+                    "a reload was still running after {}; nothing changed: ask again",
+                    crate::units::format_duration(wait)
+                );
+            }
+        },
+        None => None,
+    };
+    supervisor.freeze(true);
     loop {
         if stopping() {
             return STOPPING.into();
@@ -201,7 +264,7 @@ async fn hand_over_steps(
             Some(what) if Instant::now() >= deadline => {
                 return format!(
                     "{what} after {}; nothing changed: ask again when it is done",
-                    humantime::format_duration(wait)
+                    crate::units::format_duration(wait)
                 );
             }
             Some(_) => tokio::time::sleep(Duration::from_millis(20)).await,
@@ -228,10 +291,14 @@ async fn hand_over_steps(
         from: crate::base::this_build(),
         listener: std::os::fd::AsRawFd::as_raw_fd(&listener),
         previous_binary: -1,
+        binary: -1,
         workers,
         events: supervisor.event_log(),
         fell_back: None,
         paused_at_unix_ms,
+        catalogue: Some(supervisor.specs()),
+        files: applied.as_ref().map(|a| a.texts.clone()),
+        state_file: served.state_file.clone(),
     };
     keep.push(listener);
     if stopping() {
@@ -241,9 +308,11 @@ async fn hand_over_steps(
         "upgrade ({}): handing {} workers to {} (berth {} {})",
         checked.trigger,
         state.workers.len(),
-        checked.binary.display(),
+        checked.binary.path.display(),
         checked.answer.version,
         checked.answer.build
     );
-    exec::exec(&checked.binary, exec::Prepared { state, keep }).await
+    let why = exec::exec(&checked.binary, exec::Prepared { state, keep }).await;
+    drop(applied);
+    why
 }

@@ -31,6 +31,10 @@ pub(crate) struct Handover {
     /// A descriptor of the binary that wrote it: what the new binary execs
     /// again if it cannot serve.
     pub previous_binary: RawFd,
+    /// The descriptor the new binary was exec'd from (kept open across the
+    /// exec, for a script's interpreter); closed once it serves.
+    #[serde(default = "no_descriptor")]
+    pub binary: RawFd,
     pub workers: Vec<HandedWorker>,
     /// The event log, so followers' numbers go on.
     pub events: Vec<crate::supervisor::Event>,
@@ -40,12 +44,28 @@ pub(crate) struct Handover {
     /// When the old berth stopped accepting (unix ms): how long the
     /// handover held new connections is measured from here.
     pub paused_at_unix_ms: u64,
+    /// Every model registered, as registered (from the files, over the
+    /// API, swapped since): the new program registers these, not what the
+    /// files say now. `None` from a berth that did not hand them over.
+    #[serde(default)]
+    pub catalogue: Option<Vec<crate::config::ModelSpec>>,
+    /// The config files' texts as last applied: the new program's settings
+    /// (a file edited but not reloaded is not applied by an upgrade).
+    #[serde(default)]
+    pub files: Option<crate::daemon::files::Texts>,
+    /// The state file in use (a reload does not change it; neither does an
+    /// upgrade).
+    #[serde(default)]
+    pub state_file: Option<std::path::PathBuf>,
 }
 
 impl Handover {
     /// Every descriptor the state names: what the exec must keep open.
     pub(crate) fn descriptors(&self) -> Vec<RawFd> {
         let mut fds = vec![self.listener, self.previous_binary];
+        if self.binary >= 0 {
+            fds.push(self.binary);
+        }
         fds.extend(self.workers.iter().flat_map(HandedWorker::descriptors));
         fds
     }
@@ -94,4 +114,8 @@ impl Handover {
         }
         Ok(handover)
     }
+}
+
+fn no_descriptor() -> RawFd {
+    -1
 }

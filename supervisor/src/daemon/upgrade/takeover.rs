@@ -27,6 +27,21 @@ impl Takeover {
         self.state.workers.iter().map(|w| w.pid).collect()
     }
 
+    /// The config files' texts the previous berth had applied.
+    pub fn files(&self) -> Option<crate::daemon::files::Texts> {
+        self.state.files.clone()
+    }
+
+    /// Every model the previous berth had registered, as registered.
+    pub fn catalogue(&self) -> Option<Vec<crate::config::ModelSpec>> {
+        self.state.catalogue.clone()
+    }
+
+    /// The state file the previous berth used.
+    pub fn state_file(&self) -> Option<std::path::PathBuf> {
+        self.state.state_file.clone()
+    }
+
     /// The listening socket, for `listen`.
     pub fn listener(&mut self, listen: &Listen) -> Result<Bound, String> {
         let fd: RawFd = std::mem::replace(&mut self.state.listener, -1);

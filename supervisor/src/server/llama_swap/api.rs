@@ -48,6 +48,17 @@ pub(crate) async fn front(State(app): State<AppState>, request: Request, next: N
         (&Method::GET, p) if p == "/logs/stream" || p.starts_with("/logs/stream/") => {
             logs_stream(&app, &request, p.strip_prefix("/logs/stream").unwrap_or(""))
         }
+        // berth's own `/api/models/{name}/{action}` for a model named
+        // `unload` wins over llama-swap's unload of a model named like
+        // the action (which stays reachable as `/api/models/unload` +
+        // `/unload` for every other name).
+        (&Method::POST, p)
+            if p.strip_prefix("/api/models/unload/").is_some_and(|rest| {
+                BERTH_ACTIONS.contains(&rest) && app.supervisor.spec("unload").is_some()
+            }) =>
+        {
+            next.run(request).await
+        }
         (&Method::POST, p) if p.starts_with("/api/models/unload/") => {
             let id = &p["/api/models/unload/".len()..];
             match known(&app, &compat, id) {
@@ -63,6 +74,9 @@ pub(crate) async fn front(State(app): State<AppState>, request: Request, next: N
         _ => next.run(request).await,
     }
 }
+
+/// berth's actions on one model (`/api/models/{name}/{action}`).
+const BERTH_ACTIONS: &[&str] = &["load", "unload", "swap", "infer"];
 
 /// llama-swap's error shape: `{"error": {"message", "type", "code"}}`.
 pub(super) fn not_found(message: &str) -> Response {

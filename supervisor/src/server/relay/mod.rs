@@ -115,11 +115,15 @@ pub(crate) async fn relay(
     body: Bytes,
     rename: bool,
 ) -> Response {
-    let options = match options_of(&body) {
-        Ok(options) => options,
-        // A server's own route may take anything.
-        Err(_) if !rename => crate::supervisor::RequestOptions::default(),
-        Err(e) => return e.into_response(),
+    // berth's own options ride in a `/v1` body; a server's own route
+    // (`/upstream/{model}/…`) is the server's alone, options included.
+    let options = if rename {
+        match options_of(&body) {
+            Ok(options) => options,
+            Err(e) => return e.into_response(),
+        }
+    } else {
+        crate::supervisor::RequestOptions::default()
     };
     let lease = match app.supervisor.lease(model, options).await {
         Ok(lease) => lease,
@@ -267,6 +271,37 @@ pub(crate) async fn relay(
             }
         }),
     };
+    // An answer of a known, modest length is read whole before its head is
+    // sent: a server that dies midway then answers with its death, never a
+    // head promising bytes that do not come.
+    let length = head
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if !stream && length.is_some_and(|n| n <= WHOLE_MAX) {
+        let whole = tokio::select! {
+            read = axum::body::to_bytes(Body::new(body), WHOLE_MAX) => read.map_err(|e| {
+                ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_broke_off",
+                    format!("model `{model}`: its server's answer broke off: {e}"),
+                )
+            }),
+            error = died => Err(error),
+        };
+        return match whole {
+            Ok(bytes) => {
+                drop(lease);
+                head.extensions.insert(Relayed);
+                Response::from_parts(head, Body::from(bytes))
+            }
+            Err(error) => {
+                lease.failed();
+                error.into_response()
+            }
+        };
+    }
     let body = RelayBody {
         inner: body,
         lease: Some(lease),
@@ -280,6 +315,9 @@ pub(crate) async fn relay(
     head.extensions.insert(Relayed);
     Response::from_parts(head, Body::new(body))
 }
+
+/// The longest answer read whole before it is passed on (see `relay`).
+const WHOLE_MAX: usize = 4 << 20;
 
 /// Marks an answer that came from a model's server, whose body berth
 /// passes on untouched (its errors too, in whatever shape the server gives).

@@ -99,6 +99,22 @@ impl Generate {
             }
             Prompt::Raw(text) => text.as_str(),
         };
+        // What cannot fit the context is refused before it is tokenized:
+        // tokenizing a prompt of megabytes takes the worker's memory
+        // (several times the text) for an answer that can only be no.
+        let can_fit = self.context_length.saturating_mul(self.max_token_bytes);
+        if prompt.len() > can_fit {
+            return Err(self.error(
+                ErrorKind::InputTooLarge,
+                format!(
+                    "the prompt is {} bytes; the context holds {} tokens of at most {} bytes \
+                     each, so no more than {can_fit} bytes can fit: shorten it",
+                    prompt.len(),
+                    self.context_length,
+                    self.max_token_bytes
+                ),
+            ));
+        }
         let encoding = self
             .tokenizer
             .encode(prompt, false)

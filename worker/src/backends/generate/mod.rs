@@ -139,6 +139,9 @@ struct Generate {
     end_ids: HashSet<u32>,
     bos: Option<u32>,
     context_length: usize,
+    /// The longest token's text, in bytes: a prompt longer than this times
+    /// the context cannot fit, and is refused before it is tokenized.
+    max_token_bytes: usize,
     defaults: Settings,
     details: serde_json::Value,
 }
@@ -243,6 +246,15 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     };
     let trained_context = md_u32(md, "llama.context_length").map(|n| n as usize);
     let context_length = trained_context.unwrap_or(MAX_SEQ_LEN).min(MAX_SEQ_LEN);
+    // A byte-level token's text is at least as long in UTF-8 as the bytes
+    // it stands for (`Ġ` is two for one), so this bounds from above.
+    let max_token_bytes = tokenizer
+        .get_vocab(true)
+        .keys()
+        .map(String::len)
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let details = json!({
         "architecture": "llama",
         "model_name": md_str(md, "general.name"),
@@ -298,6 +310,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
         end_ids,
         bos,
         context_length,
+        max_token_bytes,
         defaults,
         details,
     }))
