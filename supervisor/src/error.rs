@@ -148,6 +148,12 @@ pub enum Error {
         queued: usize,
     },
 
+    #[error(
+        "model `{model}`: {waiting} requests already wait for their models' loads or turns \
+         (max_queue); retry shortly, or raise max_queue"
+    )]
+    MachineQueueFull { model: String, waiting: usize },
+
     #[error("model `{model}` needs about {}, {reason}", crate::units::mib(*.needed))]
     BudgetExceeded {
         model: String,
@@ -203,6 +209,17 @@ pub enum Error {
 
     #[error("model `{model}`: no answer within the request's deadline ({:.1} s); it was cancelled", .after.as_secs_f64())]
     DeadlineExceeded { model: String, after: Duration },
+
+    #[error(
+        "model `{model}`: the request's deadline ({:.1} s) passed while it waited for {waited_for}; \
+         nothing was sent to the model",
+        .after.as_secs_f64()
+    )]
+    WaitedTooLong {
+        model: String,
+        after: Duration,
+        waited_for: String,
+    },
 
     #[error(
         "model `{model}` is restarting after a crash ({last_exit}); the next attempt is in {in_s:.1} s, retry then"
@@ -374,6 +391,7 @@ impl Error {
             Error::UnknownModel { .. } => "model_not_found",
             Error::CatalogueFull { .. } => "catalogue_full",
             Error::QueueFull { .. } => "queue_full",
+            Error::MachineQueueFull { .. } => "machine_queue_full",
             Error::BudgetExceeded { .. } => "memory_budget_exceeded",
             Error::GpuBudgetExceeded { .. } => "gpu_memory_budget_exceeded",
             Error::GpuUnused { .. } => "gpu_unused",
@@ -383,7 +401,7 @@ impl Error {
             Error::Restarting { .. } => "restarting",
             Error::LoadBackoff { .. } => "load_backoff",
             Error::Quarantined { .. } => "quarantined",
-            Error::DeadlineExceeded { .. } => "deadline_exceeded",
+            Error::DeadlineExceeded { .. } | Error::WaitedTooLong { .. } => "deadline_exceeded",
             Error::SharedLoad { kind, .. } => kind,
         }
     }
@@ -402,7 +420,9 @@ impl Error {
             | Error::MemoryLimitExceeded { .. }
             | Error::GpuUnused { .. }
             | Error::GpuOutOfMemory { .. } => ErrorClass::WorkerFailed,
-            Error::LoadTimeout { .. } | Error::DeadlineExceeded { .. } => ErrorClass::TimedOut,
+            Error::LoadTimeout { .. }
+            | Error::DeadlineExceeded { .. }
+            | Error::WaitedTooLong { .. } => ErrorClass::TimedOut,
             Error::LoadFailed { source, .. } | Error::Request { source, .. } => {
                 wire_class(source.kind)
             }
@@ -424,6 +444,7 @@ impl Error {
             Error::CatalogueFull { .. } => ErrorClass::Conflict,
             Error::QueueFull { .. } => ErrorClass::Overloaded,
             Error::ShuttingDown { .. }
+            | Error::MachineQueueFull { .. }
             | Error::BudgetExceeded { .. }
             | Error::GpuBudgetExceeded { .. }
             | Error::ModelFailed { .. }

@@ -44,7 +44,7 @@ pub use config::{
 };
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
 pub use report::{
-    ExitStatus, LoadReport, ReloadReport, StopKind, UnloadReport, Warning, WorkerStart,
+    Admission, ExitStatus, LoadReport, ReloadReport, StopKind, UnloadReport, Warning, WorkerStart,
 };
 pub use server::listen::raise_descriptor_limit;
 pub use server::metrics::render as prometheus_text;

@@ -62,6 +62,34 @@ pub struct LoadReport {
     /// on a GPU that holds no GPU memory).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<Warning>,
+    /// How the load got its room: what it was planned to take and where
+    /// that came from, what gave room up, how long it waited (a load of
+    /// the supervisor's; not a swap's or a restart's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admission: Option<Admission>,
+}
+
+/// How a load got its room.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Admission {
+    /// The RAM it was planned to take before it ran.
+    pub estimate_bytes: u64,
+    /// Where that came from: `measured` (its last load of the same thing),
+    /// `gguf` (a GGUF file's tensors and its context's cache),
+    /// `safetensors` (their headers), `files` (its weights' size on disk),
+    /// `memory_limit`, `unknown`.
+    pub estimate_from: String,
+    /// The models that gave their room up, each `model (why)`: `idle`,
+    /// `turn_over`, `priority`, `gpu`.
+    pub evicted: Vec<String>,
+    /// How long it waited for room (memory on its way back, a turn).
+    pub waited_ms: f64,
+    /// Loads waiting before it in the machine's queue when it asked.
+    pub queued_behind: usize,
+    /// A load that ran out of memory and was tried once more after idle
+    /// models gave room: what happened the first time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retried: Option<String>,
 }
 
 /// Something that looks wrong about a loaded model without failing it: in
@@ -248,6 +276,25 @@ impl fmt::Display for LoadReport {
         }
         for warning in &self.warnings {
             write!(f, "\n  warning: {}", warning.message)?;
+        }
+        if let Some(a) = &self.admission {
+            write!(
+                f,
+                "\n  room: planned {} ({}); ",
+                mib(a.estimate_bytes),
+                a.estimate_from
+            )?;
+            if a.evicted.is_empty() {
+                write!(f, "nothing evicted")?;
+            } else {
+                write!(f, "evicted {}", a.evicted.join(", "))?;
+            }
+            if a.waited_ms >= 1.0 {
+                write!(f, "; waited {:.0} ms", a.waited_ms)?;
+            }
+            if let Some(retried) = &a.retried {
+                write!(f, "; tried again after: {retried}")?;
+            }
         }
         Ok(())
     }

@@ -257,7 +257,7 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
         "`upstream` not honoured",
         "`timeouts` not honoured",
         "`compat` not honoured",
-        "`routing.scheduler.settings` (fifo priorities) not honoured",
+        "routing.scheduler.settings.fifo.priority references unknown model \"A\"",
         "`routing.router.settings.matrix` not used",
         "selectors.llm-plan.targets[1] references unknown model \"z-ai/glm-4.7\"",
         "profiles.coding.pins.llm-plan references unknown model",

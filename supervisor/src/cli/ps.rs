@@ -66,7 +66,12 @@ pub fn run(remote: Remote) -> ExitCode {
                     m.name,
                     m.backend,
                     m.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
-                    m.state.to_string(),
+                    match (m.state, m.queue_position) {
+                        (ModelState::Queued, Some(0)) => "room...".to_string(),
+                        (ModelState::Queued, Some(place)) => format!("queued#{place}"),
+                        _ if m.waiting > 0 => format!("{}+{}w", m.state, m.waiting),
+                        _ => m.state.to_string(),
+                    },
                     mib(m.rss_bytes),
                     mib(m.peak_rss_bytes),
                 );

@@ -134,6 +134,11 @@ pub struct ModelSpec {
     /// Requests waiting beyond that before new ones are refused (default 64).
     #[serde(default)]
     pub max_queue: Option<usize>,
+    /// Who goes first when models wait for room (default 0; higher first):
+    /// a waiting model of higher priority takes a busy one's room once that
+    /// one's least turn is over, not its most.
+    #[serde(default)]
+    pub priority: i32,
     /// The folder `model` must resolve inside, checked again at every load
     /// (with symlinks resolved, and the resolved path is what the worker
     /// opens): set for models registered over HTTP, so a path checked at
@@ -170,6 +175,7 @@ impl ModelSpec {
             restart_window: None,
             max_concurrency: None,
             max_queue: None,
+            priority: 0,
             confine: None,
         }
     }
@@ -516,6 +522,48 @@ pub struct SupervisorConfig {
     pub answer_spin: Duration,
     /// Which models may run together (groups, a matrix of sets), checked.
     pub residency: Rules,
+    /// Requests waiting for their model's load or turn, all models together
+    /// (default 512); past it a request is refused with `machine_queue_full`
+    /// (503, `Retry-After`).
+    pub max_queue: usize,
+    /// How models take turns when they cannot all have room at once.
+    pub turn: Turns,
+}
+
+/// Requests that may wait for their model's load or turn, all together.
+pub const DEFAULT_MAX_QUEUE: usize = 512;
+
+/// How long a model keeps its room once loaded, when another waits for it
+/// (`[turn]` in the config). Each bound defaults to one that fits the
+/// model's measured load time, so a load of seconds is worth its while.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Turns {
+    /// The least: before it, a busy model keeps its room, even against a
+    /// waiter of higher priority (default: its load time, 1 s at least).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub min: Option<Duration>,
+    /// The most: a busy model takes new requests for this long while
+    /// another waits, then finishes what it has in flight and yields
+    /// (default: four times its load time, 5 s at least).
+    #[serde(default, with = "crate::units::duration_opt")]
+    pub max: Option<Duration>,
+}
+
+impl Turns {
+    /// The most time a model whose load took `load_time` may serve new
+    /// requests while another waits.
+    pub fn max_for(&self, load_time: Duration) -> Duration {
+        self.max
+            .unwrap_or_else(|| Duration::from_secs(5).max(load_time.saturating_mul(4)))
+    }
+
+    /// The least time it keeps its room once loaded.
+    pub fn min_for(&self, load_time: Duration) -> Duration {
+        self.min
+            .unwrap_or_else(|| Duration::from_secs(1).max(load_time))
+            .min(self.max_for(load_time))
+    }
 }
 
 /// The longest [`SupervisorConfig::answer_spin`] allowed.
@@ -542,6 +590,8 @@ impl Default for SupervisorConfig {
             restart_backoff: Duration::from_millis(500),
             gpu_memory_budget: None,
             residency: Rules::default(),
+            max_queue: DEFAULT_MAX_QUEUE,
+            turn: Turns::default(),
         }
     }
 }

@@ -84,7 +84,7 @@ fn settings(old: &ServeConfig, new: &ServeConfig) -> (Vec<String>, Vec<String>) 
             })*
         };
     }
-    compare!(live: memory_budget, max_loaded, gpu_memory_budget, keep_alive, models_dir,
+    compare!(live: memory_budget, max_loaded, max_queue, turn, gpu_memory_budget, keep_alive, models_dir,
         load_timeout, drain_timeout, restart_backoff, answer_spin, max_response, max_models,
         groups, matrix, token, max_body, max_body_total, allowed_hosts, allowed_origins,
         public_metrics, body_timeout, max_inputs, test_backends);
@@ -149,8 +149,10 @@ pub async fn apply(
     let spec_of = |name: &str| new.models.iter().find(|m| m.name == name).cloned();
     let mut failed = Vec::new();
     for name in &report.removed {
-        if let Err(e) = patiently(name, || supervisor.deregister(name)).await {
-            failed.push((name.clone(), e));
+        match patiently(name, || supervisor.deregister(name)).await {
+            // Removed over the API already: gone, as asked.
+            Ok(_) | Err(Error::UnknownModel { .. }) => {}
+            Err(e) => failed.push((name.clone(), e)),
         }
     }
     for name in &report.added {
@@ -161,8 +163,16 @@ pub async fn apply(
     }
     for name in &report.changed {
         let spec = spec_of(name).expect("a changed model is in the new config");
-        if let Err(e) = patiently(name, || supervisor.swap(spec.clone())).await {
-            failed.push((name.clone(), e));
+        match patiently(name, || supervisor.swap(spec.clone())).await {
+            Ok(_) => {}
+            // Removed over the API meanwhile: the file has it, so it is
+            // registered as the file says.
+            Err(Error::UnknownModel { .. }) => {
+                if let Err(e) = supervisor.register(spec) {
+                    failed.push((name.clone(), e));
+                }
+            }
+            Err(e) => failed.push((name.clone(), e)),
         }
     }
     for preloader in retired {
@@ -175,6 +185,12 @@ pub async fn apply(
         in_force.models.retain(|m| m.name != name);
         if let Some(was) = old.models.iter().find(|m| m.name == name) {
             in_force.models.push(was.clone());
+            // A change of its worker kind stays pending too.
+            if let Some(kind) = &was.worker
+                && let Some(old_kind) = old.workers.get(kind)
+            {
+                in_force.workers.insert(kind.clone(), old_kind.clone());
+            }
         }
         report.failed.push(format!("{name}: {e}"));
         report.pending.push(name);

@@ -131,6 +131,7 @@ pub(crate) async fn serve_on(
         supervisor.handing_over(true);
         closing.store(true, std::sync::atomic::Ordering::SeqCst);
         let older = connections.new_epoch();
+        let mut paused_at_unix_ms = crate::base::unix_ms();
         let wait = supervisor.config().drain_timeout;
         let drained = tokio::select! {
             drained = connections.wait_closed_before(older, wait) => drained,
@@ -151,20 +152,32 @@ pub(crate) async fn serve_on(
             // for the new binary), and the last one-request connections
             // finish.
             let _ = pause_tx.send(true);
+            paused_at_unix_ms = crate::base::unix_ms();
             listening.await;
-            if connections.wait_closed(upgrade::LAST_REQUESTS).await {
+            let last = upgrade::last_requests(options.connections.header_timeout);
+            if connections.wait_closed(last).await {
                 None
             } else {
                 Some(format!(
                     "{} connections opened during the handover were still open after {} (a \
                      stream begun meanwhile?); nothing changed: ask again",
                     connections.open(),
-                    crate::units::format_duration(upgrade::LAST_REQUESTS)
+                    crate::units::format_duration(last)
                 ))
             }
         };
         // Returns only when the upgrade was called off: serve on.
-        upgrade::hand_over(&supervisor, &bound, &checked, &stop, &served, called_off).await;
+        upgrade::hand_over(
+            &supervisor,
+            &bound,
+            &checked,
+            &stop,
+            &served,
+            called_off,
+            paused_at_unix_ms,
+        )
+        .await;
+        live.upgrades.called_off();
         closing.store(false, std::sync::atomic::Ordering::SeqCst);
         if *stop.borrow() {
             break;

@@ -73,7 +73,7 @@ impl From<Error> for ApiError {
             Error::Restarting { in_s, .. } | Error::LoadBackoff { in_s, .. } => {
                 Some(in_s.ceil().max(1.0) as u64)
             }
-            Error::QueueFull { .. } => Some(1),
+            Error::QueueFull { .. } | Error::MachineQueueFull { .. } => Some(1),
             _ => None,
         };
         ApiError {
@@ -322,6 +322,14 @@ mod tests {
                 "queue_full",
             ),
             (
+                Error::MachineQueueFull {
+                    model: M.into(),
+                    waiting: 512,
+                },
+                503,
+                "machine_queue_full",
+            ),
+            (
                 Error::BudgetExceeded {
                     model: M.into(),
                     needed: 1 << 30,
@@ -434,6 +442,7 @@ mod tests {
             "not_loaded" | "already_loaded" | "busy" => 409,
             "queue_full" => 429,
             "memory_budget_exceeded"
+            | "machine_queue_full"
             | "gpu_memory_budget_exceeded"
             | "shutting_down"
             | "model_failed"
@@ -501,7 +510,10 @@ mod tests {
         for (error, ..) in table() {
             if !matches!(
                 error,
-                Error::Restarting { .. } | Error::QueueFull { .. } | Error::LoadBackoff { .. }
+                Error::Restarting { .. }
+                    | Error::QueueFull { .. }
+                    | Error::MachineQueueFull { .. }
+                    | Error::LoadBackoff { .. }
             ) {
                 assert_eq!(ApiError::from(error).retry_after, None);
             }

@@ -32,7 +32,8 @@
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use super::admission::{gpu_holders, room};
+use super::admission::Why;
+use super::room::{gpu_holders, room};
 use super::{EventKind, Inner, Supervisor};
 use crate::child::handle::WorkerHandle;
 use crate::config::ModelSpec;
@@ -89,7 +90,7 @@ async fn ram_step(supervisor: &Supervisor, budget: u64, warned: &mut Option<Inst
     if room.used <= budget {
         return;
     }
-    match room.lru_idle {
+    match room.lru_idle().map(|h| h.name.clone()) {
         Some(victim) => {
             tracing::warn!(
                 victim,
@@ -106,7 +107,7 @@ async fn ram_step(supervisor: &Supervisor, budget: u64, warned: &mut Option<Inst
                  evict; new loads are refused until memory comes back. Held by: {}",
                 mib(room.used),
                 mib(budget),
-                room.holders.join(", ")
+                room.holders().join(", ")
             );
         }
         None => {}
@@ -208,15 +209,57 @@ impl Supervisor {
     /// Unloads idle `victim` to make room (for `for_model`, or for the
     /// budget itself), and says so.
     pub(super) async fn evict(&self, victim: &str, for_model: Option<&str>) {
+        self.give_room(victim, for_model, "idle").await;
+    }
+
+    /// `victim` gives its room up for `model` (`why`): a busy one yields
+    /// (no new request reaches it; those in flight finish), then goes.
+    pub(super) async fn evict_for(&self, victim: &str, model: &str, why: Why) {
+        self.give_room(victim, Some(model), why.as_str()).await;
+    }
+
+    /// Unloads `victim` (draining what it has in flight), said as an
+    /// `evicted` event with its turn's length and requests; a model that
+    /// cannot go now (swapped meanwhile) keeps its turn.
+    pub(super) async fn give_room(&self, victim: &str, for_model: Option<&str>, reason: &str) {
+        let turn = {
+            let mut state = self.lock();
+            let super::State {
+                slots, catalogue, ..
+            } = &mut *state;
+            slots.get_mut(victim).map(|slot| {
+                slot.yield_turn(for_model.unwrap_or_default());
+                let served = catalogue
+                    .get(victim)
+                    .map(|e| {
+                        e.counters
+                            .requests
+                            .load(std::sync::atomic::Ordering::Relaxed)
+                    })
+                    .unwrap_or(0)
+                    .saturating_sub(slot.turn_requests);
+                (slot.turn_started.elapsed().as_millis() as u64, served)
+            })
+        };
+        self.inner.notify_changed();
         match self.unload(victim).await {
             Ok(report) => {
                 tracing::info!("{report}");
                 self.emit(EventKind::Evicted {
                     model: victim.into(),
                     for_model: for_model.map(Into::into),
+                    reason: Some(reason.into()),
+                    ran_ms: turn.map(|t| t.0),
+                    served: turn.map(|t| t.1),
                 });
             }
-            Err(e) => tracing::info!(victim, "eviction skipped: {e}"),
+            Err(e) => {
+                if let Some(slot) = self.lock().slots.get_mut(victim) {
+                    slot.keep_turn();
+                }
+                self.inner.notify_changed();
+                tracing::info!(victim, "eviction skipped: {e}");
+            }
         }
     }
 }

@@ -110,12 +110,23 @@ pub enum EventKind {
         model: String,
         report: Box<UnloadReport>,
     },
-    /// An idle model was unloaded to make room (its `unloaded` comes
-    /// first): for `for_model`'s load, or (`null`) because the loaded
-    /// models grew past the memory budget.
+    /// A model gave its room up (its `unloaded` comes first): for
+    /// `for_model`'s load, or (`null`) because the loaded models grew past
+    /// a budget. `reason`: `idle`, `turn_over` (its most turn was over
+    /// while another waited: it finished what it had in flight first),
+    /// `priority` (a waiter of higher priority, past its least turn),
+    /// `gpu` (the GPU placement chose it), `residency` (its groups, matrix
+    /// or fixed port); `ran_ms` and `served`: its turn, how long and how
+    /// many requests.
     Evicted {
         model: String,
         for_model: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ran_ms: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        served: Option<u64>,
     },
     /// Unloaded (its `unloaded` comes first) because it sat idle past its
     /// keep-alive.

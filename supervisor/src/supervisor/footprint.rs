@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::estimate::Estimate;
 use super::slot::Entry;
 use crate::config::ModelSpec;
 use crate::gpu;
@@ -17,6 +18,10 @@ pub(super) struct Need {
     pub(super) replacing: bool,
     /// Its GPU request and the VRAM it is expected to take on each device.
     pub(super) gpu: Option<(gpu::GpuRequest, u64)>,
+    /// Where `ram` came from: `measured` (its last load of the same
+    /// thing), `gguf`, `safetensors`, `files` (its weights' size on disk),
+    /// `memory_limit`, `unknown`.
+    pub(super) from: &'static str,
 }
 
 /// What a model of unknown size (no weights on disk to measure, no earlier
@@ -26,23 +31,38 @@ pub const UNKNOWN_FOOTPRINT: u64 = 256 << 20;
 
 impl Need {
     /// Sized from what the model's last worker measured when it ran the
-    /// same thing, else from its weights on disk (`disk`, measured by
-    /// [`disk_footprint`] before the state lock was taken), else from its
-    /// `memory_limit`, else [`UNKNOWN_FOOTPRINT`]; on GPUs, its declared
-    /// `vram` comes first.
-    pub(super) fn new(spec: &ModelSpec, entry: Option<&Entry>, replacing: bool, disk: u64) -> Need {
+    /// same thing, else from its files (`files`, read by [`from_files`]
+    /// before the state lock was taken: a GGUF's tensors and its context's
+    /// cache, safetensors headers, else the weights' size on disk), else
+    /// from its `memory_limit`, else [`UNKNOWN_FOOTPRINT`]; on GPUs, its
+    /// declared `vram` comes first.
+    pub(super) fn new(
+        spec: &ModelSpec,
+        entry: Option<&Entry>,
+        replacing: bool,
+        files: &Estimate,
+    ) -> Need {
         let same = entry.filter(|e| {
             e.spec.backend == spec.backend
                 && e.spec.model == spec.model
                 && e.spec.options == spec.options
         });
-        let unmeasured = if disk > 0 {
-            disk
+        let disk = files.bytes;
+        let (unmeasured, unmeasured_from) = if disk > 0 {
+            (disk, files.from)
         } else {
-            spec.memory_limit.unwrap_or(UNKNOWN_FOOTPRINT)
+            match spec.memory_limit {
+                Some(limit) => (limit, "memory_limit"),
+                None => (UNKNOWN_FOOTPRINT, "unknown"),
+            }
+        };
+        let (ram, from) = match same.and_then(|e| e.last_peak_bytes) {
+            Some(measured) => (measured, "measured"),
+            None => (unmeasured, unmeasured_from),
         };
         Need {
-            ram: same.and_then(|e| e.last_peak_bytes).unwrap_or(unmeasured),
+            ram,
+            from,
             replacing,
             // A declared share is the operator's word; else what it last
             // measured, else its weights' size.
@@ -61,15 +81,25 @@ impl Need {
     }
 }
 
-/// The bytes a model's weights take on disk, measured off the async
-/// runtime: see [`footprint_on_disk`].
-pub(super) async fn disk_footprint(spec: &ModelSpec) -> u64 {
-    let Some(path) = spec.model.clone() else {
-        return 0;
+/// What a model's files say it will take, read off the async runtime: a
+/// GGUF's or safetensors' headers (`estimate.rs`), else the bytes its
+/// weights take on disk ([`footprint_on_disk`]).
+pub(super) async fn from_files(spec: &ModelSpec) -> Estimate {
+    let none = Estimate {
+        bytes: 0,
+        from: "unknown",
     };
-    tokio::task::spawn_blocking(move || footprint_on_disk(&path))
-        .await
-        .unwrap_or(0)
+    let Some(path) = spec.model.clone() else {
+        return none;
+    };
+    tokio::task::spawn_blocking(move || {
+        super::estimate::from_files(&path).unwrap_or_else(|| Estimate {
+            bytes: footprint_on_disk(&path),
+            from: "files",
+        })
+    })
+    .await
+    .unwrap_or(none)
 }
 
 /// Bounds of the walk: a model folder deeper, larger or slower than this

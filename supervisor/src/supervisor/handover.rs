@@ -54,7 +54,7 @@ impl Supervisor {
                     Some(w) if w.in_flight() > 0 => "serving a request",
                     _ => continue,
                 },
-                ModelState::Loading => "loading",
+                ModelState::Loading | ModelState::Queued => "loading",
                 ModelState::Draining | ModelState::Stopping => "being unloaded",
             };
             return Some(format!("model `{name}` is {what}"));

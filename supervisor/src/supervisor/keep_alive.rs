@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::ModelState;
-use super::admission::is_idle;
+use super::room::is_idle;
 use super::{Inner, Supervisor};
 
 /// How often a model whose keep-alive ran out while it was busy is looked

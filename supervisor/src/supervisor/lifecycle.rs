@@ -1,17 +1,35 @@
 //! Loading and unloading a model's worker (swaps are in `swap.rs`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::watch;
 
+use super::room::room;
 use super::slot::{Incoming, LoadSignal, Slot, Unload};
 use super::{EventKind, ModelState, Need, State, Supervisor, detached};
 use crate::child::handle::WorkerHandle;
 use crate::child::{launch, stop};
 use crate::config::ModelSpec;
 use crate::error::{Error, ErrorClass, Result};
-use crate::report::{LoadReport, UnloadReport};
+use crate::report::{Admission, LoadReport, UnloadReport};
+
+/// Whether a load failed for want of memory others may hold: the GPU's
+/// (the framework's out-of-memory, at load), or the host's (the kernel's
+/// OOM killer: a SIGKILL that berth did not send). A model over its own
+/// `memory_limit` is not: evicting others gives it nothing, and it fails
+/// at once with why.
+fn out_of_memory(e: &Error) -> bool {
+    match e {
+        Error::GpuOutOfMemory { .. } => true,
+        Error::WorkerDied { cause, exit, .. } => match cause {
+            Some(crate::base::KillCause::GpuOutOfMemory { .. }) => true,
+            None => matches!(exit, crate::report::ExitStatus::Signal(s) if s == "SIGKILL"),
+            _ => false,
+        },
+        _ => false,
+    }
+}
 
 /// One launch in progress, counted in `Inner::launching` while it lives.
 struct Launching<'a>(&'a std::sync::atomic::AtomicUsize);
@@ -48,23 +66,43 @@ impl Supervisor {
         self.check_running(&spec.name)?;
         let name = spec.name.clone();
         self.register(spec)?;
-        self.start_load(&name).await
+        let _waiting = self.awaiting(&name)?;
+        self.start_load(&name, true).await
     }
 
     /// Loads a registered model.
     pub async fn load_registered(&self, model: &str) -> Result<LoadReport> {
         self.check_running(model)?;
-        self.unless_stopping(model, self.start_load(model)).await
+        // A caller of `load` waits for its room as a request would, and
+        // the load is given up if the caller goes.
+        let _waiting = self.awaiting(model)?;
+        self.unless_stopping(model, self.start_load(model, true))
+            .await
+    }
+
+    /// Counts a caller waiting for `model`'s load (see `await_load`).
+    fn awaiting(&self, model: &str) -> Result<super::requests::Awaiting> {
+        let awaiting = {
+            let state = self.lock();
+            let entry = state
+                .catalogue
+                .get(model)
+                .ok_or_else(|| self.unknown_locked(model, &state))?;
+            Arc::clone(&entry.awaiting_load)
+        };
+        self.await_load(model, &awaiting)
     }
 
     /// Makes room, reserves the slot, launches the worker.
     ///
     /// Runs as a task of its own: a caller that gives up (a deadline, a
     /// client gone) must not leave a half-made slot behind.
-    pub(super) async fn start_load(&self, model: &str) -> Result<LoadReport> {
+    /// `on_demand`: callers wait for it (counted as waiting), and it is
+    /// given up while it waits for room once none does.
+    pub(super) async fn start_load(&self, model: &str, on_demand: bool) -> Result<LoadReport> {
         let (this, model) = (self.clone(), model.to_string());
         detached(&model.clone(), async move {
-            this.start_load_inner(&model).await
+            this.start_load_inner(&model, on_demand).await
         })
         .await
     }
@@ -87,10 +125,10 @@ impl Supervisor {
         let choosing = std::time::Instant::now();
         let start = self.worker_start(spec).await;
         let chose_ms = choosing.elapsed().as_secs_f64() * 1e3;
+        // Counted until its worker is in or stopped: a shutdown waits for
+        // launches to end (what they started stopped) before berth exits.
+        let _launching = Launching::count(&self.inner.launching);
         let launched = {
-            // Counted while it runs: a shutdown waits for launches to end
-            // (what they started stopped) before berth exits.
-            let _launching = Launching::count(&self.inner.launching);
             launch::launch(
                 spec,
                 &self.config(),
@@ -132,15 +170,29 @@ impl Supervisor {
         }
     }
 
-    pub(super) async fn start_load_inner(&self, model: &str) -> Result<LoadReport> {
+    pub(super) async fn start_load_inner(
+        &self,
+        model: &str,
+        on_demand: bool,
+    ) -> Result<LoadReport> {
+        let priority = self
+            .lock()
+            .catalogue
+            .get(model)
+            .map(|e| e.spec.priority)
+            .unwrap_or(0);
+        let queued_behind = self.inner.queue.len();
         let gate = self
-            .make_way(model, self.inner.load_gate.lock().await, None)
+            .make_way(model, self.inner.queue.enter(model, priority).await, None)
             .await?;
-        // The weights are measured on disk before the state lock is taken.
+        // The files are read before the state lock is taken.
         let registered = self.lock().catalogue.get(model).map(|e| e.spec.clone());
-        let disk = match &registered {
-            Some(spec) => super::footprint::disk_footprint(spec).await,
-            None => 0,
+        let files = match &registered {
+            Some(spec) => super::footprint::from_files(spec).await,
+            None => super::estimate::Estimate {
+                bytes: 0,
+                from: "unknown",
+            },
         };
         let (spec, need) = {
             let mut state = self.lock();
@@ -170,10 +222,10 @@ impl Supervisor {
                 .ok_or_else(|| self.unknown_locked(model, &state))?;
             (
                 entry.spec.clone(),
-                Need::new(&entry.spec, Some(entry), false, disk),
+                Need::new(&entry.spec, Some(entry), false, &files),
             )
         };
-        let gpus = self.make_room(model, &need).await?;
+        let (gpus, made) = self.make_room(model, &need, on_demand).await?;
         let (done, signal) = watch::channel(None);
         {
             let mut state = self.lock();
@@ -193,20 +245,65 @@ impl Supervisor {
             model: model.into(),
             restart: false,
         });
-
-        let launched = self
-            .launch_into_slot(model, &spec, gpus, |state, worker, report| {
-                let State {
-                    catalogue, slots, ..
-                } = state;
-                let slot = slots.get_mut(model)?;
-                slot.used(None);
-                slot.install(catalogue.get_mut(model), worker, report);
-                Some(())
-            })
-            .await;
+        let admission = Admission {
+            estimate_bytes: need.ram,
+            estimate_from: need.from.to_string(),
+            evicted: made
+                .evicted
+                .iter()
+                .map(|(m, why)| format!("{m} ({})", why.as_str()))
+                .collect(),
+            waited_ms: made.waited.as_secs_f64() * 1e3,
+            queued_behind,
+            retried: None,
+        };
+        // A load that runs out of memory while idle models hold it is
+        // tried once more, once they have given it up: no loop.
+        let mut admission = admission;
+        let launched = loop {
+            let launched = self
+                .launch_into_slot(model, &spec, gpus.clone(), |state, worker, report| {
+                    let State {
+                        catalogue, slots, ..
+                    } = state;
+                    let slot = slots.get_mut(model)?;
+                    slot.used(None);
+                    slot.install(catalogue.get_mut(model), worker, report);
+                    Some(())
+                })
+                .await;
+            match &launched {
+                Err(e) if admission.retried.is_none() && out_of_memory(e) => {
+                    let idle: Vec<String> = {
+                        let state = self.lock();
+                        room(&state, model)
+                            .held
+                            .into_iter()
+                            .filter(|h| h.idle && h.stoppable)
+                            .map(|h| h.name)
+                            .collect()
+                    };
+                    if idle.is_empty() {
+                        break launched;
+                    }
+                    tracing::warn!(
+                        model,
+                        "the load ran out of memory ({e}); the idle models give their room up \
+                         and it is tried once more"
+                    );
+                    for victim in &idle {
+                        self.give_room(victim, Some(model), "out_of_memory").await;
+                        admission.evicted.push(format!("{victim} (out_of_memory)"));
+                    }
+                    admission.retried = Some(e.to_string());
+                }
+                _ => break launched,
+            }
+        };
         let result = match launched {
-            Ok(Some((_, report, ()))) => {
+            Ok(Some((_, mut report, ()))) => {
+                report.admission = Some(admission);
+                self.set_report(model, &report);
                 let _ = done.send(Some(Ok(())));
                 self.emit(EventKind::Loaded {
                     model: model.into(),
@@ -285,8 +382,17 @@ impl Supervisor {
     }
 
     /// The worker of a loaded model, loading it first if needed (concurrent
-    /// callers share one load).
+    /// callers share one load); the caller waits for the model's room and
+    /// turn as a request does.
     pub async fn ensure_loaded(&self, model: &str) -> Result<Arc<WorkerHandle>> {
+        let _waiting = self.awaiting(model)?;
+        self.load_for_request(model).await
+    }
+
+    /// [`Supervisor::ensure_loaded`] for a caller already counted as
+    /// waiting. A model loading or restarting (its crash backoff included)
+    /// is waited for: the caller's own deadline bounds the wait.
+    pub(super) async fn load_for_request(&self, model: &str) -> Result<Arc<WorkerHandle>> {
         loop {
             self.check_running(model)?;
             enum Next {
@@ -326,27 +432,6 @@ impl Supervisor {
                         }
                         // A worker that just died: the crash policy decides next.
                         (ModelState::Failed, Some(_), _) => Next::WaitChange,
-                        // In a crash backoff of more than a moment: say so now
-                        // rather than hold the request for up to a minute.
-                        (ModelState::Loading, None, _)
-                            if slot
-                                .restart_at
-                                .is_some_and(|t| t > Instant::now() + Duration::from_secs(1)) =>
-                        {
-                            let left = slot
-                                .restart_at
-                                .map(|t| t.saturating_duration_since(Instant::now()));
-                            return Err(Error::Restarting {
-                                model: model.into(),
-                                in_s: left.unwrap_or_default().as_secs_f64(),
-                                last_exit: state
-                                    .catalogue
-                                    .get(model)
-                                    .and_then(|e| e.health.last_exit.as_ref())
-                                    .map(|e| e.description.clone())
-                                    .unwrap_or_default(),
-                            });
-                        }
                         (_, _, Some(signal)) => Next::Wait(signal.clone()),
                         _ => Next::WaitChange,
                     },
@@ -366,7 +451,10 @@ impl Supervisor {
                 Next::WaitChange => {
                     let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
                 }
-                Next::Load => match self.unless_stopping(model, self.start_load(model)).await {
+                Next::Load => match self
+                    .unless_stopping(model, self.start_load(model, true))
+                    .await
+                {
                     Ok(_) | Err(Error::AlreadyLoaded { .. } | Error::Busy { .. }) => {}
                     Err(e) => return Err(e),
                 },
@@ -455,6 +543,13 @@ impl Supervisor {
             report: Box::new(report.clone()),
         });
         Ok(report)
+    }
+
+    /// The report its slot keeps (what an upgrade hands on), completed.
+    fn set_report(&self, model: &str, report: &LoadReport) {
+        if let Some(slot) = self.lock().slots.get_mut(model) {
+            slot.report = Some(report.clone());
+        }
     }
 
     pub(super) fn unknown_locked(&self, model: &str, state: &State) -> Error {

@@ -6,10 +6,12 @@
 //!   and concurrent requests wait for that one load;
 //! - keep-alive: an idle model is unloaded when its keep-alive runs out;
 //! - memory budget and `max_loaded`: before a load, idle models are evicted
-//!   least recently used first; a model with work in flight never is; and
-//!   after loads, when models grow past the budget, idle ones are evicted
-//!   too, as for the per-GPU VRAM budget once NVML shows what a load really
-//!   took (`budget.rs`);
+//!   least recently used first; a busy model keeps its room for its turn,
+//!   then finishes what it has in flight and yields, while the requests for
+//!   the waiting model wait in the machine's queue (never refused for want
+//!   of room unless the model could never fit); after loads, when models
+//!   grow past the budget, idle ones are evicted too, as for the per-GPU
+//!   VRAM budget once NVML shows what a load really took (`budget.rs`);
 //! - per-model concurrency with a bounded queue;
 //! - swap: the new worker is ready before routing switches, and the old one
 //!   drains before it stops.
@@ -25,10 +27,10 @@
 //! | `catalogue.rs` | `register`, `deregister`, `catalogue`, `spec`, `model_state`, `canonical` (aliases), `is_http_model`, `check_workers`; `check_spec`, `unknown` |
 //! | `requests.rs` | `request`, `request_with`, `request_stream`, `request_stream_with`, `lease`, `worker`; admission of one request (`admit`: queue, deadline, load); `request_finished` |
 //! | `tickets.rs` | (no `impl Supervisor`) `RequestStream`, `Lease`: what a caller holds while its request runs, and the bookkeeping when it ends |
-//! | `lifecycle.rs` | `load`, `load_registered`, `ensure_loaded`, `unload`; `start_load`, `launch_into_slot`, `unload_inner` |
-//! | `admission.rs` | `make_room`, and the pure decision `plan` it carries out (place, evict, wait, refuse) |
-//! | `residency.rs` | `make_way`: the evictions groups and the matrix ask for |
-//! | `budget.rs` | the budget watch (memory and VRAM, once a second), `fit_measured` (VRAM after a load), `evict` |
+//! | `lifecycle.rs` | `load`, `load_registered`, `ensure_loaded`, `unload`; `start_load` (the machine's queue, room, the launch, one retry after running out of memory), `launch_into_slot`, `unload_inner` |
+//! | `room.rs` | `make_room`: admission's decision carried out (evictions, yields at a turn's end, waits), and the state read as admission sees it (`room`, `is_idle`, `gpu_holders`) |
+//! | `residency.rs` | `make_way`: the evictions groups and the matrix ask for, turns kept |
+//! | `budget.rs` | the budget watch (memory and VRAM, once a second), `fit_measured` (VRAM after a load), `evict`, `give_room` (a model yields: no new request, drains, goes; said as an event) |
 //! | `swap.rs` | `swap`, `swap_with`; `replace_worker` (swaps, recycles, restarts) |
 //! | `resilience.rs` | `watch_worker`, `on_death` (restart with backoff), `maybe_recycle` |
 //! | `keep_alive.rs` | the keep-alive reaper |
@@ -37,10 +39,15 @@
 //! | `occupancy.rs` | `occupancy_on`: the gauges an inference gateway's picker reads |
 //! | `handover.rs` | an in-place upgrade's part: `freeze`, `busy`, `hand_over`, `install_adopted`, the event log carried over |
 //!
-//! The state they share: `slot.rs` (one model's worker and its state
-//! machine, `Entry` its catalogue record), `footprint.rs` (what a load
-//! needs room for), `crashes.rs` (restarts and quarantine), `counters.rs`,
-//! `events.rs`, `history.rs`, `types.rs` (what callers read).
+//! The decisions, pure: `admission.rs` (`plan`: place, evict, wait,
+//! refuse, with the turns; `docs/internals/scheduler.md`), and
+//! `gpu::placement`. The state they share: `slot.rs` (one model's worker
+//! and its state machine, `Entry` its catalogue record), `queue.rs` (the
+//! machine's queue of loads, by priority then arrival), `footprint.rs`
+//! (what a load needs room for) with `estimate.rs` (a model's size from its
+//! files before its first load), `crashes.rs` (restarts and quarantine),
+//! `counters.rs`, `events.rs`, `history.rs`, `types.rs` (what callers
+//! read).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -61,6 +68,7 @@ mod budget;
 mod catalogue;
 mod counters;
 mod crashes;
+mod estimate;
 mod events;
 mod footprint;
 mod handover;
@@ -69,9 +77,11 @@ mod keep_alive;
 mod lifecycle;
 mod occupancy;
 mod preloaders;
+mod queue;
 mod requests;
 mod residency;
 mod resilience;
+mod room;
 mod slot;
 mod status;
 mod swap;
@@ -132,9 +142,13 @@ struct Inner {
     /// Wakes the keep-alive reaper: a slot changed, or a keep-alive was
     /// set that may end sooner than the one it waits for.
     expiry_changed: Arc<Notify>,
-    /// Serialises "make room, then reserve" so two loads cannot both count
-    /// the same free memory.
-    load_gate: tokio::sync::Mutex<()>,
+    /// The machine's queue: "make room, then reserve" one at a time, in
+    /// order (priority, then arrival), so two loads cannot both count the
+    /// same free memory.
+    queue: queue::LoadQueue,
+    /// Requests waiting for their model's load or turn, all models: bounded
+    /// by `max_queue`.
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
     shutting_down: AtomicBool,
     /// Set while an in-place upgrade hands the workers over: nothing
     /// starts, stops or swaps meanwhile (`handover.rs`).
@@ -218,7 +232,8 @@ impl Supervisor {
             changed: Notify::new(),
             changed_at: AtomicU64::new(crate::base::unix_ms()),
             expiry_changed: Arc::default(),
-            load_gate: tokio::sync::Mutex::new(()),
+            queue: Default::default(),
+            waiting: Default::default(),
             shutting_down: AtomicBool::new(false),
             frozen: AtomicBool::new(false),
             handing_over: tokio::sync::watch::Sender::new(false),

@@ -7,7 +7,7 @@
 use serde::Serialize;
 use std::sync::atomic::Ordering;
 
-use super::admission::{gpu_holders, room};
+use super::room::{gpu_holders, room};
 use super::{ModelState, Supervisor};
 use crate::gpu::{self, Inventory};
 

@@ -188,15 +188,15 @@ impl Supervisor {
             }
         };
         // Waiting still, until a ready worker takes the request: counted
-        // as such (the waiting requests of `/metrics`) however this ends.
-        awaiting_load.fetch_add(1, Ordering::SeqCst);
-        let _awaiting = LeaveQueue(awaiting_load);
-        let give_up = started
-            .checked_add(self.config().load_timeout.saturating_mul(2))
-            .unwrap_or(started + Duration::from_secs(3600));
-        while Instant::now() < give_up {
-            within(deadline, model, started, self.ensure_loaded(model))
+        // as such (the waiting requests of `/metrics`, the machine's queue
+        // bounded by `max_queue`) however this ends.
+        let _awaiting = self.await_load(model, &awaiting_load).inspect_err(|_| {
+            counters.errors.fetch_add(1, Ordering::Relaxed);
+        })?;
+        loop {
+            within(deadline, model, started, self.load_for_request(model))
                 .await
+                .map_err(|e| self.said_what_it_waited_for(model, e))
                 .and_then(|loaded| loaded)
                 .inspect_err(|_| {
                     counters.errors.fetch_add(1, Ordering::Relaxed);
@@ -207,7 +207,13 @@ impl Supervisor {
             let routed = {
                 let state = self.lock();
                 match state.slots.get(model) {
-                    Some(slot) if slot.state() == ModelState::Ready && !slot.hold => {
+                    // Not once it yields its turn, but for the requests
+                    // that waited through its load.
+                    Some(slot)
+                        if slot.state() == ModelState::Ready
+                            && !slot.hold
+                            && slot.takes(started) =>
+                    {
                         let worker = slot.worker.as_ref().expect("ready slots have a worker");
                         Some(route(worker)?)
                     }
@@ -230,9 +236,56 @@ impl Supervisor {
                 },
             });
         }
-        Err(Error::Busy {
+    }
+
+    /// A deadline that passed while the request waited for its model's
+    /// load or turn: said with what it waited for (who held the room).
+    fn said_what_it_waited_for(&self, model: &str, e: Error) -> Error {
+        let Error::DeadlineExceeded { after, .. } = e else {
+            return e;
+        };
+        let state = self.lock();
+        let waited_for = match state.slots.get(model) {
+            Some(slot) if slot.yielding.is_some() => {
+                "its next turn (it yields to another model)".to_string()
+            }
+            Some(slot) => format!("its load (it is {})", slot.state()),
+            None => {
+                let holders = super::room::room(&state, model).holders();
+                format!(
+                    "room to load it; held by: {}",
+                    if holders.is_empty() {
+                        "nothing".to_string()
+                    } else {
+                        holders.join(", ")
+                    }
+                )
+            }
+        };
+        Error::WaitedTooLong {
             model: model.into(),
-            reason: "it kept changing state; retry".into(),
+            after,
+            waited_for,
+        }
+    }
+
+    /// Counts a request (or a caller of `load`) as waiting for `model`'s
+    /// load or turn until the guard drops: in its model's count and in the
+    /// machine's, which `max_queue` bounds (past it, refused at once).
+    pub(super) fn await_load(&self, model: &str, awaiting: &Arc<AtomicUsize>) -> Result<Awaiting> {
+        let max = self.config().max_queue;
+        let total = &self.inner.waiting;
+        if total.fetch_add(1, Ordering::SeqCst) >= max {
+            total.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::MachineQueueFull {
+                model: model.into(),
+                waiting: max,
+            });
+        }
+        awaiting.fetch_add(1, Ordering::SeqCst);
+        Ok(Awaiting {
+            model: Arc::clone(awaiting),
+            total: Arc::clone(total),
         })
     }
 
@@ -293,9 +346,22 @@ struct Bookkeeping {
     deadline: Option<tokio::time::Instant>,
 }
 
-/// Counts a request out of its model's queue (or its wait for a load) when
-/// dropped.
+/// Counts a request out of its model's queue when dropped.
 pub(super) struct LeaveQueue(Arc<AtomicUsize>);
+
+/// Counts a request out of its model's wait for a load or turn, and out of
+/// the machine's, when dropped.
+pub(crate) struct Awaiting {
+    model: Arc<AtomicUsize>,
+    total: Arc<AtomicUsize>,
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        self.model.fetch_sub(1, Ordering::SeqCst);
+        self.total.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 impl Drop for LeaveQueue {
     fn drop(&mut self) {

@@ -4,29 +4,39 @@
 
 use std::time::{Duration, Instant};
 
-use tokio::sync::MutexGuard;
-
+use super::admission::{Asker, turn_left};
+use super::queue::Gate;
+use super::room::room;
 use super::{EventKind, ModelState, Supervisor};
 use crate::error::{Error, Result};
 
 impl Supervisor {
-    /// Stops what may not run beside `model`, with the load gate held, so
-    /// no two loads decide at once; returns the gate, still held. A model
-    /// that cannot stop yet (loading, being swapped) is waited for, the
-    /// gate let go meanwhile, up to the drain timeout and a minute more.
-    /// `swapping_to`: a swap's new spec, whose port counts for the model.
+    /// Stops what may not run beside `model`, with the machine's gate held,
+    /// so no two loads decide at once; returns the gate, still held. An
+    /// idle model stops at once; a busy one keeps its turn (see
+    /// `admission::turn_left`), then yields: it takes no new request,
+    /// finishes those in flight, and stops. A model that cannot stop yet
+    /// (loading, being swapped, its turn not over) is waited for, the gate
+    /// let go meanwhile (its place kept), up to the drain timeout and a
+    /// minute more past what its turn takes. `swapping_to`: a swap's new
+    /// spec, whose port counts for the model.
     pub(super) async fn make_way<'a>(
         &'a self,
         model: &str,
-        mut gate: MutexGuard<'a, ()>,
+        mut gate: Gate<'a>,
         swapping_to: Option<&crate::config::ModelSpec>,
-    ) -> Result<MutexGuard<'a, ()>> {
+    ) -> Result<Gate<'a>> {
         let config = &self.config();
-        let deadline = Instant::now() + config.drain_timeout + Duration::from_secs(60);
+        let priority = swapping_to
+            .map(|s| s.priority)
+            .or_else(|| self.lock().catalogue.get(model).map(|e| e.spec.priority))
+            .unwrap_or(0);
+        let asker = Asker { model, priority };
+        let mut deadline = Instant::now() + config.drain_timeout + Duration::from_secs(60);
         loop {
             self.check_running(model)?;
             let changed = self.inner.changed.notified();
-            let victims = {
+            let (victims, room) = {
                 let state = self.lock();
                 // A failed model holds nothing: it is not running.
                 let running: Vec<String> = state
@@ -52,13 +62,34 @@ impl Supervisor {
                     spec.http_spec(config)
                         .and_then(|h| if h.find_port { Some(0) } else { h.port })
                 };
-                config.residency.must_stop(model, &running, &port)
+                (
+                    config.residency.must_stop(model, &running, &port),
+                    room(&state, model),
+                )
             };
             if victims.is_empty() {
                 return Ok(gate);
             }
-            let mut waiting = None;
+            let mut waiting: Option<(String, String)> = None;
+            let mut soonest: Option<Duration> = None;
             for victim in victims {
+                let held = room.held.iter().find(|h| h.name == victim);
+                // Busy: it keeps its turn, and yields once that is over.
+                if let Some(held) = held.filter(|h| h.stoppable && !h.idle) {
+                    if let Some(left) = turn_left(held, asker, &config.turn) {
+                        soonest = Some(soonest.map_or(left, |s| s.min(left)));
+                        deadline = deadline.max(Instant::now() + left + Duration::from_secs(60));
+                        waiting = Some((victim, "its turn is not over".into()));
+                        continue;
+                    }
+                    tracing::info!(
+                        model,
+                        victim,
+                        "its turn is over; it yields to a model it may not run beside"
+                    );
+                    self.give_room(&victim, Some(model), "turn_over").await;
+                    continue;
+                }
                 tracing::info!(model, victim, "stopping a model that may not run beside it");
                 match self.unload(&victim).await {
                     Ok(report) => {
@@ -66,6 +97,9 @@ impl Supervisor {
                         self.emit(EventKind::Evicted {
                             model: victim,
                             for_model: Some(model.into()),
+                            reason: Some("residency".into()),
+                            ran_ms: None,
+                            served: None,
                         });
                     }
                     Err(Error::NotLoaded { .. } | Error::UnknownModel { .. }) => {}
@@ -83,9 +117,14 @@ impl Supervisor {
                         ),
                     });
                 }
-                drop(gate);
-                let _ = tokio::time::timeout(Duration::from_millis(200), changed).await;
-                gate = self.inner.load_gate.lock().await;
+                let wait = soonest
+                    .unwrap_or(Duration::from_millis(200))
+                    .min(Duration::from_millis(200));
+                gate = gate
+                    .pause(async move {
+                        let _ = tokio::time::timeout(wait, changed).await;
+                    })
+                    .await;
             }
         }
     }

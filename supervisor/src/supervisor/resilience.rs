@@ -324,16 +324,16 @@ impl Supervisor {
         if spec.gpus.is_none() {
             return Ok(None);
         }
-        let _gate = self.inner.load_gate.lock().await;
-        let disk = super::footprint::disk_footprint(spec).await;
+        let _gate = self.inner.queue.enter(model, spec.priority).await;
+        let files = super::footprint::from_files(spec).await;
         let need = {
             let state = self.lock();
             Need {
                 ram: 0,
-                ..Need::new(spec, state.catalogue.get(model), true, disk)
+                ..Need::new(spec, state.catalogue.get(model), true, &files)
             }
         };
-        let gpus = self.make_room(model, &need).await?;
+        let (gpus, _) = self.make_room(model, &need, false).await?;
         if let Some(slot) = self.lock().slots.get_mut(model)
             && ours(slot, done)
         {

@@ -19,6 +19,12 @@
 //! | [`Slot::begin_unload`]: an unload | Ready | Draining (or the slot goes: a backoff cancelled, a failure cleared) |
 //! | [`Slot::stopping`] | Draining | Stopping |
 //! | [`Slot::used`]: a request ended | any | last used now, keep-alive restarted |
+//! | [`Slot::yield_turn`]: another waits and its turn is over | Ready | Ready, yielding: no new request, those in flight finish |
+//! | [`Slot::keep_turn`]: the yield is called off | Ready, yielding | Ready |
+//!
+//! A model's turn starts when its worker is in (a load, a restart, an
+//! in-place upgrade's adoption): how long it has had its room, and the
+//! requests it served since, are counted from there.
 //!
 //! The entry outlives its workers: what carries over when the spec or the
 //! worker changes is decided by [`Entry::carry_over`], in one place.
@@ -60,6 +66,9 @@ impl Slot {
             restart_at: None,
             failure: None,
             report: None,
+            turn_started: Instant::now(),
+            turn_requests: 0,
+            yielding: None,
         }
     }
 
@@ -87,10 +96,38 @@ impl Slot {
         self.clear_reservation();
         self.gpus = report.gpus.clone().unwrap_or_default();
         self.report = Some(report.clone());
+        self.begin_turn(entry.as_deref());
         if let Some(entry) = entry {
             entry.loaded(report);
             self.expires_at = expiry(entry.keep_alive);
         }
+    }
+
+    /// Its turn starts now.
+    fn begin_turn(&mut self, entry: Option<&Entry>) {
+        self.turn_started = Instant::now();
+        self.turn_requests = entry
+            .map(|e| e.counters.requests.load(Ordering::Relaxed))
+            .unwrap_or(0);
+        self.yielding = None;
+    }
+
+    /// Another model (`for_model`) waits for its room and its turn is
+    /// over: no new request reaches it (but those that waited through its
+    /// load), those in flight finish, and it goes.
+    pub(super) fn yield_turn(&mut self, for_model: &str) {
+        self.yielding = Some(for_model.to_string());
+    }
+
+    /// The yield is called off (the model could not go): it serves on.
+    pub(super) fn keep_turn(&mut self) {
+        self.yielding = None;
+    }
+
+    /// Whether a request that arrived at `arrived` may be sent to it: not
+    /// once it yields, but for those that waited through its load.
+    pub(super) fn takes(&self, arrived: Instant) -> bool {
+        self.yielding.is_none() || arrived <= self.turn_started
     }
 
     /// A worker an in-place upgrade handed over serves from now on, as its
@@ -108,6 +145,7 @@ impl Slot {
         self.clear_reservation();
         self.gpus = report.gpus.clone().unwrap_or_default();
         self.report = Some(report.clone());
+        self.begin_turn(Some(entry));
         entry.measured(report);
     }
 
@@ -281,6 +319,11 @@ pub(super) struct Slot {
     pub(super) failure: Option<String>,
     /// The current worker's load report (an in-place upgrade hands it on).
     pub(super) report: Option<LoadReport>,
+    /// When its turn began (its worker came in), and its requests then.
+    pub(super) turn_started: Instant,
+    pub(super) turn_requests: u64,
+    /// Set while it yields its turn to the model named.
+    pub(super) yielding: Option<String>,
 }
 
 /// GPU placement of a worker still loading, counted until it is in.

@@ -48,6 +48,10 @@ impl Supervisor {
                         requests: 0,
                         in_flight: 0,
                         queued: entry.map(|e| e.queued.load(Ordering::SeqCst)).unwrap_or(0),
+                        waiting: entry
+                            .map(|e| e.awaiting_load.load(Ordering::SeqCst))
+                            .unwrap_or(0),
+                        queue_position: None,
                         keep_alive_left_s: slot
                             .expires_at
                             .map(|t| t.saturating_duration_since(now).as_secs_f64()),
@@ -102,6 +106,18 @@ impl Supervisor {
                 status
             })
             .collect();
+        // Models whose load waits in the machine's queue have no slot yet.
+        for (name, place) in self.inner.queue.places() {
+            if let Some(row) = out.iter_mut().find(|s| s.name == name) {
+                row.queue_position = Some(place);
+                continue;
+            }
+            let state = self.lock();
+            let Some(entry) = state.catalogue.get(&name) else {
+                continue;
+            };
+            out.push(queued_row(&name, entry, place));
+        }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         out
     }
@@ -134,5 +150,39 @@ impl Supervisor {
             .iter()
             .map(|(n, e)| (n.clone(), Arc::clone(&e.counters)))
             .collect()
+    }
+}
+
+/// A model with no worker whose load waits in the machine's queue at
+/// `place` (0: making room now).
+fn queued_row(name: &str, entry: &super::slot::Entry, place: usize) -> ModelStatus {
+    use std::sync::atomic::Ordering;
+    ModelStatus {
+        name: name.to_string(),
+        backend: entry.spec.backend.clone(),
+        state: super::ModelState::Queued,
+        pid: None,
+        rss_bytes: 0,
+        pss_bytes: 0,
+        private_bytes: 0,
+        shared_bytes: 0,
+        peak_rss_bytes: 0,
+        start: None,
+        uptime_s: 0.0,
+        requests: 0,
+        in_flight: 0,
+        queued: entry.queued.load(Ordering::SeqCst),
+        waiting: entry.awaiting_load.load(Ordering::SeqCst),
+        queue_position: Some(place),
+        keep_alive_left_s: None,
+        restarts: entry.counters.restarts.load(Ordering::Relaxed),
+        recycles: entry.counters.recycles.load(Ordering::Relaxed),
+        last_exit: entry.health.last_exit.clone(),
+        rss_growth_per_request_bytes: 0.0,
+        vram_bytes: None,
+        gpus: Vec::new(),
+        batching: BatchingStatus::of(&entry.counters),
+        stderr_tail: Vec::new(),
+        warnings: Vec::new(),
     }
 }

@@ -130,10 +130,10 @@ impl Supervisor {
             }
             this.inner.notify_changed();
         };
-        let disk = super::footprint::disk_footprint(&spec).await;
+        let files = super::footprint::from_files(&spec).await;
         let need = {
             let state = self.lock();
-            Need::new(&spec, state.catalogue.get(&model), true, disk)
+            Need::new(&spec, state.catalogue.get(&model), true, &files)
         };
         // A server on a fixed port that the old one holds: two cannot
         // listen there at once, so the old one stops first (requests wait).
@@ -143,7 +143,11 @@ impl Supervisor {
         };
         // Models the new spec's rules (its fixed port) exclude stop first.
         let gate = match self
-            .make_way(&model, self.inner.load_gate.lock().await, Some(&spec))
+            .make_way(
+                &model,
+                self.inner.queue.enter(&model, spec.priority).await,
+                Some(&spec),
+            )
             .await
         {
             Ok(gate) => gate,
@@ -153,8 +157,8 @@ impl Supervisor {
                 return Err(e);
             }
         };
-        let gpus = match self.make_room(&model, &need).await {
-            Ok(gpus) => gpus,
+        let gpus = match self.make_room(&model, &need, false).await {
+            Ok((gpus, _)) => gpus,
             Err(e) if stopped_first.is_some() => {
                 drop(gate);
                 return Err(self.restart_old(&model, e));
@@ -301,7 +305,7 @@ impl Supervisor {
         let this = self.clone();
         let name = model.to_string();
         tokio::spawn(async move {
-            if let Err(e) = this.start_load(&name).await {
+            if let Err(e) = this.start_load(&name, false).await {
                 tracing::warn!(model = name, "the old spec did not start again: {e}");
             }
         });

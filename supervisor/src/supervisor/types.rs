@@ -17,6 +17,9 @@ use super::LastExit;
 pub enum ModelState {
     /// Registered, no worker.
     Unloaded,
+    /// Requests wait for it, and its load waits in the machine's queue for
+    /// room (or makes room now): `ps` shows its place.
+    Queued,
     /// The worker process is starting or loading the model.
     Loading,
     Ready,
@@ -34,6 +37,7 @@ impl fmt::Display for ModelState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             ModelState::Unloaded => "unloaded",
+            ModelState::Queued => "queued",
             ModelState::Loading => "loading",
             ModelState::Ready => "ready",
             ModelState::Draining => "draining",
@@ -67,6 +71,14 @@ pub struct ModelStatus {
     pub in_flight: u32,
     /// Requests waiting for a concurrency slot.
     pub queued: usize,
+    /// Requests waiting for its load or its turn (past their concurrency
+    /// slot).
+    #[serde(default)]
+    pub waiting: usize,
+    /// Its load's place in the machine's queue: 1 is next, 0 is making
+    /// room now; `None` when its load waits for nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<usize>,
     /// Seconds until an idle model is unloaded; `None`: never.
     pub keep_alive_left_s: Option<f64>,
     /// Crash restarts of this model.

@@ -353,6 +353,7 @@ fn ready_report(
         shared_bytes: memory.shared_bytes,
         start: process.start_kind().clone(),
         warnings: Vec::new(),
+        admission: None,
     }
 }
 

@@ -50,6 +50,14 @@ pub struct ServeConfig {
     pub memory_budget: Option<u64>,
     #[serde(default)]
     pub max_loaded: Option<usize>,
+    /// Requests waiting for their model's load or turn, all models together
+    /// (default 512).
+    #[serde(default)]
+    pub max_queue: Option<usize>,
+    /// How models take turns when they cannot all have room (`[turn] min =
+    /// "2s", max = "20s"`); see docs/configuration.md.
+    #[serde(default)]
+    pub turn: crate::config::Turns,
     /// VRAM berth's workers may hold on one GPU together.
     #[serde(default, with = "crate::units::bytes_opt")]
     pub gpu_memory_budget: Option<u64>,
@@ -319,6 +327,21 @@ impl ServeConfig {
         if let Some(0) = self.max_loaded {
             return Err("max_loaded must be at least 1".into());
         }
+        if let Some(n) = self.max_queue
+            && !(1..=1 << 20).contains(&n)
+        {
+            return Err(format!("max_queue {n} is out of range: 1 to {}", 1 << 20));
+        }
+        if let (Some(min), Some(max)) = (self.turn.min, self.turn.max)
+            && min > max
+        {
+            return Err(format!(
+                "turn.min ({}) is longer than turn.max ({}): a model could not keep its least \
+                 turn",
+                crate::units::format_duration(min),
+                crate::units::format_duration(max)
+            ));
+        }
         if let Some(n) = self.max_models
             && !(1..=1_000_000).contains(&n)
         {
@@ -398,6 +421,8 @@ impl ServeConfig {
             answer_spin: self.answer_spin.unwrap_or(defaults.answer_spin),
             // Checked by `check`, which every config passes before this.
             residency: self.rules().unwrap_or_default(),
+            max_queue: self.max_queue.unwrap_or(defaults.max_queue),
+            turn: self.turn,
             ..defaults
         }
     }

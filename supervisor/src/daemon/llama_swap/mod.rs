@@ -218,6 +218,11 @@ pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migra
         names.insert(extra.listing.id.clone(), name.clone());
     }
     out.residency = routing::residency(&root, &names, &ids, &mut out.notes)?;
+    for (name, priority) in routing::priorities(&root, &names, &mut out.notes)? {
+        if let Some(spec) = out.models.iter_mut().find(|m| m.name == name) {
+            spec.priority = priority;
+        }
+    }
     let selectors = routing::selectors(&root, &names, &mut out.notes)?;
     let profiles = routing::profiles(
         &root,

@@ -17,6 +17,48 @@ pub(super) const DEFAULT_GROUP: &str = "llama-swap-default";
 /// its berth name.
 pub(super) type Names = BTreeMap<String, String>;
 
+/// `routing.scheduler.settings.fifo.priority` (model ID → priority, default
+/// 0): who goes first when models wait for room, by berth name. A model
+/// that is not one of the file's is left out and said (llama-swap refuses
+/// the file; its own example names models A to D that it does not have).
+pub(super) fn priorities(
+    root: &Mapping,
+    names: &Names,
+    notes: &mut Vec<String>,
+) -> Result<BTreeMap<String, i32>, String> {
+    let Some(priority) = root
+        .get("routing")
+        .and_then(|r| r.get("scheduler"))
+        .and_then(|s| s.get("settings"))
+        .and_then(|s| s.get("fifo"))
+        .and_then(|f| f.get("priority"))
+    else {
+        return Ok(BTreeMap::new());
+    };
+    let Value::Mapping(priority) = priority else {
+        return Err("routing.scheduler.settings.fifo.priority is not a mapping".into());
+    };
+    let mut out = BTreeMap::new();
+    for (id, value) in priority {
+        let id = id.as_str().unwrap_or_default();
+        let Some(name) = names.get(id) else {
+            notes.push(format!(
+                "routing.scheduler.settings.fifo.priority references unknown model {id:?}: left \
+                 out (llama-swap refuses the file)"
+            ));
+            continue;
+        };
+        let value = value
+            .as_i64()
+            .and_then(|v| i32::try_from(v).ok())
+            .ok_or_else(|| {
+                format!("routing.scheduler.settings.fifo.priority.{id} is not a whole number")
+            })?;
+        out.insert(name.clone(), value);
+    }
+    Ok(out)
+}
+
 /// `routing` (or the legacy `groups`/`matrix`) as berth's residency rules.
 /// Members that are no model of the file are left out of their group (or
 /// set), each said: llama-swap would refuse to start.
@@ -52,13 +94,6 @@ pub(super) fn residency(
                     "routing.scheduler.use: unknown scheduler {other:?} (valid: fifo)"
                 ));
             }
-        }
-        if scheduler.get("settings").is_some() {
-            notes.push(
-                "`routing.scheduler.settings` (fifo priorities) not honoured: berth queues each \
-                 model's requests first come, first served, and a load waits its turn"
-                    .into(),
-            );
         }
     }
     let (use_, groups, matrix) = match router {

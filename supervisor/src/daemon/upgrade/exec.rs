@@ -75,14 +75,17 @@ pub(crate) struct Binary {
 impl Binary {
     /// Opens `path`: a regular file this user may execute.
     pub(crate) fn open(path: &Path) -> Result<Binary, String> {
-        use std::os::unix::fs::PermissionsExt;
         let shown = path.display();
         let file = std::fs::File::open(path).map_err(|e| format!("cannot open `{shown}`: {e}"))?;
         let meta = file
             .metadata()
             .map_err(|e| format!("cannot read `{shown}`: {e}"))?;
-        if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
-            return Err(format!("`{shown}` is not an executable file"));
+        let c = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| format!("`{shown}` has a NUL byte"))?;
+        // SAFETY: access with a NUL-terminated path; no memory involved.
+        let executable = unsafe { libc::access(c.as_ptr(), libc::X_OK) } == 0;
+        if !meta.is_file() || !executable {
+            return Err(format!("`{shown}` is not a file this user may execute"));
         }
         Ok(Binary {
             path: path.to_path_buf(),
@@ -368,11 +371,11 @@ pub(crate) fn watchdog(within: Duration) {
 
 /// Closes the state's memfd and the previous binary's descriptor, once the
 /// new program serves.
-pub(crate) fn close_handover_descriptors(previous_binary: RawFd) {
+pub(crate) fn close_handover_descriptors(previous_binary: RawFd, binary: RawFd) {
     let state_fd = std::env::var(state::ENV_STATE_FD)
         .ok()
         .and_then(|v| v.parse::<RawFd>().ok());
-    for fd in state_fd.into_iter().chain([previous_binary]) {
+    for fd in state_fd.into_iter().chain([previous_binary, binary]) {
         if fd > 2 {
             // SAFETY: descriptors the handover named, used by nothing else
             // once serving; taken once here.

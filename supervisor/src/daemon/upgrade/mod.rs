@@ -57,13 +57,12 @@ pub(crate) struct Upgrades {
     supervisor: Supervisor,
     /// One upgrade at a time, from its check to its end.
     running: Arc<tokio::sync::Mutex<()>>,
-    /// When the last attempt was asked for: attempts come at most one per
-    /// [`ATTEMPTS_EVERY`] (each stops new connections for a moment, and a
-    /// check runs a program).
-    last_attempt: Arc<std::sync::Mutex<Option<Instant>>>,
+    /// When the last handover was called off: the next comes no sooner than
+    /// [`ATTEMPTS_EVERY`] after it (each held new connections a moment).
+    last_called_off: Arc<std::sync::Mutex<Option<Instant>>>,
 }
 
-/// The least time between two upgrade attempts.
+/// The least time between a handover called off and the next attempt.
 pub(crate) const ATTEMPTS_EVERY: Duration = Duration::from_secs(2);
 
 impl Upgrades {
@@ -74,7 +73,7 @@ impl Upgrades {
                 to_loop,
                 supervisor,
                 running: Arc::default(),
-                last_attempt: Arc::default(),
+                last_called_off: Arc::default(),
             },
             from,
         )
@@ -89,6 +88,14 @@ impl Upgrades {
             binary: "(the request file's)".into(),
             reason: reason.to_string(),
         });
+    }
+
+    /// A handover was called off: the next attempt waits its moment.
+    pub(crate) fn called_off(&self) {
+        *self
+            .last_called_off
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
     }
 
     /// Checks `binary` (default: the one berth was started from) and hands
@@ -115,22 +122,22 @@ impl Upgrades {
                 "an upgrade is already under way; ask again once it is done".into(),
             ));
         };
+        let last = *self
+            .last_called_off
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(at) = last
+            && at.elapsed() < ATTEMPTS_EVERY
         {
-            let mut last = self.last_attempt.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(at) = *last
-                && at.elapsed() < ATTEMPTS_EVERY
-            {
-                return Err(refused(
-                    "(not checked)",
-                    format!(
-                        "the last upgrade attempt was {} ms ago; attempts come at most one per \
-                         {} s",
-                        at.elapsed().as_millis(),
-                        ATTEMPTS_EVERY.as_secs()
-                    ),
-                ));
-            }
-            *last = Some(Instant::now());
+            return Err(refused(
+                "(not checked)",
+                format!(
+                    "the last handover was called off {} ms ago; the next may come {} s after \
+                     one",
+                    at.elapsed().as_millis(),
+                    ATTEMPTS_EVERY.as_secs()
+                ),
+            ));
         }
         let path = match binary {
             Some(binary) => binary,
@@ -164,8 +171,11 @@ impl Upgrades {
 
 /// How long the connections accepted while an upgrade waited for the older
 /// ones may take to finish once accepting has stopped (each serves one
-/// request, answered with `Connection: close`).
-pub(crate) const LAST_REQUESTS: Duration = Duration::from_secs(5);
+/// request, answered with `Connection: close`; one whose request has not
+/// begun is given the header timeout to send it).
+pub(crate) fn last_requests(header_timeout: Duration) -> Duration {
+    Duration::from_secs(5).max(header_timeout + Duration::from_secs(1))
+}
 
 /// How long heartbeats already sent may take to come back before the
 /// wires change hands anyway (a pong arriving later is dropped by nobody:
@@ -191,9 +201,9 @@ pub(crate) async fn hand_over(
     stop: &watch::Receiver<bool>,
     served: &Served,
     called_off: Option<String>,
+    paused_at_unix_ms: u64,
 ) -> String {
     let paused = Instant::now();
-    let paused_at_unix_ms = crate::base::unix_ms();
     let wait = supervisor.config().drain_timeout;
     let reason = match called_off {
         Some(reason) => reason,

@@ -90,7 +90,7 @@ impl Takeover {
         // Serving from here on: no fallback can come, and the state's
         // memfd and the previous binary's descriptor go (else each upgrade
         // would leave two more open, and hand them on).
-        super::exec::close_handover_descriptors(state.previous_binary);
+        super::exec::close_handover_descriptors(state.previous_binary, state.binary);
         let held_ms = crate::base::unix_ms().saturating_sub(state.paused_at_unix_ms);
         let (from, to) = match &state.fell_back {
             // This is the previous binary again: the upgrade went nowhere.

@@ -6,7 +6,6 @@
 //! llama-swap answers them (docs/llama-swap.md). Everything here is behind
 //! berth's guard (Host, Origin, token or `apiKeys`), `/health` aside.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
@@ -18,6 +17,7 @@ use serde_json::{Map, Value as Json, json};
 use super::layer::{Compat, render_capabilities};
 use super::logs::{logs_history, logs_stream};
 use super::requests::{rewrite, upstream};
+use super::{known, not_found, states};
 use crate::server::AppState;
 use crate::server::error::ApiError;
 use crate::supervisor::ModelState;
@@ -78,37 +78,13 @@ pub(crate) async fn front(State(app): State<AppState>, request: Request, next: N
 /// berth's actions on one model (`/api/models/{name}/{action}`).
 const BERTH_ACTIONS: &[&str] = &["load", "unload", "swap", "infer"];
 
-/// llama-swap's error shape: `{"error": {"message", "type", "code"}}`.
-pub(super) fn not_found(message: &str) -> Response {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found", message.to_string()).into_response()
-}
-
-/// A model's berth name from its llama-swap ID, an alias, or its name.
-pub(super) fn known(app: &AppState, compat: &Compat, id: &str) -> Option<String> {
-    let name = compat
-        .models
-        .iter()
-        .find(|(_, e)| e.listing.id == id)
-        .map(|(n, _)| n.clone())
-        .unwrap_or_else(|| app.supervisor.canonical(id));
-    app.supervisor.model_state(&name).map(|_| name)
-}
-
-pub(super) fn states(app: &AppState) -> BTreeMap<String, (ModelState, crate::config::ModelSpec)> {
-    app.supervisor
-        .catalogue()
-        .into_iter()
-        .map(|e| (e.spec.name.clone(), (e.state, e.spec)))
-        .collect()
-}
-
 /// llama-swap's word for a model's state, where it runs.
 fn running_state(state: ModelState) -> Option<&'static str> {
     match state {
         ModelState::Loading => Some("starting"),
         ModelState::Ready => Some("ready"),
         ModelState::Draining | ModelState::Stopping => Some("stopping"),
-        ModelState::Unloaded | ModelState::Failed => None,
+        ModelState::Unloaded | ModelState::Queued | ModelState::Failed => None,
     }
 }
 

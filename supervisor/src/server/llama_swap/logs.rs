@@ -7,7 +7,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 
-use super::api::known;
+use super::known;
 use crate::server::AppState;
 use crate::server::error::ApiError;
 

@@ -13,8 +13,8 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{Value as Json, json};
 
-use super::api::{known, not_found};
 use super::layer::{Compat, TargetState};
+use super::{known, not_found};
 use crate::server::AppState;
 use crate::server::error::ApiError;
 use crate::supervisor::ModelState;
