@@ -135,6 +135,17 @@ impl Warning {
     }
 }
 
+impl Warning {
+    /// A server whose memory is not what berth measures (on another host,
+    /// or under a container engine's own processes): `why` says which.
+    pub fn memory_elsewhere(why: &str) -> Warning {
+        Warning {
+            code: "memory_elsewhere".into(),
+            message: why.to_string(),
+        }
+    }
+}
+
 /// How a worker process began.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]

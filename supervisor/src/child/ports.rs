@@ -22,6 +22,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub enum Address {
     Tcp(std::net::SocketAddr),
     Unix(PathBuf),
+    /// On another host, by its name (resolved at each connection: a
+    /// compose service's name answers only once it runs).
+    Host(String, u16),
+}
+
+impl Address {
+    /// Its port, where it has one.
+    pub fn port(&self) -> Option<u16> {
+        match self {
+            Address::Tcp(addr) => Some(addr.port()),
+            Address::Host(_, port) => Some(*port),
+            Address::Unix(_) => None,
+        }
+    }
 }
 
 impl std::fmt::Display for Address {
@@ -29,6 +43,8 @@ impl std::fmt::Display for Address {
         match self {
             Address::Tcp(addr) => write!(f, "http://{addr}"),
             Address::Unix(path) => write!(f, "unix:{}", path.display()),
+            Address::Host(host, port) if host.contains(':') => write!(f, "http://[{host}]:{port}"),
+            Address::Host(host, port) => write!(f, "http://{host}:{port}"),
         }
     }
 }
@@ -71,6 +87,7 @@ impl Reserved {
                     dir: None,
                 }
             }
+            Address::Host(..) => Reserved::nothing(),
             Address::Unix(path) => Reserved {
                 port: None,
                 dir: path
@@ -125,21 +142,21 @@ pub(crate) fn port() -> Result<(SocketAddr, Reserved), String> {
 /// Checked at each start, not held as a chosen one is: the supervisor never
 /// runs two models on one fixed port at once (`config/residency.rs`), and a
 /// swap stops the old server first.
-pub(crate) fn check_free(port: u16) -> Result<(), String> {
+pub(crate) fn check_free(ip: std::net::IpAddr, port: u16) -> Result<(), String> {
     let taken = || {
         Err(format!(
             "its fixed port {port} is taken{}: stop what listens there, or give the server \
              another port",
-            holder_of(port)
+            holder_of(ip, port)
         ))
     };
-    match std::net::TcpListener::bind(("127.0.0.1", port)) {
+    match std::net::TcpListener::bind((ip, port)) {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => taken(),
         // A privileged port berth may not bind (its server may, by a
         // capability or as root): free if nothing listens there.
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-            if listening_on(port).is_empty() {
+            if listening_on(ip, port).is_empty() {
                 Ok(())
             } else {
                 taken()
@@ -150,8 +167,8 @@ pub(crate) fn check_free(port: u16) -> Result<(), String> {
 }
 
 /// ` by pid N (`comm`)` for what listens on `port`, where the tables say.
-fn holder_of(port: u16) -> String {
-    let listening = listening_on(port);
+fn holder_of(ip: std::net::IpAddr, port: u16) -> String {
+    let listening = listening_on(ip, port);
     if listening.is_empty() {
         return String::new();
     }
@@ -201,45 +218,62 @@ pub(crate) fn socket_dir() -> Result<(PathBuf, Reserved), String> {
     Err("cannot make a folder for the server's socket: 64 names in a row were taken".into())
 }
 
-/// The inodes of the sockets listening on loopback (or every address) at
-/// `port`, from `/proc/net/tcp` and `tcp6`.
-fn listening_on(port: u16) -> HashSet<u64> {
+/// The inodes of the sockets listening at `ip:port` (or on every address),
+/// from `/proc/net/tcp` and `tcp6`.
+fn listening_on(ip: std::net::IpAddr, port: u16) -> HashSet<u64> {
     let mut inodes = HashSet::new();
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let Ok(text) = std::fs::read_to_string(table) else {
             continue;
         };
-        inodes.extend(listeners_in(&text, port));
+        inodes.extend(listeners_in(&text, ip, port));
     }
     inodes
 }
 
 /// The listening sockets' inodes at `port` in one `/proc/net/tcp*` table,
-/// on the addresses a connection to `127.0.0.1:port` can reach: loopback
-/// or every address (a listener on another address is not in the way).
-fn listeners_in(table: &str, port: u16) -> Vec<u64> {
-    reachable_listeners(table)
+/// on the addresses a connection to `ip:port` can reach: that address or
+/// every address (a listener on another address is not in the way).
+fn listeners_in(table: &str, ip: std::net::IpAddr, port: u16) -> Vec<u64> {
+    reachable_listeners(table, ip)
         .filter(|(at, _)| *at == port)
         .map(|(_, inode)| inode)
         .collect()
 }
 
+/// An address as `/proc/net/tcp*` writes it: each 32-bit word in the
+/// machine's byte order, in hex.
+fn kernel_hex(ip: std::net::IpAddr) -> String {
+    let words = |octets: &[u8]| -> String {
+        octets
+            .chunks(4)
+            .map(|w| format!("{:08X}", u32::from_ne_bytes([w[0], w[1], w[2], w[3]])))
+            .collect()
+    };
+    match ip {
+        std::net::IpAddr::V4(v4) => words(&v4.octets()),
+        std::net::IpAddr::V6(v6) => words(&v6.octets()),
+    }
+}
+
 /// `(port, inode)` of each listening socket in one `/proc/net/tcp*` table
-/// that a connection to `127.0.0.1` can reach.
-fn reachable_listeners(table: &str) -> impl Iterator<Item = (u16, u64)> + '_ {
-    const REACHED: [&str; 4] = [
-        "0100007F",                         // 127.0.0.1
-        "00000000",                         // 0.0.0.0
-        "00000000000000000000000000000000", // ::
-        "0000000000000000FFFF00000100007F", // ::ffff:127.0.0.1
+/// that a connection to `ip` can reach.
+fn reachable_listeners(table: &str, ip: std::net::IpAddr) -> impl Iterator<Item = (u16, u64)> + '_ {
+    let mut reached = vec![
+        kernel_hex(ip),
+        kernel_hex(std::net::Ipv4Addr::UNSPECIFIED.into()),
+        kernel_hex(std::net::Ipv6Addr::UNSPECIFIED.into()),
     ];
-    table.lines().skip(1).filter_map(|line| {
+    if let std::net::IpAddr::V4(v4) = ip {
+        reached.push(kernel_hex(v4.to_ipv6_mapped().into()));
+    }
+    table.lines().skip(1).filter_map(move |line| {
         let fields: Vec<&str> = line.split_whitespace().collect();
         // sl local_address rem_address st ... uid timeout inode
         let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
         let (address, at) = local.split_once(':')?;
         let port = u16::from_str_radix(at, 16).ok()?;
-        (REACHED.contains(&address) && *state == "0A")
+        (reached.iter().any(|r| r == address) && *state == "0A")
             .then(|| inode.parse().ok().map(|inode| (port, inode)))
             .flatten()
     })
@@ -255,7 +289,7 @@ pub(crate) fn listening_ports_of(tree: &[u32]) -> Vec<u16> {
             continue;
         };
         ports.extend(
-            reachable_listeners(&text)
+            reachable_listeners(&text, std::net::Ipv4Addr::LOCALHOST.into())
                 .filter(|(_, inode)| own.contains(inode))
                 .map(|(port, _)| port),
         );
@@ -292,8 +326,9 @@ fn sockets_of(pids: &[u32]) -> HashSet<u64> {
 /// `Err` naming why when a socket listening on `port` is not one of the
 /// server's (`tree`: its processes). Where the tables cannot be read, or
 /// show no listener (another network namespace), nothing is claimed.
-pub(crate) fn check_listener(port: u16, tree: &[u32]) -> Result<(), String> {
-    let listening = listening_on(port);
+pub(crate) fn check_listener(addr: SocketAddr, tree: &[u32]) -> Result<(), String> {
+    let port = addr.port();
+    let listening = listening_on(addr.ip(), port);
     if listening.is_empty() {
         return Ok(());
     }
@@ -320,9 +355,28 @@ mod tests {
    2: 00000000:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4444 1 0000000000000000 100 0 0 10 0
    3: 0500000A:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4545 1 0000000000000000 100 0 0 10 0
 ";
-        assert_eq!(listeners_in(table, 0x1F90), [4242]);
-        assert_eq!(listeners_in(table, 0x1F91), [4444]);
-        assert!(listeners_in(table, 80).is_empty());
+        let lo = std::net::Ipv4Addr::LOCALHOST.into();
+        assert_eq!(listeners_in(table, lo, 0x1F90), [4242]);
+        assert_eq!(listeners_in(table, lo, 0x1F91), [4444]);
+        assert!(listeners_in(table, lo, 80).is_empty());
+        // Another loopback address reaches its own listeners and the
+        // wildcard's, not 127.0.0.1's.
+        let two = std::net::Ipv4Addr::new(127, 0, 0, 2).into();
+        assert!(listeners_in(table, two, 0x1F90).is_empty());
+        assert_eq!(listeners_in(table, two, 0x1F91), [4444]);
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0200007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4646 1 0000000000000000 100 0 0 10 0
+";
+        assert_eq!(listeners_in(table, two, 0x1F90), [4646]);
+        // `::1` as tcp6 writes it.
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4747 1 0000000000000000 100 0 0 10 0
+";
+        assert_eq!(
+            listeners_in(table, std::net::Ipv6Addr::LOCALHOST.into(), 0x1F90),
+            [4747]
+        );
+        assert!(listeners_in(table, lo, 0x1F90).is_empty());
     }
 
     #[test]
@@ -339,7 +393,7 @@ mod tests {
     fn a_fixed_port_is_refused_while_taken_naming_its_holder() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let taken = listener.local_addr().unwrap().port();
-        let err = check_free(taken).unwrap_err();
+        let err = check_free(std::net::Ipv4Addr::LOCALHOST.into(), taken).unwrap_err();
         assert!(
             err.contains(&format!(
                 "its fixed port {taken} is taken by pid {}",
@@ -348,7 +402,7 @@ mod tests {
             "{err}"
         );
         drop(listener);
-        assert!(check_free(taken).is_ok());
+        assert!(check_free(std::net::Ipv4Addr::LOCALHOST.into(), taken).is_ok());
     }
 
     #[test]
@@ -363,8 +417,15 @@ mod tests {
     fn our_own_listener_passes_and_a_stranger_s_does_not() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        assert!(check_listener(port, &[std::process::id()]).is_ok());
-        let err = check_listener(port, &[1]).unwrap_err();
+        assert!(
+            check_listener(
+                std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                &[std::process::id()]
+            )
+            .is_ok()
+        );
+        let err =
+            check_listener(std::net::SocketAddr::from(([127, 0, 0, 1], port)), &[1]).unwrap_err();
         assert!(err.contains(&port.to_string()), "{err}");
     }
 }

@@ -127,10 +127,14 @@ pub fn main() -> ExitCode {
         // Before any worker is spawned, so none inherits it.
         berth::daemon::hold_reload_signals();
     }
+    // A command other than `serve` says what went wrong in its one
+    // `berth:` line (and `run` in its reports), so the supervisor's log
+    // stays quiet unless asked for (`BERTH_LOG=warn`): a failed load would
+    // otherwise print a warning about retrying before the error.
     init_logging(if matches!(cli.command, Commands::Serve(_)) {
         "info"
     } else {
-        "warn"
+        "off"
     });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

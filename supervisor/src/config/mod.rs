@@ -12,7 +12,7 @@ pub use container::{ContainerSpec, Engine, RunCommand};
 pub use limits::*;
 pub use paths::confined;
 pub use programs::{
-    DEFAULT_PRELOAD_KEEP_ALIVE, HttpSpec, WorkerKind, check_command, is_dangerous_env,
+    DEFAULT_PRELOAD_KEEP_ALIVE, HttpSpec, Reach, WorkerKind, check_command, is_dangerous_env,
 };
 pub use residency::{Group, Matrix, NamedSet, Residency, Rules};
 
@@ -255,12 +255,21 @@ impl ModelSpec {
             if alias == &self.name || self.aliases[..i].contains(alias) {
                 return invalid(format!("alias `{alias}` is given twice"));
             }
+            // Any name a client may send in `model` (llama-swap's IDs hold
+            // spaces: "GPT-OSS 20B Vulkan"), but one that reads the same in
+            // a log and a table: no control characters, no other spacing,
+            // no space at either end.
             if alias.is_empty()
                 || alias.len() > MAX_NAME_LEN
-                || alias.chars().any(|c| c.is_control() || c.is_whitespace())
+                || alias.trim() != alias
+                || alias
+                    .chars()
+                    .any(|c| c.is_control() || (c.is_whitespace() && c != ' '))
             {
                 return invalid(format!(
-                    "alias `{alias}` is not a name: 1 to {MAX_NAME_LEN} characters, no spaces"
+                    "alias `{}` is not a name: 1 to {MAX_NAME_LEN} characters, no control \
+                     characters, tabs or line breaks, and no space at either end",
+                    crate::input::quote(alias)
                 ));
             }
         }

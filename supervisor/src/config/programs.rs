@@ -107,7 +107,8 @@ pub struct WorkerKind {
     #[serde(default)]
     pub cwd: Option<PathBuf>,
     /// Environment for it; may set loader and interpreter variables, since
-    /// only an operator writes it.
+    /// only an operator writes it. For an HTTP server, `{port}` in a value
+    /// is the port of each start, as in its command.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     /// With `command`: the program is an HTTP inference server, reached as
@@ -305,9 +306,71 @@ pub struct HttpSpec {
     pub find_port: bool,
     /// A command that asks the server to stop, run before the stop signal
     /// (llama-swap's `cmdStop`: `docker stop NAME`): `{pid}` is the
-    /// server's pid. Then the signal, the grace and SIGKILL as ever.
+    /// server's pid, `{port}` the port this start of it listens on. Then
+    /// the signal, the grace and SIGKILL as ever.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_command: Option<Vec<String>>,
+    /// Where the server is reached, when not at `127.0.0.1`: another
+    /// loopback address (`127.0.0.2`, `::1`; `localhost` is `127.0.0.1`),
+    /// or the name of a host its command makes answer (a compose service's
+    /// or a container's, on a network this machine reaches: llama-swap's
+    /// `proxy: http://NAME:PORT` beside `cmd: docker compose up NAME`).
+    /// On another host berth still runs, stops and sweeps the command, but
+    /// cannot check the listener is the server's, and the server's memory
+    /// is outside its cgroup: the load report and `ps` say so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+/// Where an HTTP server is reached, from [`HttpSpec::host`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reach {
+    /// An address of this machine's loopback.
+    Loopback(std::net::IpAddr),
+    /// Another host, by its name or address: resolved at each connection.
+    Elsewhere(String),
+}
+
+impl Reach {
+    /// `host` read: `None` is `127.0.0.1`.
+    pub fn of(host: Option<&str>) -> std::result::Result<Reach, String> {
+        let Some(host) = host else {
+            return Ok(Reach::Loopback(std::net::Ipv4Addr::LOCALHOST.into()));
+        };
+        let bare = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        if bare.eq_ignore_ascii_case("localhost") {
+            return Ok(Reach::Loopback(std::net::Ipv4Addr::LOCALHOST.into()));
+        }
+        if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+            if ip.is_unspecified() {
+                // A server told to listen on every address is reached on
+                // the loopback.
+                return Ok(Reach::Loopback(std::net::Ipv4Addr::LOCALHOST.into()));
+            }
+            return Ok(if ip.is_loopback() {
+                Reach::Loopback(ip)
+            } else {
+                Reach::Elsewhere(ip.to_string())
+            });
+        }
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && l.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        };
+        if bare.len() > 253 || !bare.split('.').all(label_ok) {
+            return Err(format!(
+                "`http.host` `{}` is not a host name or an IP address",
+                crate::input::quote(host)
+            ));
+        }
+        Ok(Reach::Elsewhere(bare.to_ascii_lowercase()))
+    }
 }
 
 fn default_health() -> String {
@@ -334,6 +397,7 @@ impl HttpSpec {
             port: None,
             find_port: false,
             stop_command: None,
+            host: None,
         }
     }
 
@@ -378,6 +442,14 @@ impl HttpSpec {
         }
         if let Some(argv) = &self.stop_command {
             check_command(argv).map_err(|e| format!("`http.stop_command`: {e}"))?;
+        }
+        if let Reach::Elsewhere(host) = Reach::of(self.host.as_deref())?
+            && self.find_port
+        {
+            return Err(format!(
+                "`http.find_port` finds the port the server's processes listen on here; on \
+                 `{host}` give `http.port` or name `{{port}}` in the command"
+            ));
         }
         Ok(())
     }

@@ -70,6 +70,7 @@ impl Supervisor {
                 spec.model.as_deref(),
                 http.and_then(|h| h.port),
                 http.is_some_and(|h| h.find_port),
+                http.and_then(|h| h.host.as_deref()),
             )
             .map(drop);
             return checked.map_err(|reason| Error::InvalidSpec {

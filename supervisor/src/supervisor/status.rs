@@ -96,6 +96,11 @@ impl Supervisor {
                     status.stderr_tail = w.process().stderr_lines();
                     // Read from the same NVML reading: it clears once the
                     // worker allocates (a framework that starts lazily).
+                    if let Some(why) = w.upstream_server().and_then(|u| u.outside()) {
+                        status
+                            .warnings
+                            .push(crate::report::Warning::memory_elsewhere(why));
+                    }
                     if status.state == super::ModelState::Ready && !devices.is_empty() {
                         status.warnings.extend(crate::report::Warning::gpu_unused(
                             Some(&status.gpus),

@@ -320,14 +320,8 @@ impl Supervisor {
         let http = spec.http_spec(&config)?;
         let state = self.lock();
         let worker = state.slots.get(model)?.worker.clone()?;
-        match worker.upstream_server()?.address() {
-            crate::child::upstream::Address::Tcp(addr)
-                if http.find_port || http.port == Some(addr.port()) =>
-            {
-                Some(worker)
-            }
-            _ => None,
-        }
+        let port = worker.upstream_server()?.address().port()?;
+        (http.find_port || http.port == Some(port)).then_some(worker)
     }
 
     /// A swap's break-before-make: requests wait (the slot holds), the old

@@ -6,7 +6,9 @@
 //! Options: `alloc_mib` (held from load on, default 0),
 //! `leak_kib_per_request` (default 0), `work_ms` (each request takes this
 //! long, advancing progress as it goes, like a model computing; default 0),
-//! `batch` (take up to that many waiting requests at once; default 1).
+//! `batch` (take up to that many waiting requests at once; default 1),
+//! `load_ms` (the load takes this long at least, advancing progress as it
+//! goes, like a model reading its weights; default 0).
 
 use std::time::{Duration, Instant};
 
@@ -37,7 +39,13 @@ fn touched(bytes: usize, ctx_progress: impl Fn()) -> Vec<u8> {
 }
 
 /// The options this backend takes.
-pub const OPTIONS: &[&str] = &["alloc_mib", "leak_kib_per_request", "work_ms", "batch"];
+pub const OPTIONS: &[&str] = &[
+    "alloc_mib",
+    "leak_kib_per_request",
+    "work_ms",
+    "batch",
+    "load_ms",
+];
 
 pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, WireError> {
     let opts = ctx.options(spec);
@@ -60,7 +68,13 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     let leak_bytes = leak_kib
         .checked_mul(1 << 10)
         .ok_or_else(|| too_large("leak_kib_per_request"))?;
+    let loading = Instant::now();
     let block = touched(bytes, || ctx.progress().advance());
+    let load = Duration::from_millis(opts.get_or("load_ms", 0)?);
+    while loading.elapsed() < load {
+        std::thread::sleep(Duration::from_millis(10).min(load));
+        ctx.progress().advance();
+    }
     let work = Duration::from_millis(opts.get_or("work_ms", 0)?);
     Ok(Box::new(Hog {
         held: vec![block],

@@ -71,6 +71,9 @@ pub(crate) enum HandedWire {
     Http {
         address: crate::child::upstream::Address,
         container: Option<crate::child::container::Container>,
+        /// Why its memory is outside what berth measures, where it is.
+        #[serde(default)]
+        outside: Option<String>,
     },
 }
 

@@ -40,6 +40,7 @@ pub(crate) fn hand(
         (Some(upstream), _, _) => HandedWire::Http {
             address: upstream.address().clone(),
             container: upstream.container().cloned(),
+            outside: upstream.outside().map(str::to_string),
         },
         (
             None,
@@ -286,6 +287,7 @@ pub(crate) fn adopt(
         Server(
             crate::child::upstream::Address,
             Option<crate::child::container::Container>,
+            Option<String>,
         ),
     }
     let wire = match (w.wire, taken) {
@@ -321,9 +323,14 @@ pub(crate) fn adopt(
             };
             Reached::Worker(Events::Stream(reader), Link::Stream(writer), kept)
         }
-        (HandedWire::Http { address, container }, Taken::Http) => {
-            Reached::Server(address, container)
-        }
+        (
+            HandedWire::Http {
+                address,
+                container,
+                outside,
+            },
+            Taken::Http,
+        ) => Reached::Server(address, container, outside),
         _ => return Err(refuse("its wire was handed over incomplete".into())),
     };
     let handle = match wire {
@@ -337,7 +344,7 @@ pub(crate) fn adopt(
             (config.max_response, config.answer_spin),
         )
         .map_err(|e| refuse(e.to_string()))?,
-        Reached::Server(address, container) => {
+        Reached::Server(address, container, outside) => {
             let program = crate::child::program::worker_program(spec, config)
                 .map_err(|e| refuse(e.to_string()))?;
             let Some(http) = program.http.clone() else {
@@ -353,7 +360,9 @@ pub(crate) fn adopt(
                 address,
             };
             let upstream = Arc::new(
-                Upstream::new(model, &prepared, http, program.env).in_container(container),
+                Upstream::new(model, &prepared, http, program.env)
+                    .in_container(container)
+                    .outside_berth(outside),
             );
             WorkerHandle::upstream(model, Arc::clone(&process), upstream, started_at)
         }

@@ -46,17 +46,29 @@ pub(super) async fn launch_server(
         weights.as_deref(),
         http.port,
         http.find_port,
+        http.host.as_deref(),
     )
     .map_err(|reason| Error::InvalidSpec {
         model: model.into(),
         reason,
     })?;
-    if let Some(port) = http.port {
-        crate::child::ports::check_free(port).map_err(|reason| Error::InvalidSpec {
-            model: model.into(),
-            reason,
+    if let (Some(_), upstream::Address::Tcp(addr)) = (http.port, &prepared.address) {
+        crate::child::ports::check_free(addr.ip(), addr.port()).map_err(|reason| {
+            Error::InvalidSpec {
+                model: model.into(),
+                reason,
+            }
         })?;
     }
+    // `{port}` in the kind's environment: this start's port, as in its
+    // command (llama-swap's `env: ["PORT=${PORT}"]`).
+    let env: Vec<(String, String)> = match prepared.address.port() {
+        Some(port) => env
+            .into_iter()
+            .map(|(k, v)| (k, v.replace("{port}", &port.to_string())))
+            .collect(),
+        None => env,
+    };
     let mut prepared = prepared;
     // A container's command: run with berth's own flags (a name of its own,
     // the model's cgroup, its GPUs by UUID, the owner's label).
@@ -97,8 +109,25 @@ pub(super) async fn launch_server(
         Some(container) => container.listener_in_cgroup && process.cgroup().is_some(),
         None => crate::config::Engine::of(&prepared.path).is_none(),
     };
+    let outside = match (&prepared.address, &container) {
+        (upstream::Address::Host(host, _), _) => Some(format!(
+            "its server is reached on `{host}`, not on this machine's loopback: the memory \
+             shown, its limits and an unload's proof cover what berth ran here (`{}` and its \
+             processes), not the server",
+            prepared.path
+        )),
+        (_, None) if !checked => Some(format!(
+            "`{}` runs its server under a container engine's own processes, outside berth's \
+             cgroup: the memory shown, its limits and an unload's proof cover the command \
+             berth ran, not the server",
+            prepared.path
+        )),
+        _ => None,
+    };
     let upstream = Arc::new(
-        upstream::Upstream::new(model, &prepared, http, env.clone()).in_container(container),
+        upstream::Upstream::new(model, &prepared, http, env.clone())
+            .in_container(container)
+            .outside_berth(outside),
     );
     tracing::debug!(model, pid, address = %upstream.address(), "server started");
     let spawn_ms = ms(started.elapsed());
@@ -149,6 +178,7 @@ pub(super) async fn launch_server(
     if let upstream::Address::Tcp(addr) = upstream.address()
         && checked
     {
+        let addr = *addr;
         let mut tree = crate::child::memory::group_members(pid);
         tree.push(pid);
         match process.cgroup() {
@@ -159,7 +189,7 @@ pub(super) async fn launch_server(
                 process.start_time(),
             )),
         }
-        if let Err(reason) = crate::child::ports::check_listener(addr.port(), &tree) {
+        if let Err(reason) = crate::child::ports::check_listener(addr, &tree) {
             kill_and_reap(&process).await;
             crate::child::sweep::sweep_all(&process).await;
             remove_container(model, upstream.container()).await;
@@ -195,6 +225,13 @@ pub(super) async fn launch_server(
         },
         config,
     );
+    let mut report = report;
+    if let Some(why) = upstream.outside() {
+        tracing::warn!(model, pid, "{why}");
+        report
+            .warnings
+            .push(crate::report::Warning::memory_elsewhere(why));
+    }
     Ok((handle, report))
 }
 

@@ -60,21 +60,42 @@ pub(crate) struct Prepared {
 /// With `fixed`, the server listens on that port of its own (its command
 /// may name it, or `{port}`; whether it is free is checked at each start,
 /// [`super::ports::check_free`]). With `find`, on one its command does not
-/// say: found once it is started.
+/// say: found once it is started. `host` is where the server is reached
+/// ([`HttpSpec::host`]; `None`: `127.0.0.1`).
 pub(crate) fn prepare(
     program: &str,
     args: &[String],
     weights: Option<&Path>,
     fixed: Option<u16>,
     find: bool,
+    host: Option<&str>,
 ) -> Result<Prepared, String> {
     let all = || std::iter::once(program).chain(args.iter().map(String::as_str));
     let wants_port = all().any(|a| a.contains("{port}"));
     let wants_socket = all().any(|a| a.contains("{socket}"));
+    let reach = crate::config::Reach::of(host)?;
+    let at = |port: u16| match &reach {
+        crate::config::Reach::Loopback(ip) => Address::Tcp(std::net::SocketAddr::new(*ip, port)),
+        crate::config::Reach::Elsewhere(host) => Address::Host(host.clone(), port),
+    };
+    if let crate::config::Reach::Elsewhere(host) = &reach {
+        if find {
+            return Err(format!(
+                "`http.find_port` finds the port the server's processes listen on here; on \
+                 `{host}` give `http.port` or name `{{port}}` in the command"
+            ));
+        }
+        if wants_socket {
+            return Err(format!(
+                "the command names `{{socket}}`, a unix socket on this machine, but the server \
+                 is reached on `{host}`"
+            ));
+        }
+    }
     let (address, reserved) = match (wants_port, wants_socket, fixed) {
         (false, false, None) if find => (
             // Found once it listens (`launch.rs`).
-            Address::Tcp(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            at(0),
             super::ports::Reserved::nothing(),
         ),
         (_, _, None) if find => {
@@ -89,13 +110,10 @@ pub(crate) fn prepare(
                 "the command names `{{socket}}` but the server listens on port {port} of its own"
             ));
         }
-        (_, false, Some(port)) => (
-            Address::Tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port))),
-            super::ports::Reserved::nothing(),
-        ),
+        (_, false, Some(port)) => (at(port), super::ports::Reserved::nothing()),
         (true, false, None) => {
             let (addr, reserved) = super::ports::port()?;
-            (Address::Tcp(addr), reserved)
+            (at(addr.port()), reserved)
         }
         (false, true, None) => {
             let (dir, reserved) = super::ports::socket_dir()?;
@@ -119,6 +137,7 @@ pub(crate) fn prepare(
         let mut text = text.to_string();
         match &address {
             Address::Tcp(addr) => text = text.replace("{port}", &addr.port().to_string()),
+            Address::Host(_, port) => text = text.replace("{port}", &port.to_string()),
             Address::Unix(path) => text = text.replace("{socket}", &path.display().to_string()),
         }
         if let Some(weights) = weights {
@@ -186,6 +205,8 @@ pub struct Upstream {
     env: Vec<(String, String)>,
     /// The container it runs in, where its command runs one.
     container: Option<super::container::Container>,
+    /// Why its memory is outside what berth measures, where it is.
+    outside: Option<String>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -232,7 +253,14 @@ impl Upstream {
             last_healthy: Mutex::new(Instant::now()),
             env,
             container: None,
+            outside: None,
         }
+    }
+
+    /// The same, its memory outside what berth measures, for `why`.
+    pub(crate) fn outside_berth(mut self, why: Option<String>) -> Self {
+        self.outside = why;
+        self
     }
 
     /// The same, running in `container`.
@@ -264,13 +292,23 @@ impl Upstream {
         }
     }
 
-    /// Its `stop_command` for the server `pid`, `{pid}` filled in, and the
+    /// Its `stop_command` for the server `pid`, `{pid}` and `{port}` (the
+    /// port this start of the server listens on) filled in, and the
     /// environment it runs with (the kind's).
     pub(crate) fn stop_command(&self, pid: u32) -> Option<(Vec<String>, &Env)> {
         let argv = self.spec.stop_command.as_ref()?;
         let pid = pid.to_string();
+        let port = self.address.port().map(|p| p.to_string());
         Some((
-            argv.iter().map(|a| a.replace("{pid}", &pid)).collect(),
+            argv.iter()
+                .map(|a| {
+                    let a = a.replace("{pid}", &pid);
+                    match &port {
+                        Some(port) => a.replace("{port}", port),
+                        None => a,
+                    }
+                })
+                .collect(),
             &self.env,
         ))
     }
@@ -298,6 +336,11 @@ impl Upstream {
 
     async fn connect(&self) -> std::io::Result<Conn> {
         match &self.address {
+            Address::Host(host, port) => {
+                let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+                let _ = stream.set_nodelay(true);
+                Conn::over(stream).await
+            }
             Address::Tcp(addr) => {
                 let stream = tokio::net::TcpStream::connect(addr).await?;
                 let _ = stream.set_nodelay(true);
@@ -455,8 +498,17 @@ impl Upstream {
     pub(crate) fn host(&self) -> String {
         match &self.address {
             Address::Tcp(addr) => addr.to_string(),
+            Address::Host(host, port) if host.contains(':') => format!("[{host}]:{port}"),
+            Address::Host(host, port) => format!("{host}:{port}"),
             Address::Unix(_) => "localhost".into(),
         }
+    }
+
+    /// Why the server's memory is not what berth measures, where it is
+    /// not: it runs on another host or under a container engine's
+    /// processes berth did not start (`docker compose up`).
+    pub(crate) fn outside(&self) -> Option<&str> {
+        self.outside.as_deref()
     }
 
     /// Polls `health` until it answers 200, every 100 ms: `Ok` when ready,

@@ -188,7 +188,7 @@ impl ServeConfig {
             format!(
                 "`{}` is not a valid berth config: {}",
                 path.display(),
-                crate::input::quote_lines(&e.to_string())
+                toml_error(text, &e)
             )
         })?;
         let mut seen = std::collections::HashSet::new();
@@ -431,6 +431,74 @@ impl ServeConfig {
 /// The engine a command runs a container with, if it does.
 fn engine_of(argv: &[String]) -> Option<String> {
     matches!(crate::config::RunCommand::parse(argv), Some(Ok(_))).then(|| argv[0].clone())
+}
+
+/// A TOML error said by where it is: the line, the table (a model by its
+/// name) and the key, then what is wrong with its value — the toml crate
+/// names the key only inside the line it quotes.
+fn toml_error(text: &str, error: &toml::de::Error) -> String {
+    let Some(span) = error.span().filter(|s| s.start <= text.len()) else {
+        return crate::input::quote_lines(&error.to_string());
+    };
+    let start = (0..=span.start)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
+    let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = text[start..].find('\n').map_or(text.len(), |i| start + i);
+    let number = text[..line_start].matches('\n').count() + 1;
+    let line = &text[line_start..line_end];
+    let column = start - line_start;
+    // The key: before the last `=` ahead of the error (after any `{` or
+    // `,` of an inline table), or the span itself when it is the key.
+    let key = match line[..column].rfind('=') {
+        Some(eq) => {
+            let before = &line[..eq];
+            let from = before.rfind(['{', ',']).map_or(0, |i| i + 1);
+            before[from..].trim()
+        }
+        None => text
+            .get(span.clone())
+            .map(str::trim)
+            .filter(|k| !k.is_empty() && !k.contains('\n'))
+            .unwrap_or(""),
+    };
+    // The table: the nearest header above, a model's by its name.
+    let above: Vec<&str> = text[..line_start].lines().collect();
+    let table = above
+        .iter()
+        .rposition(|l| l.trim_start().starts_with('['))
+        .map(|at| {
+            let header = above[at].trim();
+            let header = header.split('#').next().unwrap_or(header).trim();
+            let section = text[line_start..]
+                .lines()
+                .take_while(|l| !l.trim_start().starts_with('['));
+            let name = above[at + 1..]
+                .iter()
+                .copied()
+                .chain(section)
+                .find_map(|l| {
+                    let (k, v) = l.split_once('=')?;
+                    (k.trim() == "name").then(|| v.trim().trim_matches(['"', '\'']).to_string())
+                });
+            match name {
+                Some(name) if header.starts_with("[[") => format!("{header} `{name}`"),
+                _ => header.to_string(),
+            }
+        });
+    let mut place = format!("line {number}");
+    if let Some(table) = table {
+        place.push_str(&format!(", {}", crate::input::quote(&table)));
+    }
+    if !key.is_empty() {
+        place.push_str(&format!(", `{}`", crate::input::quote(key)));
+    }
+    format!(
+        "{place}: {} (the line: `{}`)",
+        crate::input::quote(error.message().trim_end()),
+        crate::input::quote(line.trim())
+    )
 }
 
 #[cfg(test)]

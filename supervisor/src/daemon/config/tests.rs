@@ -248,3 +248,29 @@ fn groups_and_sets_must_fit_the_budgets() {
     let err = config("[groups.x]\nmembers = [\"ghost\"]").unwrap_err();
     assert!(err.contains("names model `ghost`"), "{err}");
 }
+
+#[test]
+fn a_bad_value_is_said_by_its_line_model_and_key() {
+    let text = "[server]\nlisten = \"127.0.0.1:1\"\n\n[[model]]\nname = \"a\"\nbackend = \"echo\"\nmemory_limit = -5\n";
+    let e = ServeConfig::parse(text, std::path::Path::new("b.toml")).unwrap_err();
+    assert!(
+        e.contains("line 7, [[model]] `a`, `memory_limit`: `-5` is not a size (a whole number of bytes from 0"),
+        "{e}"
+    );
+    assert!(e.contains("(the line: `memory_limit = -5`)"), "{e}");
+    assert!(!e.contains('\n'), "{e}");
+    // A misspelt key is named by itself.
+    let text = "[[model]]\nname = \"b\"\nbackend = \"echo\"\nmemroy_limit = \"1GiB\"\n";
+    let e = ServeConfig::parse(text, std::path::Path::new("b.toml")).unwrap_err();
+    assert!(
+        e.contains("line 4, [[model]] `b`, `memroy_limit`: unknown field"),
+        "{e}"
+    );
+    // A table's key, and an inline table's.
+    let text = "[turn]\nmin = \"soon\"\n";
+    let e = ServeConfig::parse(text, std::path::Path::new("b.toml")).unwrap_err();
+    assert!(e.contains("line 2, [turn], `min`: "), "{e}");
+    let text = "turn = { max = \"1s\", min = \"soon\" }\n";
+    let e = ServeConfig::parse(text, std::path::Path::new("b.toml")).unwrap_err();
+    assert!(e.contains("line 1, `min`: "), "{e}");
+}

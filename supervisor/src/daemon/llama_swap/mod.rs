@@ -165,7 +165,7 @@ pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migra
         };
         let name = berth_name(&id);
         let converted = model_of(&id, model, &global_macros)
-            .and_then(|m| one_model(&id, &name, &m, &defaults, &mut out.notes));
+            .and_then(|(m, macros)| one_model(&id, &name, &m, &macros, &defaults, &mut out.notes));
         let converted = match converted {
             Ok(converted) => converted,
             Err(why) => {
@@ -239,16 +239,36 @@ pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migra
     Ok(out)
 }
 
-/// Model `id`'s entry with its macros (the file's, then its own) expanded.
-fn model_of(id: &str, model: &Value, global: &[(String, Value)]) -> Result<Value, String> {
+/// Model `id`'s entry with its macros expanded, and the macros it was
+/// expanded with (its `setParamsByID` keys are expanded with them too).
+fn model_of(
+    id: &str,
+    model: &Value,
+    global: &[(String, Value)],
+) -> Result<(Value, Vec<(String, Value)>), String> {
     let Value::Mapping(model) = model else {
         return Err("it is not a mapping".into());
     };
-    let mut all = global.to_vec();
-    for (name, value) in text::macros(model.get("macros"), "its macros")? {
-        all.retain(|(n, _)| *n != name);
-        all.push((name, value));
+    let all = model_macros(id, global, text::macros(model.get("macros"), "its macros")?);
+    Ok((text::expand(&Value::Mapping(model.clone()), &all)?, all))
+}
+
+/// A model's macros as llama-swap merges them: `MODEL_ID`, then the
+/// file's in their order, a model's macro of the same name taking the
+/// file's place (so a file macro that uses it, declared after it, sees the
+/// model's value), then the model's own others. Expanded last to first.
+fn model_macros(
+    id: &str,
+    global: &[(String, Value)],
+    own: Vec<(String, Value)>,
+) -> Vec<(String, Value)> {
+    let mut all = vec![("MODEL_ID".to_string(), Value::String(id.into()))];
+    all.extend(global.iter().cloned());
+    for (name, value) in own {
+        match all.iter_mut().find(|(n, _)| *n == name) {
+            Some(slot) => slot.1 = value,
+            None => all.push((name, value)),
+        }
     }
-    all.insert(0, ("MODEL_ID".into(), Value::String(id.into())));
-    text::expand(&Value::Mapping(model.clone()), &all)
+    all
 }

@@ -56,9 +56,6 @@ pub(super) const MODEL_KEYS: &[(&str, &str)] = &[
     ("healthCheckTimeout", "refused"),
 ];
 
-/// A loopback host a `proxy` may name: berth runs the server here.
-const LOOPBACK: &[&str] = &["localhost", "127.0.0.1", "0.0.0.0"];
-
 /// Where a `proxy` says the server listens.
 enum ProxyPort {
     /// `${PORT}`: the one berth chooses for the start.
@@ -70,6 +67,7 @@ pub(super) fn one_model(
     id: &str,
     name: &str,
     model: &Value,
+    macros: &[(String, Value)],
     defaults: &Defaults,
     notes: &mut Vec<String>,
 ) -> Result<Model, String> {
@@ -106,8 +104,25 @@ pub(super) fn one_model(
     }
     let cmd_port = argv.iter().any(|a| a.contains("${PORT}"));
     let proxy = text("proxy").unwrap_or_else(|| "http://localhost:${PORT}".into());
-    let port = proxy_port(&proxy)?;
+    let (host, port) = proxy_of(&proxy)?;
     let mut http = HttpSpec::new(text("checkEndpoint").unwrap_or_else(|| "/health".into()));
+    if let Some(host) = &host {
+        if let crate::config::Reach::Elsewhere(name) = crate::config::Reach::of(Some(host))? {
+            if matches!(port, ProxyPort::Chosen) && !cmd_port {
+                return Err(format!(
+                    "its `proxy` `{proxy}` names `${{PORT}}` but its `cmd` does not (llama-swap \
+                     refuses it too): name the port in both"
+                ));
+            }
+            notes.push(format!(
+                "model `{id}`: its server is reached at `{name}` (its `proxy`), not on this \
+                 machine's loopback: berth runs and stops its `cmd` here, but the server's \
+                 memory is outside berth's cgroup, so its load report, `ps` and an unload's \
+                 proof cover what berth ran, not the server (said in each)"
+            ));
+        }
+        http.host = Some(host.clone());
+    }
     match port {
         ProxyPort::Chosen if cmd_port => {}
         ProxyPort::Fixed(port) => http.port = Some(port),
@@ -136,10 +151,11 @@ pub(super) fn one_model(
         if stop.is_empty() {
             return Err("its `cmdStop` is empty".into());
         }
-        if stop.iter().any(|a| a.contains("${PORT}")) && fixed.is_none() {
+        // `${PORT}`: the port of the start being stopped (`{port}`).
+        if stop.iter().any(|a| a.contains("${PORT}")) && fixed.is_none() && !cmd_port {
             return Err(
-                "its `cmdStop` names `${PORT}`, which berth chooses for each start; name the \
-                 server by `${MODEL_ID}` or `${PID}`"
+                "its `cmdStop` names `${PORT}` but its `cmd` does not (llama-swap refuses it \
+                 too): name the server by `${MODEL_ID}` or `${PID}`"
                     .into(),
             );
         }
@@ -175,10 +191,8 @@ pub(super) fn one_model(
                 let (k, v) = pair
                     .split_once('=')
                     .ok_or_else(|| format!("`env` entry `{pair}` is not K=V"))?;
-                let v = match &fixed {
-                    Some(port) => v.replace("${PORT}", port),
-                    None => v.to_string(),
-                };
+                // `{port}`: filled in at each start.
+                let v = fill_port(v);
                 Ok((k.to_string(), v))
             })
             .collect::<Result<_, String>>()?,
@@ -215,7 +229,8 @@ pub(super) fn one_model(
             .collect(),
         _ => Vec::new(),
     };
-    let filters = Filters::from_yaml(id, get("filters"))?;
+    let filters = expand_keys(get("filters"), macros, fixed.as_deref())?;
+    let filters = Filters::from_yaml(id, filters.as_ref())?;
     // A request may name an entry of `setParamsByID`: it is an alias.
     for key in filters.by_id.keys() {
         if key != id && !aliases.contains(key) {
@@ -274,8 +289,60 @@ fn replace_port(value: &mut Json, port: &str) {
     }
 }
 
-/// The port a `proxy` URL names: `${PORT}`, or a number; on the loopback.
-fn proxy_port(proxy: &str) -> Result<ProxyPort, String> {
+/// `filters.setParamsByID`'s keys expanded with every macro the model's
+/// values were (llama-swap does so, then takes each key as an alias), and
+/// `${PORT}` where the port is fixed.
+fn expand_keys(
+    filters: Option<&Value>,
+    macros: &[(String, Value)],
+    port: Option<&str>,
+) -> Result<Option<Value>, String> {
+    let Some(Value::Mapping(filters)) = filters else {
+        return Ok(filters.cloned());
+    };
+    let mut filters = filters.clone();
+    for key in ["setParamsByID"] {
+        let Some(Value::Mapping(by_id)) = filters.get(key) else {
+            continue;
+        };
+        let mut expanded = yaml_serde::Mapping::new();
+        for (k, v) in by_id {
+            let Some(text) = k.as_str() else {
+                return Err(format!(
+                    "its `filters.{key}` has a key that is not a string"
+                ));
+            };
+            let mut text = match super::text::expand(&Value::String(text.to_string()), macros)? {
+                Value::String(s) => s,
+                other => yaml_serde::to_string(&other)
+                    .unwrap_or_default()
+                    .trim()
+                    .to_string(),
+            };
+            if let Some(port) = port {
+                text = text.replace("${PORT}", port);
+            } else if text.contains("${PORT}") {
+                return Err(format!(
+                    "its `filters.{key}` key `{text}` names `${{PORT}}`, which berth chooses \
+                     for each start: a request cannot name it"
+                ));
+            }
+            if expanded.contains_key(Value::String(text.clone())) {
+                return Err(format!(
+                    "its `filters.{key}` has two keys that resolve to `{text}` (llama-swap \
+                     refuses it too)"
+                ));
+            }
+            expanded.insert(Value::String(text), v.clone());
+        }
+        filters.insert(Value::String(key.into()), Value::Mapping(expanded));
+    }
+    Ok(Some(Value::Mapping(filters)))
+}
+
+/// Where a `proxy` URL says the server is: its host, where it is not
+/// `127.0.0.1` (`None`), and its port: `${PORT}`, or a number.
+fn proxy_of(proxy: &str) -> Result<(Option<String>, ProxyPort), String> {
     let rest = proxy
         .trim()
         .strip_prefix("http://")
@@ -290,26 +357,21 @@ fn proxy_port(proxy: &str) -> Result<ProxyPort, String> {
         Some((host, port)) if !port.contains(']') => (host, Some(port)),
         _ => (authority, None),
     };
-    if host == "[::1]" {
-        return Err(format!(
-            "its `proxy` `{proxy}` is on IPv6's loopback; berth reaches servers on 127.0.0.1 \
-             (start the server with `--host 127.0.0.1`, and say so in `proxy`)"
-        ));
-    }
-    if !LOOPBACK.contains(&host) {
-        return Err(format!(
-            "its `proxy` `{proxy}` is on another host: berth runs each model's server on this \
-             one (a model elsewhere is a llama-swap peer, which berth does not serve)"
-        ));
-    }
-    match port {
-        None => Ok(ProxyPort::Fixed(80)),
-        Some("${PORT}") => Ok(ProxyPort::Chosen),
+    let reach = crate::config::Reach::of(Some(host))
+        .map_err(|_| format!("its `proxy` `{proxy}` names no host berth can reach"))?;
+    let host = match reach {
+        crate::config::Reach::Loopback(ip) if ip == std::net::Ipv4Addr::LOCALHOST => None,
+        _ => Some(host.to_string()),
+    };
+    let port = match port {
+        None => ProxyPort::Fixed(80),
+        Some("${PORT}") => ProxyPort::Chosen,
         Some(port) => match port.parse::<u16>() {
-            Ok(p) if p > 0 => Ok(ProxyPort::Fixed(p)),
-            _ => Err(format!("its `proxy` `{proxy}` has no valid port")),
+            Ok(p) if p > 0 => ProxyPort::Fixed(p),
+            _ => return Err(format!("its `proxy` `{proxy}` has no valid port")),
         },
-    }
+    };
+    Ok((host, port))
 }
 
 /// A llama-swap model ID as a berth model name.

@@ -136,6 +136,18 @@ pub(super) fn residency(
                 };
                 for (name, group) in groups {
                     let name = name.as_str().ok_or("a group's name is not a string")?;
+                    if let Value::Mapping(keys) = group {
+                        for key in keys.keys() {
+                            let key = key.as_str().unwrap_or("?");
+                            if !["members", "swap", "exclusive", "persistent"].contains(&key) {
+                                notes.push(format!(
+                                    "group `{name}`: unknown key `{key}` ignored (llama-swap \
+                                     ignores it too; a group has `members`, `swap`, \
+                                     `exclusive`, `persistent`)"
+                                ));
+                            }
+                        }
+                    }
                     let flag = |key: &str, default: bool| {
                         group.get(key).and_then(Value::as_bool).unwrap_or(default)
                     };

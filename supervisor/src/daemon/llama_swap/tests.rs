@@ -216,3 +216,82 @@ fn commands_split_as_a_shell_would() {
     );
     assert!(split_command("a 'b").is_err());
 }
+
+/// The few lines of each cause that left one model in five out of the
+/// configs people published: every model is registered.
+#[test]
+fn the_configs_people_wrote_register_every_model() {
+    // 1. A model's macro overrides the file's in place: the file macro that
+    //    uses it sees the model's value.
+    let text = "macros: {ctx: 4096, base: \"llama-server --port ${PORT} --ctx-size ${ctx}\"}\nmodels: {m: {macros: {ctx: 8192}, cmd: \"${base} -m /models/m.gguf\"}}\n";
+    let out = migrate(text, &|_| None).unwrap();
+    assert_eq!(out.models.len(), 1, "{:?}", out.notes);
+    assert_eq!(
+        out.workers["llama-swap-m"].command.as_deref().unwrap(),
+        [
+            "llama-server",
+            "--port",
+            "{port}",
+            "--ctx-size",
+            "8192",
+            "-m",
+            "/models/m.gguf"
+        ]
+    );
+    // 2. `${PORT}` in `cmdStop`: the running server's port at its stop.
+    let text = "models:\n  m:\n    cmd: docker run --name m-${PORT} -p ${PORT}:8080 img\n    cmdStop: docker stop m-${PORT}\n";
+    let out = migrate(text, &|_| None).unwrap();
+    assert_eq!(out.models.len(), 1, "{:?}", out.notes);
+    let http = out.workers["llama-swap-m"].http.as_ref().unwrap();
+    assert_eq!(
+        http.stop_command.as_deref().unwrap(),
+        ["docker", "stop", "m-{port}"]
+    );
+    // 3. An ID with spaces: renamed, and its ID stays an alias.
+    let text = "models:\n  \"GPT-OSS 20B Vulkan\":\n    cmd: srv --port ${PORT}\n";
+    let out = migrate(text, &|_| None).unwrap();
+    assert_eq!(out.models.len(), 1, "{:?}", out.notes);
+    assert_eq!(out.models[0].name, "GPT-OSS-20B-Vulkan");
+    assert_eq!(out.models[0].aliases, ["GPT-OSS 20B Vulkan"]);
+    out.models[0].validate().unwrap();
+    // 4. A proxy on another loopback address, IPv6's, or `localhost`.
+    for (proxy, host) in [
+        ("http://127.0.0.2:${PORT}", Some("127.0.0.2")),
+        ("http://[::1]:${PORT}", Some("[::1]")),
+        ("http://localhost:${PORT}", None),
+        ("http://127.0.0.1:${PORT}", None),
+    ] {
+        let text =
+            format!("models:\n  m:\n    cmd: srv --host x --port ${{PORT}}\n    proxy: {proxy}\n");
+        let out = migrate(&text, &|_| None).unwrap();
+        assert_eq!(out.models.len(), 1, "{proxy}: {:?}", out.notes);
+        let http = out.workers["llama-swap-m"].http.as_ref().unwrap();
+        assert_eq!(http.host.as_deref(), host, "{proxy}");
+        assert!(!out.notes.join("\n").contains("reached at"), "{proxy}");
+    }
+    // 5. A compose service: its command runs here, its server is reached
+    //    by the service's name, and what berth cannot prove is said.
+    let text = "models:\n  qwen:\n    cmd: docker compose up ${MODEL_ID}\n    cmdStop: docker compose stop ${MODEL_ID}\n    proxy: http://${MODEL_ID}:8080\n";
+    let out = migrate(text, &|_| None).unwrap();
+    assert_eq!(out.models.len(), 1, "{:?}", out.notes);
+    let http = out.workers["llama-swap-qwen"].http.as_ref().unwrap();
+    assert_eq!(
+        (http.host.as_deref(), http.port),
+        (Some("qwen"), Some(8080))
+    );
+    let notes = out.notes.join("\n");
+    assert!(notes.contains("reached at `qwen`"), "{notes}");
+    assert!(notes.contains("outside berth's cgroup"), "{notes}");
+    // 6. A group's unknown key is named; a `setParamsByID` key expanded with
+    //    every macro becomes an alias.
+    let text = "macros: {family: qwen}\ngroups:\n  main:\n    ttl: 60\n    members: [m]\nmodels:\n  m:\n    cmd: srv --port ${PORT}\n    filters:\n      setParamsByID:\n        \"${family}-thinking\": {think: true}\n";
+    let out = migrate(text, &|_| None).unwrap();
+    assert_eq!(out.models.len(), 1, "{:?}", out.notes);
+    assert_eq!(out.models[0].aliases, ["qwen-thinking"]);
+    let notes = out.notes.join("\n");
+    assert!(
+        notes.contains("group `main`: unknown key `ttl` ignored"),
+        "{notes}"
+    );
+    assert!(!notes.contains("left out"), "{notes}");
+}
