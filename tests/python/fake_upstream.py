@@ -77,6 +77,9 @@ class Handler(BaseHTTPRequestHandler):
             return self.send_json(200, {"status": "ok"})
         if self.path == "/v1/models":
             return self.send_json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        if self.path.startswith("/props"):
+            # llama.cpp's server's own GET route, the query as it came.
+            return self.send_json(200, {"path": self.path, "pid": os.getpid()})
         return self.send_json(404, {"error": "no such route"})
 
     def do_POST(self):
@@ -204,6 +207,7 @@ def main():
     global ARGS
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int)
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--socket")
     parser.add_argument("--mode", default="")
     parser.add_argument("--health", default="/health")
@@ -239,7 +243,7 @@ def main():
 
         server = UnixServer(ARGS.socket, Handler)
     else:
-        server = ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler)
+        server = ThreadingHTTPServer((ARGS.host, ARGS.port), Handler)
     server.daemon_threads = True
     if "drain-on-sigterm" in ARGS.mode:
         # serve_forever runs in this thread: stop it from another.

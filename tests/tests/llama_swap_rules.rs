@@ -308,3 +308,53 @@ fn upstream_bodies_are_the_servers_and_a_model_named_unload_keeps_berths_routes(
         running(&server)
     );
 }
+
+/// Configs as people wrote them, served: an ID with spaces reached by its
+/// ID (a chat, `/upstream` with it URL-encoded, `/running`), a server on
+/// another loopback address, `${PORT}` in `cmdStop`, and llama-swap's model
+/// routes outside `/v1` routed by their model.
+#[test]
+fn ids_with_spaces_other_loopbacks_and_routes_outside_v1_are_served() {
+    let dir = daemon::temp_dir("llama-swap-second");
+    let fake = fake();
+    let marker = dir.join("stopped-on");
+    let yaml = format!(
+        "models:\n  \"GPT OSS 20B\":\n    cmd: {fake} --port ${{PORT}}\n    cmdStop: sh -c \"echo ${{PORT}} > {}; kill ${{PID}}\"\n  two:\n    cmd: {fake} --host 127.0.0.2 --port ${{PORT}}\n    proxy: http://127.0.0.2:${{PORT}}\n\
+         groups:\n  both:\n    swap: false\n    members: [\"GPT OSS 20B\", two]\n",
+        marker.display()
+    );
+    let server = serve(&dir, &yaml, &[]);
+    assert!(!said(&dir).contains("left out"), "{}", said(&dir));
+    let (status, reply) = chat(&server, "GPT OSS 20B", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(running(&server), ["GPT OSS 20B"]);
+    let (status, reply) = server.post("/upstream/GPT%20OSS%2020B/v1/anything", json!({"x": 1}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["path"], "/v1/anything", "{reply}");
+    // The other loopback address: reached there.
+    let (status, reply) = chat(&server, "two", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    // Model routes outside `/v1`, by the body's model or the query's.
+    for (path, sent) in [
+        ("/completion", "/completion"),
+        ("/infill", "/infill"),
+        ("/rerank", "/rerank"),
+        ("/v/chat/completions", "/chat/completions"),
+        ("/sdapi/v1/txt2img", "/sdapi/v1/txt2img"),
+    ] {
+        let (status, reply) = server.post(path, json!({"model": "two", "prompt": "hi"}));
+        assert_eq!(status, 200, "{path}: {reply}");
+        assert_eq!(reply["path"], sent, "{path}: {reply}");
+    }
+    let (status, reply) = server.get("/props?model=GPT+OSS+20B");
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["path"], "/props?model=GPT+OSS+20B", "{reply}");
+    let (status, reply) = server.post("/completion", json!({"prompt": "hi"}));
+    assert_eq!(status, 400, "{reply}");
+    // `${PORT}` in `cmdStop`: the port of the start it stops.
+    let (status, reply) = server.post("/api/models/GPT-OSS-20B/unload", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    let port = std::fs::read_to_string(&marker).unwrap_or_default();
+    let port: u16 = port.trim().parse().unwrap_or_else(|_| panic!("`{port}`"));
+    assert!(port > 0);
+}

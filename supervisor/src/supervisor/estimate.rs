@@ -64,6 +64,15 @@ pub(super) fn from_files(path: &Path) -> Option<Estimate> {
     })
 }
 
+/// `path` opened if it is a regular file, without blocking: a FIFO or a
+/// device planted in a model's folder is no estimate, never a wait (the
+/// load then refuses it, naming it).
+fn open(path: &Path) -> Option<std::fs::File> {
+    crate::input::open_regular(path, u64::MAX, "the weights")
+        .ok()
+        .map(|(file, _)| file)
+}
+
 fn of_file(path: &Path) -> Option<Estimate> {
     match path.extension().and_then(|e| e.to_str()) {
         Some("gguf") => gguf_estimate(path),
@@ -77,7 +86,7 @@ fn of_file(path: &Path) -> Option<Estimate> {
 
 /// A safetensors file's tensors' bytes, from its header.
 fn safetensors_bytes(path: &Path) -> Option<u64> {
-    let mut file = std::fs::File::open(path).ok()?;
+    let mut file = open(path)?;
     let mut len = [0u8; 8];
     file.read_exact(&mut len).ok()?;
     let len = u64::from_le_bytes(len);
@@ -103,7 +112,7 @@ fn safetensors_bytes(path: &Path) -> Option<u64> {
 /// A GGUF model: its tensors (the file past its header) and the K and V
 /// cache of its context (f16), from its metadata.
 fn gguf_estimate(path: &Path) -> Option<Estimate> {
-    let file = std::fs::File::open(path).ok()?;
+    let file = open(path)?;
     let size = file.metadata().ok()?.len();
     let mut reader = BufReader::new(file).take(HEADER_MAX);
     let header = read_gguf_header(&mut reader)?;
@@ -280,6 +289,26 @@ mod tests {
     fn string(out: &mut Vec<u8>, s: &str) {
         out.extend((s.len() as u64).to_le_bytes());
         out.extend(s.as_bytes());
+    }
+
+    /// A FIFO (or a link to a device) where the weights should be is no
+    /// estimate, at once: planning a load never waits on a file.
+    #[test]
+    fn a_fifo_in_place_of_the_weights_is_passed_over_at_once() {
+        let dir = std::env::temp_dir().join(format!("berth-estimate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in ["model.safetensors", "model.gguf"] {
+            let path = std::ffi::CString::new(dir.join(name).to_str().unwrap()).unwrap();
+            // SAFETY: mkfifo reads the path, valid for the call.
+            assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+        }
+        let started = std::time::Instant::now();
+        assert!(from_files(&dir).is_none());
+        assert!(from_files(&dir.join("model.gguf")).is_none());
+        assert!(from_files(Path::new("/dev/zero")).is_none());
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A GGUF file of one tensor and a Llama's metadata: its estimate is

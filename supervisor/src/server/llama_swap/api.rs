@@ -70,7 +70,11 @@ pub(crate) async fn front(State(app): State<AppState>, request: Request, next: N
             }
         }
         (_, p) if p.starts_with("/upstream/") => upstream(&app, &compat, request).await,
-        (&Method::POST, p) if p.starts_with("/v1/") => rewrite(app, compat, request, next).await,
+        (&Method::POST, p)
+            if p.starts_with("/v1/") || crate::server::relay::model_route(&method, p).is_some() =>
+        {
+            rewrite(app, compat, request, next).await
+        }
         _ => next.run(request).await,
     }
 }

@@ -31,7 +31,11 @@ pub(super) async fn upstream(app: &AppState, compat: &Compat, request: Request) 
     let mut found = None;
     // A model ID has a few `/` at most: the path past them is the route's.
     for end in (1..=segments.len().min(MAX_ID_SEGMENTS)).rev() {
-        let candidate = segments[..end].join("/");
+        let written = segments[..end].join("/");
+        // An ID as the client wrote it in the path: `GPT%20OSS`, `a%2Fb`.
+        let Some(candidate) = crate::server::relay::percent_decode(&written, false) else {
+            continue;
+        };
         if candidate.is_empty() {
             continue;
         }
@@ -42,7 +46,7 @@ pub(super) async fn upstream(app: &AppState, compat: &Compat, request: Request) 
             None => candidate.clone(),
         };
         if let Some(name) = known(app, compat, &target) {
-            found = Some((name, candidate, segments[end..].join("/")));
+            found = Some((name, written, segments[end..].join("/")));
             break;
         }
     }

@@ -28,6 +28,9 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 mod request;
+mod routes;
+
+pub(crate) use routes::{ModelRoute, model_route, percent_decode};
 
 use request::{
     has_two_model_parts, model_of, multipart_boundary, options_of, plain_path, renamed,
@@ -59,8 +62,12 @@ const NOT_PASSED: &[&str] = &[
 ];
 
 /// The middleware: a POST under `/v1/` whose `model` is served by an HTTP
-/// server is relayed to it; anything else goes on to berth's own routes.
+/// server is relayed to it, and so is a model route outside `/v1`
+/// (`routes.rs`); anything else goes on to berth's own routes.
 pub(crate) async fn route(State(app): State<AppState>, request: Request, next: Next) -> Response {
+    if let Some(native) = model_route(request.method(), request.uri().path()) {
+        return native_route(&app, native, request).await;
+    }
     if request.method() != Method::POST || !request.uri().path().starts_with("/v1/") {
         return next.run(request).await;
     }
@@ -100,6 +107,63 @@ pub(crate) async fn route(State(app): State<AppState>, request: Request, next: N
                 .await
         }
     }
+}
+
+/// A model route outside `/v1` (`routes.rs`): to its model's server, on
+/// the path the server knows; a model served by a berth worker has none.
+async fn native_route(app: &AppState, native: ModelRoute, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let bytes = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
+    let path = parts.uri.path().to_string();
+    let (model, sent_path, rename) = match &native {
+        ModelRoute::Body(sent) => {
+            if has_two_model_parts(&parts.headers, &bytes) {
+                return ApiError::bad_request("the form has two `model` parts; send one")
+                    .into_response();
+            }
+            (model_of(&parts.headers, &bytes), sent.clone(), true)
+        }
+        ModelRoute::Query => (routes::query_model(parts.uri.query()), path.clone(), false),
+    };
+    let Some(model) = model.map(|m| app.supervisor.canonical(&m)) else {
+        return ApiError::bad_request(format!(
+            "`{path}` is a model's own route: name the model (`model` in the body{})",
+            if native == ModelRoute::Query {
+                ", here `?model=NAME`"
+            } else {
+                ""
+            }
+        ))
+        .into_response();
+    };
+    if app.supervisor.spec(&model).is_some() && !app.supervisor.is_http_model(&model) {
+        return ApiError::bad_request(format!(
+            "model `{model}` is served by a berth worker, which answers berth's `/v1` routes; \
+             `{path}` is an HTTP server's own route"
+        ))
+        .into_response();
+    }
+    let query = parts
+        .uri
+        .query()
+        .map(|q| format!("?{q}"))
+        .unwrap_or_default();
+    let uri: axum::http::Uri = match format!("{sent_path}{query}").parse() {
+        Ok(uri) => uri,
+        Err(_) => return ApiError::bad_request("the path is not a valid URI").into_response(),
+    };
+    relay(
+        app,
+        &model,
+        &parts.method,
+        &uri,
+        &parts.headers,
+        bytes,
+        rename,
+    )
+    .await
 }
 
 /// Relays one request to `model`'s server and returns its answer; with
