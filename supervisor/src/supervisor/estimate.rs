@@ -87,14 +87,19 @@ fn of_file(path: &Path) -> Option<Estimate> {
 /// A safetensors file's tensors' bytes, from its header.
 fn safetensors_bytes(path: &Path) -> Option<u64> {
     let mut file = open(path)?;
+    let size = file.metadata().ok()?.len();
     let mut len = [0u8; 8];
     file.read_exact(&mut len).ok()?;
     let len = u64::from_le_bytes(len);
-    if len > HEADER_MAX {
+    // A length past the file is a lie: nothing is allocated for it.
+    if len > HEADER_MAX || len > size.saturating_sub(8) {
         return None;
     }
-    let mut header = vec![0u8; len as usize];
-    file.read_exact(&mut header).ok()?;
+    let mut header = Vec::new();
+    file.take(len).read_to_end(&mut header).ok()?;
+    if header.len() as u64 != len {
+        return None;
+    }
     let header: serde_json::Map<String, serde_json::Value> =
         serde_json::from_slice(&header).ok()?;
     let mut total = 0u64;
@@ -295,7 +300,7 @@ mod tests {
     /// estimate, at once: planning a load never waits on a file.
     #[test]
     fn a_fifo_in_place_of_the_weights_is_passed_over_at_once() {
-        let dir = std::env::temp_dir().join(format!("berth-estimate-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("berth-estimate-fifo-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         for name in ["model.safetensors", "model.gguf"] {
@@ -349,7 +354,7 @@ mod tests {
         out.extend(0u64.to_le_bytes());
         let header = out.len() as u64;
         out.extend(vec![0u8; 1000]);
-        let dir = std::env::temp_dir().join(format!("berth-estimate-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("berth-estimate-gguf-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("m.gguf");
         std::fs::write(&path, &out).unwrap();
