@@ -3,7 +3,7 @@ real inference server does not commit on cue. berth runs it as a model's
 server (`[workers.NAME] http = ...`), the way it runs llama.cpp's server.
 
     fake_upstream.py --port PORT [--mode MODE[,MODE...]] [--hold-mib N] [--keepalive-s S]
-                     [--health PATH]
+                     [--health PATH] [--tls-cert PEM --tls-key PEM]
 
 `--port 0`: a port of its own. Routes: GET /health (or `--health`), GET /v1/models, POST /v1/chat/completions (with
 "stream": true, server-sent events: `chunks` pieces, `interval_ms` apart,
@@ -215,6 +215,8 @@ def main():
     parser.add_argument("--hold-mib", type=int, default=0)
     parser.add_argument("--child-mib", type=int, default=64)
     parser.add_argument("--model")
+    parser.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate")
+    parser.add_argument("--tls-key", help="... and this PEM key")
     parser.add_argument("--keepalive-s", type=float, default=0,
                         help="close a connection idle this long (uvicorn's is 5 s)")
     ARGS = parser.parse_known_args()[0]
@@ -245,6 +247,11 @@ def main():
     else:
         server = ThreadingHTTPServer((ARGS.host, ARGS.port), Handler)
     server.daemon_threads = True
+    if ARGS.tls_cert:
+        import ssl
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(ARGS.tls_cert, ARGS.tls_key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     if "drain-on-sigterm" in ARGS.mode:
         # serve_forever runs in this thread: stop it from another.
         signal.signal(signal.SIGTERM,

@@ -80,3 +80,66 @@ pub fn stream_until(server: &Server, path: &str, wanted: &str) -> String {
     }
     seen
 }
+
+/// The fake server run on its own, as another machine's server would be:
+/// a peer. Killed when dropped.
+#[derive(Debug)]
+pub struct FakePeer {
+    child: std::process::Child,
+    pub port: u16,
+}
+
+impl Drop for FakePeer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl FakePeer {
+    /// Over plain HTTP on a free loopback port.
+    pub fn http(dir: &Path) -> FakePeer {
+        Self::start(dir, &[])
+    }
+
+    /// Over HTTPS with a certificate for `localhost` signed by itself,
+    /// written to `dir/peer-cert.pem`: a client trusts it by
+    /// `SSL_CERT_FILE` pointing there.
+    pub fn https(dir: &Path) -> FakePeer {
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+        let (cert_file, key_file) = (dir.join("peer-cert.pem"), dir.join("peer-key.pem"));
+        std::fs::write(&cert_file, cert.cert.pem()).unwrap();
+        std::fs::write(&key_file, cert.key_pair.serialize_pem()).unwrap();
+        Self::start(
+            dir,
+            &[
+                "--tls-cert",
+                cert_file.to_str().unwrap(),
+                "--tls-key",
+                key_file.to_str().unwrap(),
+            ],
+        )
+    }
+
+    fn start(dir: &Path, extra: &[&str]) -> FakePeer {
+        let port = crate::free_port();
+        let log = std::fs::File::create(dir.join(format!("peer-{port}.log"))).unwrap();
+        let child = std::process::Command::new(test_python())
+            .arg(repo_root().join("tests/python/fake_upstream.py"))
+            .args(["--port", &port.to_string()])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the fake peer did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        FakePeer { child, port }
+    }
+}

@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use berth_tests::llama_swap::{chat, fake, running, said, serve, stream_until};
+use berth_tests::llama_swap::{FakePeer, chat, fake, running, said, serve, stream_until};
 use berth_tests::*;
 use serde_json::json;
 
@@ -16,7 +16,9 @@ use serde_json::json;
 /// fake (the `docker run` one too, its `docker stop` a script that notes
 /// the stop), `gpt-oss-120b`'s fixed port one of the test's, and
 /// `some-upstream-server` the fake on a port of its own.
-fn example_config(dir: &Path, fixed: u16) -> String {
+/// Its peers are two fake servers: one over HTTP, one (OpenRouter's
+/// place) over HTTPS under `/api`, as `https://openrouter.ai/api` is.
+fn example_config(dir: &Path, fixed: u16, peer: u16, tls_peer: u16) -> String {
     let fake = fake();
     let stopped = dir.join("stopped").display().to_string();
     format!(
@@ -207,11 +209,11 @@ routing:
           A: 10
 peers:
   llama-swap-peer:
-    proxy: http://192.168.1.23
+    proxy: http://127.0.0.1:{peer}
     models:
       - model_a
   openrouter:
-    proxy: https://openrouter.ai/api
+    proxy: https://localhost:{tls_peer}/api
     apiKey: ${{env.OPENROUTER_API_KEY}}
     models:
       - z-ai/glm-4.7
@@ -227,14 +229,17 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
     let dir = daemon::temp_dir("llama-swap-example");
     let fixed = free_port();
     let home = dir.display().to_string();
+    let (peer, tls_peer) = (FakePeer::http(&dir), FakePeer::https(&dir));
+    let trusted = dir.join("peer-cert.pem").display().to_string();
     let mut server = serve(
         &dir,
-        &example_config(&dir, fixed),
+        &example_config(&dir, fixed, peer.port, tls_peer.port),
         &[
             ("HOME", home.as_str()),
             ("API_KEY_1", "key-one"),
             ("API_KEY_2", "key-two"),
             ("OPENROUTER_API_KEY", "or-key"),
+            ("SSL_CERT_FILE", trusted.as_str()),
         ],
     );
     let notes = said(&dir);
@@ -246,6 +251,12 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
     }
     for key in [
         "`peers` not honoured",
+        "`upstream` not honoured",
+        "selectors.llm-plan.targets[1] references unknown model",
+    ] {
+        assert!(!notes.contains(key), "`{key}` said:\n{notes}");
+    }
+    for key in [
         "`startPort` not honoured",
         "`logLevel` not honoured",
         "`logToStdout` not honoured",
@@ -254,12 +265,10 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
         "`captureBuffer` not honoured",
         "`ui` not honoured",
         "`performance` not honoured",
-        "`upstream` not honoured",
         "`timeouts` not honoured",
         "`compat` not honoured",
         "routing.scheduler.settings.fifo.priority references unknown model \"A\"",
         "`routing.router.settings.matrix` not used",
-        "selectors.llm-plan.targets[1] references unknown model \"z-ai/glm-4.7\"",
         "profiles.coding.pins.llm-plan references unknown model",
         "`hooks.on_startup.preload` names `llama`",
         "group `group1` names `llama`",
@@ -304,7 +313,9 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
             "docker-llama",
             "gpt-oss-120b",
             "llama",
-            "llm-plan"
+            "llama-swap-peer/model_a",
+            "llm-plan",
+            "openrouter/z-ai/glm-4.7"
         ],
         "{list}"
     );
@@ -325,6 +336,122 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
     );
     assert_eq!(gpt["status"]["value"], "unloaded");
     assert_eq!(list["data"][0]["meta"]["llamaswap"]["strategy"], "warm");
+    assert_eq!(list["data"][6]["name"], "openrouter: z-ai/glm-4.7");
+    assert_eq!(list["data"][6]["meta"]["llamaswap"]["type"], "peer");
+    assert_eq!(list["data"][6]["meta"]["llamaswap"]["peerID"], "openrouter");
+
+    // The peers: relayed (over TLS to the one whose certificate berth
+    // trusts by SSL_CERT_FILE), the model renamed to the peer's own, its
+    // key sent in both headers and berth's token never.
+    let (status, reply) = chat(&server, "openrouter/z-ai/glm-4.7", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["path"], "/api/v1/chat/completions", "{reply}");
+    assert_eq!(reply["received"]["model"], "z-ai/glm-4.7", "{reply}");
+    assert_eq!(
+        reply["headers"]["authorization"], "Bearer or-key",
+        "{reply}"
+    );
+    assert_eq!(reply["headers"]["x-api-key"], "or-key", "{reply}");
+    assert_eq!(
+        reply["headers"]["host"],
+        format!("localhost:{}", tls_peer.port),
+        "{reply}"
+    );
+    // A bare name only one peer lists reaches it; no key: none sent.
+    let streamed = server.raw(
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        Some(br#"{"model":"model_a","stream":true,"messages":[]}"#),
+    );
+    assert_eq!(streamed.status, 200);
+    assert!(streamed.text().contains("tok4 "), "{}", streamed.text());
+    let reply = server.raw(
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        Some(br#"{"model":"llama-swap-peer/model_a","messages":[]}"#),
+    );
+    let answer = reply.json();
+    assert_eq!(answer["received"]["model"], "model_a", "{answer}");
+    assert!(answer["headers"].get("authorization").is_none(), "{answer}");
+    assert!(answer["headers"].get("x-api-key").is_none(), "{answer}");
+    // The selector's second target is the peer's model now.
+    let (_, list) = server.get("/v1/models");
+    let plan = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == "llm-plan")
+        .unwrap();
+    assert_eq!(plan["meta"]["llamaswap"]["targets"][1], "z-ai/glm-4.7");
+    // ps says what they are, and never the key.
+    let (_, ps) = server.get("/api/ps");
+    assert_eq!(ps["peers"][1]["peer"], "openrouter", "{ps}");
+    assert_eq!(ps["peers"][1]["api_key"], true, "{ps}");
+    assert!(!ps.to_string().contains("or-key"), "{ps}");
+    // /upstream reaches a peer's own routes too.
+    let page = server.raw("GET", "/upstream/llama-swap-peer/model_a/health", &[], None);
+    assert_eq!(page.status, 200, "{}", page.text());
+    // A peer that cannot be reached: 502, saying which and where.
+    drop(peer);
+    let (status, reply) = chat(&server, "model_a", json!({}));
+    assert_eq!(
+        (status, reply["error"]["code"].as_str()),
+        (502, Some("upstream_unreachable")),
+        "{reply}"
+    );
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("peer `llama-swap-peer` (model `model_a`)"),
+        "{reply}"
+    );
+
+    // In flight: listed, and cancelled where it is.
+    let waiting = {
+        let url = format!("http://127.0.0.1:{}/v1/completions", server.port());
+        std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            let answer = ureq::post(&url)
+                .header("x-api-key", "sk-hunter2")
+                .config()
+                .http_status_as_error(false)
+                .build()
+                .send_json(json!({"model": "openrouter/z-ai/glm-4.7", "delay_ms": 20000}))
+                .unwrap();
+            (answer.status().as_u16(), started.elapsed())
+        })
+    };
+    let id = loop {
+        let (_, list) = server.get("/api/inflight");
+        if let Some(r) = list["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["req_path"] == "/v1/completions")
+        {
+            assert_eq!(r["model"], "openrouter/z-ai/glm-4.7", "{list}");
+            break r["id"].as_str().unwrap().to_string();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (status, reply) = server.post(&format!("/api/inflight/{id}/cancel"), json!({}));
+    assert_eq!(
+        (status, reply["msg"].as_str()),
+        (200, Some("ok")),
+        "{reply}"
+    );
+    let (status, took) = waiting.join().unwrap();
+    assert_eq!(status, 408);
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    assert_eq!(
+        server
+            .post(&format!("/api/inflight/{id}/cancel"), json!({}))
+            .0,
+        404
+    );
 
     // The fixed-port server, its filters and its useModelName.
     let (status, reply) = chat(
@@ -409,6 +536,11 @@ fn llama_swaps_example_config_serves_every_model_and_each_key_acts() {
         "fake_upstream: listening",
     );
     assert!(seen.contains("fake_upstream: listening"), "{seen}");
+
+    // upstream.ignorePaths: a browser's favicon loads no model.
+    let icon = server.raw("GET", "/upstream/unlisted-model/favicon.ico", &[], None);
+    assert_eq!(icon.status, 409, "{}", icon.text());
+    assert!(icon.text().contains("path matches upstream.ignorePaths"));
 
     // The default group is exclusive: the unlisted model (a server on a
     // port of its own, found) stops both; docker-llama by its cmdStop.

@@ -1,7 +1,7 @@
 //! berth as a drop-in for llama-swap: llama-swap's aider example
 //! (`docs/examples/aider-qwq-coder`, at 0bdb372), servers on fixed ports,
 //! stop commands (`cmdStop`), the matrix, the preload hook and listed
-//! aliases, against the test's fake server. llama-swap's own `config.example.yaml` is in `llama_swap.rs`.
+//! aliases, a folder of files (`-config-dir`), against the test's fake server. llama-swap's own `config.example.yaml` is in `llama_swap.rs`.
 
 use std::time::Duration;
 
@@ -357,4 +357,44 @@ fn ids_with_spaces_other_loopbacks_and_routes_outside_v1_are_served() {
     let port = std::fs::read_to_string(&marker).unwrap_or_default();
     let port: u16 = port.trim().parse().unwrap_or_else(|_| panic!("`{port}`"));
     assert!(port > 0);
+}
+
+/// llama-swap's `-config-dir`: the folder's files merged in name order, a
+/// macro of one serving another's model; what is not YAML ignored.
+#[test]
+fn a_config_folder_is_merged_as_llama_swap_merges_it() {
+    let dir = daemon::temp_dir("llama-swap-dir");
+    let folder = dir.join("conf.d");
+    std::fs::create_dir_all(&folder).unwrap();
+    let fake = fake();
+    std::fs::write(
+        folder.join("10-base.yaml"),
+        format!("macros:\n  srv: {fake} --port ${{PORT}}\nmodels:\n  first:\n    cmd: ${{srv}}\n"),
+    )
+    .unwrap();
+    std::fs::write(
+        folder.join("20-more.yml"),
+        "models:\n  second:\n    cmd: ${srv} --model /m/second.gguf\n",
+    )
+    .unwrap();
+    std::fs::write(folder.join("README.txt"), "not a config").unwrap();
+    let config = dir.join("berth.toml");
+    std::fs::write(&config, "").unwrap();
+    let stderr = std::fs::File::create(dir.join("stderr.log")).unwrap();
+    let args = ["--llama-swap-dir", folder.to_str().unwrap()];
+    let mut server = Server::start_custom(&config, Some(&dir), &args, &[], &mut |command| {
+        command.stderr(stderr.try_clone().unwrap());
+    });
+    let (_, list) = server.get("/v1/models");
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["first", "second"], "{list}");
+    let (status, reply) = chat(&server, "second", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert!(server.terminate(Duration::from_secs(30)).is_some());
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -112,6 +112,7 @@ pub fn run(remote: Remote) -> ExitCode {
                 println!("warning: {warning}");
             }
             print_preloaders(&preloaders);
+            print_peers(&value["peers"]);
             ExitCode::SUCCESS
         }),
         json,
@@ -148,4 +149,31 @@ fn print_preloaders(preloaders: &[PreloaderStatus]) {
             p.forks,
         );
     }
+}
+
+/// The peers (a llama-swap file's): where each is, what it serves; their
+/// models run on another server, so there is no process or memory to show.
+fn print_peers(peers: &serde_json::Value) {
+    let Some(peers) = peers.as_array().filter(|p| !p.is_empty()) else {
+        return;
+    };
+    println!("\n{:<16} {:<40} MODELS", "PEER", "URL");
+    for p in peers {
+        let models: Vec<&str> = p["models"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m.as_str())
+            .collect();
+        println!(
+            "{:<16} {:<40} {}",
+            p["peer"].as_str().unwrap_or("?"),
+            p["url"].as_str().unwrap_or("?"),
+            models.join(", ")
+        );
+    }
+    println!(
+        "(a peer's models are served by another server: berth runs no process for them, so \
+         there is nothing here to load, unload or measure)"
+    );
 }

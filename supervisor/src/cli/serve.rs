@@ -26,6 +26,11 @@ pub struct ServeArgs {
     /// berth says at start what it ignores).
     #[arg(long, value_name = "CONFIG_YAML")]
     llama_swap: Option<PathBuf>,
+    /// A folder of llama-swap files (llama-swap's `-config-dir`): its
+    /// `.yml`/`.yaml` files merged, in name order, after `--llama-swap`'s,
+    /// as llama-swap merges them.
+    #[arg(long, value_name = "DIR")]
+    llama_swap_dir: Option<PathBuf>,
     /// Reload the config when its file (or the llama-swap file) changes,
     /// as `SIGHUP` and `berth reload` do.
     #[arg(long)]
@@ -44,6 +49,7 @@ pub async fn run(args: ServeArgs) -> ExitCode {
         token: args.token,
         worker: super::default_worker(args.worker),
         llama_swap: args.llama_swap,
+        llama_swap_dir: args.llama_swap_dir,
         watch_config: args.watch_config,
     };
     if args.upgrade_check {

@@ -21,6 +21,9 @@ use crate::server::{Listen, ServeOptions};
 pub struct Texts {
     pub config: Option<(PathBuf, String)>,
     pub llama_swap: Option<(PathBuf, String)>,
+    /// `--llama-swap-dir`'s files, in the order they merge.
+    #[serde(default)]
+    pub llama_swap_dir: Vec<(PathBuf, String)>,
 }
 
 impl Texts {
@@ -51,8 +54,70 @@ impl Texts {
                 .as_ref()
                 .map(|p| read(p, "the llama-swap config"))
                 .transpose()?,
+            llama_swap_dir: match &options.llama_swap_dir {
+                Some(dir) => dir_files(dir, options.llama_swap.as_deref())?
+                    .iter()
+                    .map(|p| read(p, "the llama-swap config"))
+                    .collect::<Result<_, _>>()?,
+                None => Vec::new(),
+            },
         })
     }
+
+    /// The llama-swap files, in the order they merge: `--llama-swap`'s,
+    /// then `--llama-swap-dir`'s.
+    fn llama_swap_files(&self) -> Vec<(PathBuf, String)> {
+        self.llama_swap
+            .iter()
+            .chain(&self.llama_swap_dir)
+            .cloned()
+            .collect()
+    }
+}
+
+/// The `.yml` and `.yaml` files of `dir` (not its folders'), sorted by
+/// name, as llama-swap's `-config-dir` reads them; `file` (the
+/// `--llama-swap` file) must not be one of them.
+pub(super) fn dir_files(dir: &Path, file: Option<&Path>) -> Result<Vec<PathBuf>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| {
+        format!(
+            "cannot read the llama-swap config folder `{}`: {e}",
+            dir.display()
+        )
+    })?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("cannot read `{}`: {e}", dir.display()))?;
+        let path = entry.path();
+        let yaml = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| e == "yml" || e == "yaml");
+        if yaml && std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+            files.push(path);
+        }
+    }
+    files.sort();
+    if let Some(file) = file {
+        let same = |p: &PathBuf| match (p.canonicalize(), file.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if files.iter().any(same) {
+            return Err(format!(
+                "--llama-swap `{}` is also in --llama-swap-dir `{}`; remove it from one",
+                file.display(),
+                dir.display()
+            ));
+        }
+    }
+    if files.is_empty() && file.is_none() {
+        return Err(format!(
+            "--llama-swap-dir `{}` has no .yml or .yaml file: no configuration sources found",
+            dir.display()
+        ));
+    }
+    Ok(files)
 }
 
 /// The config files read and checked, as at start and at each reload: the
@@ -75,9 +140,10 @@ pub(super) fn parse_files(texts: &Texts) -> Result<(ServeConfig, Option<Migrated
         }
         None => ServeConfig::default(),
     };
-    let llama_swap = match &texts.llama_swap {
-        Some((path, text)) => Some(add_llama_swap(&mut config, path, text)?),
-        None => None,
+    let files = texts.llama_swap_files();
+    let llama_swap = match files.is_empty() {
+        false => Some(add_llama_swap(&mut config, &files)?),
+        true => None,
     };
     Ok((config, llama_swap))
 }
@@ -159,23 +225,38 @@ pub(super) fn default_catalogue(dir: &Path) -> Result<Vec<ModelSpec>, String> {
 
 /// Adds the models and rules of a llama-swap `config.yaml` to `config`,
 /// saying what of it berth does not honour; returns the rest of it.
-fn add_llama_swap(config: &mut ServeConfig, path: &Path, text: &str) -> Result<Migrated, String> {
+fn add_llama_swap(
+    config: &mut ServeConfig,
+    files: &[(PathBuf, String)],
+) -> Result<Migrated, String> {
+    let named: Vec<(String, String)> = files
+        .iter()
+        .map(|(p, t)| (p.display().to_string(), t.clone()))
+        .collect();
+    let shown = named
+        .iter()
+        .map(|(p, _)| format!("`{p}`"))
+        .collect::<Vec<_>>()
+        .join(" + ");
     let mut migrated =
-        llama_swap::migrate(text, &|name| std::env::var(name).ok()).map_err(|e| {
+        llama_swap::migrate_all(&named, &|name| std::env::var(name).ok()).map_err(|e| {
             format!(
-                "`{}` is not a llama-swap config berth can read: {}",
-                path.display(),
+                "{shown} is not a llama-swap config berth can read: {}",
                 quote_lines(&e)
             )
         })?;
+    let path = match files {
+        [(path, _)] => path.display().to_string(),
+        _ => shown.clone(),
+    };
     for note in &migrated.notes {
-        eprintln!("berth: llama-swap config {}: {note}", path.display());
+        eprintln!("berth: llama-swap config {path}: {note}");
     }
     for (name, kind) in std::mem::take(&mut migrated.workers) {
         if config.workers.contains_key(&name) {
             return Err(format!(
-                "worker kind `{name}` is declared in the config and made from `{}`; rename one",
-                path.display()
+                "worker kind `{name}` is declared in the config and made from {}; rename one",
+                shown
             ));
         }
         config.workers.insert(name, kind);
@@ -183,9 +264,8 @@ fn add_llama_swap(config: &mut ServeConfig, path: &Path, text: &str) -> Result<M
     for model in std::mem::take(&mut migrated.models) {
         if config.models.iter().any(|m| m.name == model.name) {
             return Err(format!(
-                "model `{}` is in the config and in `{}`; rename one",
-                model.name,
-                path.display()
+                "model `{}` is in the config and in {}; rename one",
+                model.name, shown
             ));
         }
         config.models.push(model);
@@ -195,16 +275,14 @@ fn add_llama_swap(config: &mut ServeConfig, path: &Path, text: &str) -> Result<M
         || residency.matrix.is_some() && (!config.groups.is_empty() || config.matrix.is_some())
     {
         return Err(format!(
-            "the config has `groups` or a `matrix`, and so does `{}`; keep one",
-            path.display()
+            "the config has `groups` or a `matrix`, and so does {}; keep one",
+            shown
         ));
     }
     config.groups.extend(residency.groups);
     if residency.matrix.is_some() {
         config.matrix = residency.matrix;
     }
-    config
-        .check()
-        .map_err(|e| format!("`{}`: {e}", path.display()))?;
+    config.check().map_err(|e| format!("{shown}: {e}"))?;
     Ok(migrated)
 }

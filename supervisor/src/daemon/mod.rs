@@ -57,6 +57,9 @@ pub struct Options {
     /// A llama-swap `config.yaml` whose models are served beside the
     /// config's.
     pub llama_swap: Option<PathBuf>,
+    /// A folder of llama-swap files (llama-swap's `-config-dir`): its
+    /// `.yml`/`.yaml` files merged after `llama_swap`'s, in name order.
+    pub llama_swap_dir: Option<PathBuf>,
     /// Reload when a config file changes, as `SIGHUP` does.
     pub watch_config: bool,
 }

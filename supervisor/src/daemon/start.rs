@@ -18,9 +18,14 @@ use crate::supervisor::EventKind;
 use crate::supervisor::Supervisor;
 
 pub(super) async fn start(options: Options) -> Result<(), String> {
-    let has_files = options.config.is_some() || options.llama_swap.is_some();
+    let has_files = options.config.is_some()
+        || options.llama_swap.is_some()
+        || options.llama_swap_dir.is_some();
     if options.watch_config && !has_files {
-        return Err("--watch-config needs a config file (--config or --llama-swap)".into());
+        return Err(
+            "--watch-config needs a config file (--config, --llama-swap or --llama-swap-dir)"
+                .into(),
+        );
     }
     // Exec'd by an in-place upgrade: the previous berth's workers and
     // listening socket are this one's, and so is what it served: the
@@ -41,6 +46,11 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
         None => Texts::read(&options)?,
     };
     let (config, mut llama_swap) = parse_files(&texts)?;
+    let texts_watched: Vec<std::path::PathBuf> = texts
+        .llama_swap_dir
+        .iter()
+        .map(|(p, _)| p.clone())
+        .collect();
     let listen = Listen::parse(
         options
             .listen
@@ -113,11 +123,15 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
             worker,
         ));
         if options.watch_config {
+            // A folder is watched as itself (a file added, removed or
+            // saved by a rename) and as its files (one written in place).
             extras.watch = options
                 .config
                 .iter()
                 .chain(&options.llama_swap)
+                .chain(&options.llama_swap_dir)
                 .cloned()
+                .chain(texts_watched.iter().cloned())
                 .collect();
         }
     }

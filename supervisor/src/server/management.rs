@@ -22,7 +22,15 @@ pub async fn ps(State(app): State<AppState>) -> Result<Json<Value>, ApiError> {
             .map_err(|e| {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
             })?;
-    Ok(Json(json!({ "models": stats, "preloaders": preloaders })))
+    let mut answer = json!({ "models": stats, "preloaders": preloaders });
+    // Models another server serves (a llama-swap file's `peers`): no
+    // process here, so nothing to measure or prove.
+    if let Some(compat) = &app.llama_swap
+        && !compat.peers.is_empty()
+    {
+        answer["peers"] = compat.peers.status();
+    }
+    Ok(Json(answer))
 }
 
 /// Memory over time (`?since_ms=`: only the samples after that moment).

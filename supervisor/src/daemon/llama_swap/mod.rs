@@ -16,7 +16,9 @@ use std::collections::BTreeMap;
 
 use yaml_serde::Value;
 
+mod merge;
 mod model;
+mod peers;
 mod routing;
 #[cfg(test)]
 mod tests;
@@ -24,6 +26,7 @@ mod text;
 
 use crate::config::{ModelSpec, Residency, WorkerKind};
 use crate::server::llama_swap::layer::{Compat, Extras};
+use crate::server::llama_swap::peers::Peers;
 use model::{Defaults, berth_name, one_model};
 
 /// What a llama-swap config becomes.
@@ -76,14 +79,6 @@ const NOT_HONOURED: &[(&str, &str)] = &[
         "performance",
         "berth samples memory every second (/api/history) and the GPUs at /api/gpus",
     ),
-    (
-        "upstream",
-        "`ignorePaths`: a /upstream request loads its model whatever its path",
-    ),
-    (
-        "peers",
-        "berth serves the models on this machine only; no peer's model is served or listed",
-    ),
 ];
 
 /// Top-level keys berth honours.
@@ -102,20 +97,55 @@ const HONOURED: &[&str] = &[
     "apiKeys",
     "sendLoadingState",
     "includeAliasesInList",
+    "peers",
+    "upstream",
 ];
 
 /// Reads a llama-swap `config.yaml` from its text. `env` looks up the
 /// variables `${env.VAR}` names.
 pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migrated, String> {
+    let Value::Mapping(root) = parse(text, env)? else {
+        return Err("the file is not a mapping of keys".into());
+    };
+    migrate_root(root)
+}
+
+/// Reads several llama-swap files as one, merged as llama-swap merges its
+/// `-config` and `-config-dir` files (`merge.rs`); each `(label, text)`.
+pub fn migrate_all(
+    files: &[(String, String)],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Migrated, String> {
+    if let [(_, text)] = files {
+        return migrate(text, env);
+    }
+    let parsed = files
+        .iter()
+        .map(|(label, text)| {
+            Ok((
+                label.clone(),
+                parse(text, env).map_err(|e| format!("{label}: {e}"))?,
+            ))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let Value::Mapping(root) = merge::merge(parsed)? else {
+        return Err("the files are not mappings of keys".into());
+    };
+    migrate_root(root)
+}
+
+/// One file's text, its size and nesting checked, its `<<` merge keys and
+/// `${env.VAR}` applied.
+fn parse(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Value, String> {
     text::check_shape(text)?;
     let mut root: Value =
         yaml_serde::from_str(text).map_err(|e| format!("not a YAML file: {e}"))?;
     root.apply_merge()
         .map_err(|e| format!("cannot apply its `<<` merge keys: {e}"))?;
-    let root = text::expand_env(&root, env)?;
-    let Value::Mapping(root) = root else {
-        return Err("the file is not a mapping of keys".into());
-    };
+    text::expand_env(&root, env)
+}
+
+fn migrate_root(root: yaml_serde::Mapping) -> Result<Migrated, String> {
     let mut out = Migrated::default();
     for key in root.keys() {
         let key = key.as_str().unwrap_or("?");
@@ -223,12 +253,44 @@ pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migra
             spec.priority = priority;
         }
     }
-    let selectors = routing::selectors(&root, &names, &mut out.notes)?;
-    let profiles = routing::profiles(
+    let taken = |fqn: &str| {
+        let name = names.get(fqn)?;
+        Some(if extras.get(name).is_some_and(|e| e.listing.id == fqn) {
+            format!("model ID {fqn:?}")
+        } else {
+            format!("model {name} alias {fqn:?}")
+        })
+    };
+    let peers = Peers::new(peers::peers(&root, &global_macros, &taken, &mut out.notes)?);
+    let selectors = routing::selectors(
         &root,
-        &|t| names.contains_key(t) || selectors.contains_key(t),
+        &names,
+        &|t| peers.resolve(t).is_some(),
         &mut out.notes,
     )?;
+    let profiles = routing::profiles(
+        &root,
+        &|t| names.contains_key(t) || selectors.contains_key(t) || peers.resolve(t).is_some(),
+        &mut out.notes,
+    )?;
+    for (fqn, _) in peers
+        .qualified()
+        .map(|(p, m)| (format!("{}/{m}", p.id), ()))
+    {
+        if selectors.contains_key(&fqn) {
+            return Err(format!(
+                "selector ID {fqn:?} conflicts with fully qualified peer model name {fqn:?}"
+            ));
+        }
+        for (name, profile) in &profiles {
+            if profile.pins.contains_key(&fqn) {
+                return Err(format!(
+                    "profile {name} pin {fqn:?} conflicts with fully qualified peer model name \
+                     {fqn:?}"
+                ));
+            }
+        }
+    }
     out.preload = routing::preload(&root, &names, &mut out.notes);
     out.api_keys = routing::api_keys(&root)?;
     let include_aliases = root
@@ -236,6 +298,8 @@ pub fn migrate(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Migra
         .and_then(Value::as_bool)
         .unwrap_or(false);
     out.compat = Compat::new(extras, profiles, selectors, include_aliases);
+    out.compat.peers = peers;
+    out.compat.ignore_paths = ignore_paths(&root, &mut out.notes)?;
     Ok(out)
 }
 
@@ -271,4 +335,58 @@ fn model_macros(
         }
     }
     all
+}
+
+/// llama-swap's `upstream.ignorePaths` default: a browser's and a UI's
+/// assets, which never load a model.
+const IGNORE_PATHS: &str = r".*\.(js|json|css|png|gif|jpg|jpeg|ico|txt)$";
+
+/// `upstream.ignorePaths`: regular expressions (RE2's syntax, which the
+/// `regex` crate shares) over a `/upstream` request's path past the model;
+/// none given, llama-swap's default.
+fn ignore_paths(
+    root: &yaml_serde::Mapping,
+    notes: &mut Vec<String>,
+) -> Result<Vec<regex::Regex>, String> {
+    let upstream = match root.get("upstream") {
+        None | Some(Value::Null) => None,
+        Some(Value::Mapping(m)) => Some(m),
+        Some(_) => return Err("`upstream` is not a mapping".into()),
+    };
+    let mut patterns = Vec::new();
+    if let Some(upstream) = upstream {
+        for key in upstream.keys().filter_map(Value::as_str) {
+            if key != "ignorePaths" {
+                notes.push(format!(
+                    "unknown key `upstream.{key}` ignored (llama-swap ignores it too)"
+                ));
+            }
+        }
+        match upstream.get("ignorePaths") {
+            None | Some(Value::Null) => {}
+            Some(Value::Sequence(list)) => {
+                for p in list {
+                    let Some(p) = p.as_str() else {
+                        return Err("`upstream.ignorePaths` holds something that is not a regular expression".into());
+                    };
+                    patterns.push(p.to_string());
+                }
+            }
+            Some(_) => {
+                return Err("`upstream.ignorePaths` is not a list of regular expressions".into());
+            }
+        }
+    }
+    if patterns.is_empty() {
+        patterns.push(IGNORE_PATHS.to_string());
+    }
+    patterns
+        .iter()
+        .map(|p| {
+            regex::RegexBuilder::new(p)
+                .size_limit(1 << 20)
+                .build()
+                .map_err(|e| format!("upstream.ignorePaths: invalid regular expression {p:?}: {e}"))
+        })
+        .collect()
 }

@@ -384,8 +384,8 @@ pub(super) fn profiles(
                 && !valid_target(t)
             {
                 notes.push(format!(
-                    "profiles.{name}.pins.{pin} references unknown model {t:?} (a peer's, or \
-                     none in this file): that pin left out"
+                    "profiles.{name}.pins.{pin} references unknown model {t:?} (neither in \
+                     this file nor a peer's): that pin left out"
                 ));
                 continue;
             }
@@ -406,6 +406,7 @@ pub(super) fn profiles(
 pub(super) fn selectors(
     root: &Mapping,
     names: &Names,
+    peer: &dyn Fn(&str) -> bool,
     notes: &mut Vec<String>,
 ) -> Result<BTreeMap<String, Selector>, String> {
     let mut out = BTreeMap::new();
@@ -457,10 +458,10 @@ pub(super) fn selectors(
                     "selectors.{id}.targets[{i}] references selector {t:?}; selector chaining is not supported"
                 ));
             }
-            if !names.contains_key(&t) {
+            if !names.contains_key(&t) && !peer(&t) {
                 notes.push(format!(
-                    "selectors.{id}.targets[{i}] references unknown model {t:?} (a peer's, or \
-                     none in this file): that target left out"
+                    "selectors.{id}.targets[{i}] references unknown model {t:?} (neither in \
+                     this file nor a peer's): that target left out"
                 ));
                 continue;
             }
@@ -468,7 +469,7 @@ pub(super) fn selectors(
         }
         if targets.is_empty() {
             notes.push(format!(
-                "selector `{id}` left out: none of its targets is a model here"
+                "selector `{id}` left out: none of its targets is a model here or a peer's"
             ));
             continue;
         }

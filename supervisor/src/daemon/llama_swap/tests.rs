@@ -295,3 +295,139 @@ fn the_configs_people_wrote_register_every_model() {
     );
     assert!(!notes.contains("left out"), "{notes}");
 }
+
+fn read(text: &str) -> Result<Migrated, String> {
+    migrate(text, &|name| (name == "KEY").then(|| "sk-peer".to_string()))
+}
+
+const PEERS: &str = r#"
+macros: {host: "10.0.0.9"}
+models:
+  local:
+    cmd: /opt/server --port ${PORT}
+    aliases: [alias-a]
+peers:
+  box:
+    proxy: http://${host}:8080
+    models: [model_a, shared, model_a]
+    filters:
+      stripParams: "top_k"
+      setParamsByID:
+        "box/model_a": {temperature: 0.2}
+    timeouts: {connect: 5, responseHeader: 0, idleConn: 90}
+  openrouter:
+    proxy: https://openrouter.ai/api
+    apiKey: ${env.KEY}
+    models: [z-ai/glm-4.7, shared, local]
+"#;
+
+#[test]
+fn peers_are_read_as_llama_swap_reads_them() {
+    let out = read(PEERS).unwrap();
+    let peers = &out.compat.peers;
+    assert_eq!(peers.list.len(), 2);
+    let (box_, or) = (&peers.list[0], &peers.list[1]);
+    assert_eq!(
+        box_.url.to_string(),
+        "http://10.0.0.9:8080",
+        "global macros apply"
+    );
+    assert_eq!(
+        box_.models,
+        ["model_a", "shared"],
+        "a duplicate listed once"
+    );
+    assert_eq!(box_.connect_timeout, Duration::from_secs(5));
+    assert_eq!(box_.header_timeout, None, "0: no limit");
+    assert_eq!(box_.filters.strip, ["top_k"]);
+    assert!(box_.filters.by_id.contains_key("box/model_a"));
+    assert_eq!(or.api_key.as_deref(), Some("sk-peer"));
+    assert_eq!(or.header_timeout, Some(Duration::from_secs(60)));
+    assert!(
+        out.notes
+            .iter()
+            .any(|n| n.contains("peers.box.timeouts.idleConn not honoured")),
+        "{:?}",
+        out.notes
+    );
+    // Two peers list `shared`: only by its FQN; a peer's `local` loses to
+    // the model here (the front door asks the model first).
+    assert!(peers.resolve("shared").is_none());
+    assert_eq!(peers.resolve("openrouter/shared").unwrap().model, "shared");
+    assert_eq!(peers.resolve("z-ai/glm-4.7").unwrap().peer, 1);
+}
+
+#[test]
+fn a_peer_without_proxy_or_models_or_with_a_clashing_name_is_refused() {
+    let cases = [
+        ("peers: {p: {models: [m]}}", "peers.p: proxy is required"),
+        (
+            "peers: {p: {proxy: 'http://h', models: []}}",
+            "peers.p: peer models can not be empty",
+        ),
+        ("peers: {p: {proxy: 'h:80', models: [m]}}", "has no scheme"),
+        (
+            "models: {p/m: {cmd: '/s --port ${PORT}'}}\npeers: {p: {proxy: 'http://h', models: [m]}}",
+            "model ID \"p/m\" conflicts with fully qualified peer model name \"p/m\"",
+        ),
+        (
+            "models: {x: {cmd: '/s --port ${PORT}', aliases: [p/m]}}\npeers: {p: {proxy: 'http://h', models: [m]}}",
+            "model x alias \"p/m\" conflicts with fully qualified peer model name",
+        ),
+        (
+            "peers: {p: {proxy: 'http://h', models: [a/b]}, p/a: {proxy: 'http://i', models: [b]}}",
+            "is ambiguous between peers.p model \"a/b\" and peers.p/a model \"b\"",
+        ),
+    ];
+    for (yaml, why) in cases {
+        let text = if yaml.contains("models:") && !yaml.starts_with("models") {
+            format!("models: {{}}\n{yaml}")
+        } else {
+            yaml.to_string()
+        };
+        let err = read(&text)
+            .err()
+            .unwrap_or_else(|| panic!("{yaml}: accepted"));
+        assert!(err.contains(why), "{yaml}: {err}");
+    }
+}
+
+#[test]
+fn upstream_ignore_paths_default_to_llama_swaps_and_a_bad_one_is_named() {
+    let base = "models: {m: {cmd: '/s --port ${PORT}'}}\n";
+    let out = read(base).unwrap();
+    assert_eq!(out.compat.ignore_paths.len(), 1);
+    assert!(out.compat.ignore_paths[0].is_match("/favicon.ico"));
+    assert!(!out.compat.ignore_paths[0].is_match("/v1/models"));
+    let out = read(&format!("{base}upstream: {{ignorePaths: ['^/ui/']}}")).unwrap();
+    assert!(out.compat.ignore_paths[0].is_match("/ui/app.js"));
+    assert!(!out.compat.ignore_paths[0].is_match("/favicon.ico"));
+    let err = read(&format!("{base}upstream: {{ignorePaths: ['(']}}"))
+        .err()
+        .unwrap();
+    assert!(
+        err.starts_with("upstream.ignorePaths: invalid regular expression \"(\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn files_merged_share_their_macros() {
+    let files = [
+        (
+            "a.yaml".to_string(),
+            "macros: {srv: /opt/server}\nmodels: {a: {cmd: '${srv} --port ${PORT}'}}".to_string(),
+        ),
+        (
+            "b.yaml".to_string(),
+            "models: {b: {cmd: '${srv} --port ${PORT} -m b'}}".to_string(),
+        ),
+    ];
+    let out = migrate_all(&files, &|_| None).unwrap();
+    let names: Vec<&str> = out.models.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(
+        out.workers["llama-swap-b"].command.as_ref().unwrap()[0],
+        "/opt/server"
+    );
+}

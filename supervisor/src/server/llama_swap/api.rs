@@ -14,9 +14,10 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value as Json, json};
 
+use super::inflight;
 use super::layer::{Compat, render_capabilities};
 use super::logs::{logs_history, logs_stream};
-use super::requests::{rewrite, upstream};
+use super::requests::{by_query, rewrite, upstream};
 use super::{known, not_found, states};
 use crate::server::AppState;
 use crate::server::error::ApiError;
@@ -69,15 +70,49 @@ pub(crate) async fn front(State(app): State<AppState>, request: Request, next: N
                 None => not_found("model not found"),
             }
         }
-        (_, p) if p.starts_with("/upstream/") => upstream(&app, &compat, request).await,
+        (&Method::GET, "/api/inflight") => axum::Json(compat.inflight.list()).into_response(),
+        (&Method::POST, p) if p.starts_with("/api/inflight/") && p.ends_with("/cancel") => {
+            let id = &p["/api/inflight/".len()..p.len() - "/cancel".len()];
+            match id.parse::<u64>() {
+                Ok(id) if compat.inflight.cancel(id) => {
+                    axum::Json(json!({"msg": "ok"})).into_response()
+                }
+                _ => not_found("inflight request not found"),
+            }
+        }
+        (_, p) if p.starts_with("/upstream/") => {
+            let (tracked, request) = tracked(&compat, request);
+            inflight::run(tracked, upstream(&app, &compat, request)).await
+        }
         (&Method::POST, p)
             if p.starts_with("/v1/") || crate::server::relay::model_route(&method, p).is_some() =>
         {
-            rewrite(app, compat, request, next).await
+            let (tracked, request) = tracked(&compat, request);
+            inflight::run(tracked, rewrite(app, compat, request, next)).await
+        }
+        (&Method::GET | &Method::HEAD, p)
+            if crate::server::relay::model_route(&method, p).is_some() =>
+        {
+            let (tracked, request) = tracked(&compat, request);
+            inflight::run(tracked, by_query(&app, &compat, request, next)).await
         }
         _ => next.run(request).await,
     }
 }
+
+/// `request` in the in-flight list, its ID in its extensions (so the
+/// handler can say which model it is for).
+fn tracked(compat: &Compat, mut request: Request) -> (inflight::Tracked, Request) {
+    let tracked = compat
+        .inflight
+        .track(request.method().as_str(), request.uri().path());
+    request.extensions_mut().insert(InflightId(tracked.id));
+    (tracked, request)
+}
+
+/// A request's in-flight ID.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct InflightId(pub u64);
 
 /// berth's actions on one model (`/api/models/{name}/{action}`).
 const BERTH_ACTIONS: &[&str] = &["load", "unload", "swap", "infer"];
@@ -105,9 +140,17 @@ fn running(app: &AppState, compat: &Compat) -> Response {
             .and_then(|k| k.command.as_ref())
             .map(|c| c.join(" "))
             .unwrap_or_default();
-        let proxy = match spec.http_spec(&config).and_then(|h| h.port) {
-            Some(port) => format!("http://127.0.0.1:{port}"),
-            None => "http://127.0.0.1:${PORT}".into(),
+        let http = spec.http_spec(&config);
+        // Where the server is reached: its host (a compose service, another
+        // loopback address), else 127.0.0.1.
+        let host = match http.as_ref().and_then(|h| h.host.as_deref()) {
+            Some(h) if h.contains(':') && !h.starts_with('[') => format!("[{h}]"),
+            Some(h) => h.to_string(),
+            None => "127.0.0.1".into(),
+        };
+        let proxy = match http.and_then(|h| h.port) {
+            Some(port) => format!("http://{host}:{port}"),
+            None => format!("http://{host}:${{PORT}}"),
         };
         let listing = extras.map(|e| e.listing.clone()).unwrap_or_default();
         out.push(json!({
@@ -294,6 +337,15 @@ fn models(app: &AppState, compat: &Compat) -> Response {
                     "status": {"value": "unloaded"}}));
             }
         }
+    }
+    // A peer's models, as `PEER/MODEL` (llama-swap lists no bare name).
+    for (peer, model) in compat.peers.qualified() {
+        data.push(
+            json!({"id": format!("{}/{model}", peer.id), "object": "model",
+            "created": created, "owned_by": "llama-swap", "name": format!("{}: {model}", peer.id),
+            "meta": {"llamaswap": {"type": "peer", "peerID": peer.id}},
+            "status": {"value": "unloaded"}}),
+        );
     }
     data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
     let mut response = axum::Json(json!({"object": "list", "data": data})).into_response();

@@ -33,6 +33,16 @@ pub struct Filters {
 
 impl Filters {
     pub(crate) fn from_yaml(id: &str, value: Option<&Value>) -> Result<Filters, String> {
+        Self::read(Some(id), value)
+    }
+
+    /// A peer's `filters`: its `setParamsByID` keys as written (llama-swap
+    /// expands no macro there).
+    pub(crate) fn from_peer_yaml(value: Option<&Value>) -> Result<Filters, String> {
+        Self::read(None, value)
+    }
+
+    fn read(id: Option<&str>, value: Option<&Value>) -> Result<Filters, String> {
         let Some(value) = value else {
             return Ok(Filters::default());
         };
@@ -70,9 +80,12 @@ impl Filters {
                 ));
             };
             params.remove("model");
-            // Its keys are expanded as llama-swap expands them.
-            let key = key.replace("${MODEL_ID}", id);
-            if key.contains("${") {
+            // A model's keys are expanded as llama-swap expands them.
+            let key = match id {
+                Some(id) => key.replace("${MODEL_ID}", id),
+                None => key,
+            };
+            if id.is_some() && key.contains("${") {
                 return Err(format!(
                     "its `filters.setParamsByID` key `{key}` names a macro that is not defined"
                 ));
@@ -194,6 +207,12 @@ pub struct Compat {
     pub profiles: BTreeMap<String, Profile>,
     pub selectors: BTreeMap<String, Selector>,
     pub include_aliases: bool,
+    /// Models other servers serve (`peers`).
+    pub peers: super::peers::Peers,
+    /// Requests in flight, for `/api/inflight/{id}/cancel`.
+    pub inflight: super::inflight::Inflight,
+    /// `upstream.ignorePaths`: `/upstream` paths that never load a model.
+    pub ignore_paths: Vec<regex::Regex>,
     active: Mutex<Option<String>>,
     /// Requests in flight through each selector, per target.
     spilled: Arc<Mutex<HashMap<(String, String), usize>>>,

@@ -5,8 +5,10 @@
 //! file itself is read by the daemon (`daemon/llama_swap/`).
 
 pub mod api;
+pub mod inflight;
 pub mod layer;
 mod logs;
+pub mod peers;
 mod requests;
 
 use std::collections::BTreeMap;

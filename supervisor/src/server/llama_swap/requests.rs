@@ -14,6 +14,7 @@ use futures_util::StreamExt;
 use serde_json::{Value as Json, json};
 
 use super::layer::{Compat, TargetState};
+use super::peers;
 use super::{known, not_found};
 use crate::server::AppState;
 use crate::server::error::ApiError;
@@ -45,14 +46,39 @@ pub(super) async fn upstream(app: &AppState, compat: &Compat, request: Request) 
             Some(None) => return not_found("no model id could be identified"),
             None => candidate.clone(),
         };
-        if let Some(name) = known(app, compat, &target) {
-            found = Some((name, written, segments[end..].join("/")));
+        let dest = match known(app, compat, &target) {
+            Some(name) => Some(Dest::Here(name)),
+            None => compat.peers.resolve(&target).cloned().map(Dest::Peer),
+        };
+        if let Some(dest) = dest {
+            found = Some((dest, written, segments[end..].join("/")));
             break;
         }
     }
-    let Some((name, matched, rest)) = found else {
+    let Some((dest, matched, rest)) = found else {
         return not_found("model not found");
     };
+    let model = match &dest {
+        Dest::Here(name) => name.clone(),
+        Dest::Peer(target) => format!("{}/{}", compat.peers.list[target.peer].id, target.model),
+    };
+    note_model(compat, request.extensions(), &model);
+    // `upstream.ignorePaths` (a browser's favicon, a UI's assets): never
+    // the reason a model loads.
+    if let Dest::Here(name) = &dest
+        && compat
+            .ignore_paths
+            .iter()
+            .any(|re| re.is_match(&format!("/{rest}")))
+        && app.supervisor.model_state(name) != Some(ModelState::Ready)
+    {
+        return ApiError::new(
+            StatusCode::CONFLICT,
+            "not_loaded",
+            format!("model {matched} is not loaded; path matches upstream.ignorePaths"),
+        )
+        .into_response();
+    }
     let query = request
         .uri()
         .query()
@@ -67,6 +93,26 @@ pub(super) async fn upstream(app: &AppState, compat: &Compat, request: Request) 
         let to = format!("/upstream/{matched}/{query}");
         return (status, [(header::LOCATION, to)]).into_response();
     }
+    let name = match dest {
+        Dest::Here(name) => name,
+        Dest::Peer(target) => {
+            // A peer's own route, as the client sent it past the model.
+            let (parts, body) = request.into_parts();
+            let bytes = axum::body::to_bytes(body, usize::MAX)
+                .await
+                .unwrap_or_default();
+            return peers::relay(
+                &compat.peers,
+                &target,
+                &parts.method,
+                &format!("/{rest}"),
+                parts.uri.query(),
+                &parts.headers,
+                bytes,
+            )
+            .await;
+        }
+    };
     if !app.supervisor.is_http_model(&name) {
         return ApiError::bad_request(format!(
             "model `{name}` is served by a berth worker, which has no routes of its own"
@@ -93,6 +139,19 @@ pub(super) async fn upstream(app: &AppState, compat: &Compat, request: Request) 
     .await
 }
 
+/// Says in the in-flight list which model a request is for.
+fn note_model(compat: &Compat, extensions: &axum::http::Extensions, model: &str) {
+    if let Some(super::api::InflightId(id)) = extensions.get() {
+        compat.inflight.set_model(*id, model);
+    }
+}
+
+/// Where `/upstream/{model}/…` goes: a model here, or a peer's.
+enum Dest {
+    Here(String),
+    Peer(peers::PeerModel),
+}
+
 /// A `/v1` request: the active profile's pin, then a selector, then the
 /// model's `filters` and its loading state.
 pub(super) async fn rewrite(
@@ -107,7 +166,7 @@ pub(super) async fn rewrite(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|t| t.contains("application/json"));
     if !json {
-        return next.run(request).await;
+        return other_body(app, compat, request, next).await;
     }
     let (mut parts, body) = request.into_parts();
     let bytes = axum::body::to_bytes(body, usize::MAX)
@@ -148,6 +207,30 @@ pub(super) async fn rewrite(
             }
         }
     }
+    note_model(&compat, &parts.extensions, &requested);
+    if known(&app, &compat, &requested).is_none()
+        && let Some(target) = compat.peers.resolve(&requested).cloned()
+    {
+        // A peer's model: its filters by the name the request used, then
+        // the peer's own name for it.
+        compat.peers.list[target.peer]
+            .filters
+            .apply(&requested, &mut body);
+        peers::renamed(&mut body, &target.model);
+        let bytes = Bytes::from(serde_json::to_vec(&Json::Object(body)).unwrap_or_default());
+        let path = sent_path(&parts.method, parts.uri.path());
+        let response = peers::relay(
+            &compat.peers,
+            &target,
+            &parts.method,
+            &path,
+            parts.uri.query(),
+            &parts.headers,
+            bytes,
+        )
+        .await;
+        return counted(response, spill);
+    }
     let name = app.supervisor.canonical(&requested);
     let extras = compat.models.get(&name);
     let renamed = body.get("model").and_then(Json::as_str) != Some(requested.as_str());
@@ -174,6 +257,20 @@ pub(super) async fn rewrite(
     } else {
         next.run(request).await
     };
+    counted(response, spill)
+}
+
+/// The path a model route is sent on: `/v/…` without `/v`, as llama-swap
+/// sends it (`relay/routes.rs`); any other as it came.
+fn sent_path(method: &Method, path: &str) -> String {
+    match crate::server::relay::model_route(method, path) {
+        Some(crate::server::relay::ModelRoute::Body(sent)) => sent,
+        _ => path.to_string(),
+    }
+}
+
+/// `response`, counted in its selector's spillover until its body ends.
+fn counted(response: Response, spill: Option<super::layer::Spill>) -> Response {
     match spill {
         None => response,
         // Counted until the answer's body is done.
@@ -186,6 +283,98 @@ pub(super) async fn rewrite(
             Response::from_parts(head, Body::from_stream(body))
         }
     }
+}
+
+/// A model route whose body is not JSON (a multipart form: audio, an
+/// image edit): to a peer where its `model` part names a peer's model (the
+/// active profile's pin first), else on to berth's own routes.
+async fn other_body(app: AppState, compat: Arc<Compat>, request: Request, next: Next) -> Response {
+    if compat.peers.is_empty() {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let bytes = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
+    let requested = crate::server::relay::model_of(&parts.headers, &bytes);
+    let requested = match requested.as_deref().map(|r| (r, compat.pin(r))) {
+        Some((_, Some(Some(pinned)))) => Some(pinned),
+        Some((_, Some(None))) => return not_found("no model id could be identified"),
+        Some((r, None)) => Some(r.to_string()),
+        None => None,
+    };
+    let target = requested.as_deref().and_then(|r| {
+        known(&app, &compat, r)
+            .is_none()
+            .then(|| compat.peers.resolve(r).cloned())
+            .flatten()
+    });
+    let Some(target) = target else {
+        return next
+            .run(Request::from_parts(parts, Body::from(bytes)))
+            .await;
+    };
+    if crate::server::relay::has_two_model_parts(&parts.headers, &bytes) {
+        return ApiError::bad_request("the form has two `model` parts; send one").into_response();
+    }
+    let boundary = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(crate::server::relay::multipart_boundary);
+    let bytes = match boundary {
+        Some(boundary) => crate::server::relay::renamed_form(bytes, &boundary, &target.model),
+        None => bytes,
+    };
+    let path = sent_path(&parts.method, parts.uri.path());
+    peers::relay(
+        &compat.peers,
+        &target,
+        &parts.method,
+        &path,
+        parts.uri.query(),
+        &parts.headers,
+        bytes,
+    )
+    .await
+}
+
+/// A model route that names its model in the query (`GET /props?model=`):
+/// to a peer where that is a peer's model (the active profile's pin
+/// first), its `model=` the peer's own name; else on to berth's routes.
+pub(super) async fn by_query(
+    app: &AppState,
+    compat: &Compat,
+    request: Request,
+    next: Next,
+) -> Response {
+    let requested = crate::server::relay::query_model(request.uri().query());
+    let requested = match requested.as_deref().map(|r| (r, compat.pin(r))) {
+        Some((_, Some(Some(pinned)))) => pinned,
+        Some((_, Some(None))) => return not_found("no model id could be identified"),
+        Some((r, None)) => r.to_string(),
+        None => return next.run(request).await,
+    };
+    note_model(compat, request.extensions(), &requested);
+    let target = match compat.peers.resolve(&requested) {
+        Some(target) if known(app, compat, &requested).is_none() => target.clone(),
+        _ => return next.run(request).await,
+    };
+    let query = request
+        .uri()
+        .query()
+        .map(|q| peers::renamed_query(q, &target.model));
+    let (parts, _) = request.into_parts();
+    peers::relay(
+        &compat.peers,
+        &target,
+        &parts.method,
+        parts.uri.path(),
+        query.as_deref(),
+        &parts.headers,
+        Bytes::new(),
+    )
+    .await
 }
 
 /// `sendLoadingState`: the answer begins at once, saying the model loads

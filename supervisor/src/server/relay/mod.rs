@@ -30,12 +30,10 @@ use axum::response::{IntoResponse, Response};
 mod request;
 mod routes;
 
-pub(crate) use routes::{ModelRoute, model_route, percent_decode};
+pub(crate) use request::{has_two_model_parts, model_of, multipart_boundary, renamed_form};
+pub(crate) use routes::{ModelRoute, model_route, percent_decode, query_model};
 
-use request::{
-    has_two_model_parts, model_of, multipart_boundary, options_of, plain_path, renamed,
-    renamed_form,
-};
+use request::{options_of, plain_path, renamed};
 
 use super::AppState;
 use super::error::ApiError;
@@ -125,7 +123,7 @@ async fn native_route(app: &AppState, native: ModelRoute, request: Request) -> R
             }
             (model_of(&parts.headers, &bytes), sent.clone(), true)
         }
-        ModelRoute::Query => (routes::query_model(parts.uri.query()), path.clone(), false),
+        ModelRoute::Query => (query_model(parts.uri.query()), path.clone(), false),
     };
     let Some(model) = model.map(|m| app.supervisor.canonical(&m)) else {
         return ApiError::bad_request(format!(

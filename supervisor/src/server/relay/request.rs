@@ -28,7 +28,7 @@ pub(super) fn plain_path(path: &str) -> bool {
 }
 
 /// Whether a form names `model` more than once.
-pub(super) fn has_two_model_parts(headers: &HeaderMap, body: &[u8]) -> bool {
+pub(crate) fn has_two_model_parts(headers: &HeaderMap, body: &[u8]) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -38,7 +38,7 @@ pub(super) fn has_two_model_parts(headers: &HeaderMap, body: &[u8]) -> bool {
 
 /// The `model` a request names: the JSON body's `model` field, or a
 /// multipart form's `model` part (audio transcriptions).
-pub(super) fn model_of(headers: &HeaderMap, body: &[u8]) -> Option<String> {
+pub(crate) fn model_of(headers: &HeaderMap, body: &[u8]) -> Option<String> {
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -53,7 +53,7 @@ pub(super) fn model_of(headers: &HeaderMap, body: &[u8]) -> Option<String> {
     serde_json::from_slice::<Named>(body).ok().map(|n| n.model)
 }
 
-pub(super) fn multipart_boundary(content_type: &str) -> Option<String> {
+pub(crate) fn multipart_boundary(content_type: &str) -> Option<String> {
     let mut parts = content_type.split(';');
     if !parts
         .next()?
@@ -120,7 +120,7 @@ fn form_spans(body: &[u8], boundary: &str, name: &str) -> Vec<std::ops::Range<us
 }
 
 /// `body` with the form field `model` set to `name`.
-pub(super) fn renamed_form(body: Bytes, boundary: &str, name: &str) -> Bytes {
+pub(crate) fn renamed_form(body: Bytes, boundary: &str, name: &str) -> Bytes {
     let spans = form_spans(&body, boundary, "model");
     if spans.is_empty() {
         return body;
