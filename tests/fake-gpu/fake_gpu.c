@@ -107,6 +107,8 @@ enum {
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_OPERATING_SYSTEM = 304,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_UNKNOWN = 999,
 };
 
@@ -1885,6 +1887,213 @@ EXPORT CUresult cuEventElapsedTime_v2(float *ms, CUevent start, CUevent end)
     return cuEventElapsedTime(ms, start, end);
 }
 
+/* --- the checkpoint API (CUDA 12.8+) ------------------------------------ */
+/*
+ * An external controller locks a CUDA process, moves its device memory into
+ * its host memory (checkpoint), later moves it back (restore) and unlocks
+ * it. Here: the controller calls these in its own process with the target's
+ * pid; a checkpoint moves the target's DIR/state/<pid>.<d> files into
+ * DIR/state/.ckpt.<pid> (so NVML shows the memory gone), a restore puts them
+ * back if they fit beside what every other process holds (else
+ * CUDA_ERROR_OUT_OF_MEMORY, the target still checkpointed). The target
+ * itself is not told: it is idle while it sleeps, as berth drains it first.
+ * DIR/checkpoint-fail holding a step's name (lock, checkpoint, restore,
+ * unlock) makes that step fail with CUDA_ERROR_UNKNOWN; DIR/no-checkpoint
+ * makes every call CUDA_ERROR_NOT_SUPPORTED (a driver without the API).
+ */
+
+enum {
+    CU_PROCESS_STATE_RUNNING = 0,
+    CU_PROCESS_STATE_LOCKED = 1,
+    CU_PROCESS_STATE_CHECKPOINTED = 2,
+    CU_PROCESS_STATE_FAILED = 3,
+};
+
+struct ckpt {
+    int state;
+    int n;
+    int index[MAX_DEVICES];
+    unsigned long long bytes[MAX_DEVICES];
+};
+
+static bool ckpt_path(int pid, char *out, size_t len)
+{
+    return fits(snprintf(out, len, "%s/.ckpt.%d", state_path(), pid), len);
+}
+
+static void ckpt_read(int pid, struct ckpt *c)
+{
+    memset(c, 0, sizeof *c);
+    char path[PATH_LEN];
+    if (!ckpt_path(pid, path, sizeof path))
+        return;
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return;
+    if (fscanf(f, "%d", &c->state) != 1)
+        c->state = CU_PROCESS_STATE_RUNNING;
+    while (c->n < MAX_DEVICES && fscanf(f, " %d:%llu", &c->index[c->n], &c->bytes[c->n]) == 2)
+        c->n++;
+    fclose(f);
+}
+
+static CUresult ckpt_write(int pid, const struct ckpt *c)
+{
+    char path[PATH_LEN];
+    if (!ckpt_path(pid, path, sizeof path))
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    if (c->state == CU_PROCESS_STATE_RUNNING) {
+        unlink(path);
+        return CUDA_SUCCESS;
+    }
+    FILE *f = fopen(path, "we");
+    if (f == NULL)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    fprintf(f, "%d", c->state);
+    for (int k = 0; k < c->n; k++)
+        fprintf(f, " %d:%llu", c->index[k], c->bytes[k]);
+    fprintf(f, "\n");
+    return fclose(f) == 0 ? CUDA_SUCCESS : CUDA_ERROR_OPERATING_SYSTEM;
+}
+
+/* The flag files: whether step `step` is told to fail, or the API is off. */
+static CUresult ckpt_told(const char *step)
+{
+    char path[PATH_LEN];
+    snprintf(path, sizeof path, "%s/no-checkpoint", dir_path());
+    if (access(path, F_OK) == 0)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    snprintf(path, sizeof path, "%s/checkpoint-fail", dir_path());
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return CUDA_SUCCESS;
+    char what[32] = "";
+    bool hit = fscanf(f, "%31s", what) == 1 && strcmp(what, step) == 0;
+    fclose(f);
+    return hit ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
+}
+
+/* Whether `pid` holds anything on a device (is a CUDA process). */
+static bool ckpt_is_cuda(int pid)
+{
+    for (int d = 0; d < MAX_DEVICES; d++) {
+        char path[PATH_LEN];
+        unsigned long long bytes;
+        if (fits(snprintf(path, sizeof path, "%s/%d.%d", state_path(), pid, d), sizeof path) &&
+            read_bytes_file(path, &bytes))
+            return true;
+    }
+    return false;
+}
+
+typedef struct {
+    unsigned int timeoutMs;
+    unsigned int reserved0;
+    unsigned long long reserved1[7];
+} CUcheckpointLockArgs;
+
+EXPORT CUresult cuCheckpointProcessGetState(int pid, int *state)
+{
+    if (state == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = ckpt_told("state");
+    if (r == CUDA_ERROR_NOT_SUPPORTED)
+        return r;
+    if (!pid_alive(pid))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct ckpt c;
+    ckpt_read(pid, &c);
+    *state = c.state;
+    return CUDA_SUCCESS;
+}
+
+/* One step: `from` the state it needs, `to` the state after, `move` what
+ * happens to the memory (+1 out to the host, -1 back to the device). */
+static CUresult ckpt_step(int pid, const char *step, int from, int to, int move)
+{
+    CUresult r = ckpt_told(step);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!pid_alive(pid))
+        return CUDA_ERROR_INVALID_VALUE;
+    int fd = lock_state();
+    if (fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    struct ckpt c;
+    ckpt_read(pid, &c);
+    if (c.state == CU_PROCESS_STATE_RUNNING && from == CU_PROCESS_STATE_RUNNING && !ckpt_is_cuda(pid)) {
+        unlock_state(fd);
+        return CUDA_ERROR_INVALID_VALUE; /* not a CUDA process */
+    }
+    if (c.state != from) {
+        unlock_state(fd);
+        return CUDA_ERROR_ILLEGAL_STATE;
+    }
+    if (move > 0) {
+        c.n = 0;
+        for (int d = 0; d < MAX_DEVICES; d++) {
+            char path[PATH_LEN];
+            unsigned long long bytes;
+            if (!fits(snprintf(path, sizeof path, "%s/%d.%d", state_path(), pid, d), sizeof path) ||
+                !read_bytes_file(path, &bytes))
+                continue;
+            c.index[c.n] = d;
+            c.bytes[c.n] = bytes;
+            c.n++;
+            unlink(path);
+        }
+    } else if (move < 0) {
+        struct device devs[MAX_DEVICES];
+        int ndev = read_devices(devs);
+        for (int k = 0; k < c.n; k++) {
+            int d = c.index[k];
+            if (d >= ndev || device_used(d, &devs[d]) + c.bytes[k] > devs[d].total) {
+                unlock_state(fd);
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+        }
+        for (int k = 0; k < c.n; k++) {
+            char path[PATH_LEN];
+            if (!fits(snprintf(path, sizeof path, "%s/%d.%d", state_path(), pid, c.index[k]), sizeof path))
+                continue;
+            FILE *f = fopen(path, "we");
+            if (f != NULL) {
+                fprintf(f, "%llu\n", c.bytes[k]);
+                fclose(f);
+            }
+        }
+        c.n = 0;
+    }
+    c.state = to;
+    r = ckpt_write(pid, &c);
+    unlock_state(fd);
+    return r;
+}
+
+EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
+{
+    (void)args;
+    return ckpt_step(pid, "lock", CU_PROCESS_STATE_RUNNING, CU_PROCESS_STATE_LOCKED, 0);
+}
+
+EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, void *args)
+{
+    (void)args;
+    return ckpt_step(pid, "checkpoint", CU_PROCESS_STATE_LOCKED, CU_PROCESS_STATE_CHECKPOINTED, 1);
+}
+
+EXPORT CUresult cuCheckpointProcessRestore(int pid, void *args)
+{
+    (void)args;
+    return ckpt_step(pid, "restore", CU_PROCESS_STATE_CHECKPOINTED, CU_PROCESS_STATE_LOCKED, -1);
+}
+
+EXPORT CUresult cuCheckpointProcessUnlock(int pid, void *args)
+{
+    (void)args;
+    return ckpt_step(pid, "unlock", CU_PROCESS_STATE_LOCKED, CU_PROCESS_STATE_RUNNING, 0);
+}
+
 /* --- errors ------------------------------------------------------------- */
 
 static const struct {
@@ -1901,6 +2110,7 @@ static const struct {
     {201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {304, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
     {400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {401, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
     {500, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
     {600, "CUDA_ERROR_NOT_READY", "device not ready"},
     {708, "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE", "primary context active"},

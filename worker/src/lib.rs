@@ -8,6 +8,7 @@
 
 mod backend;
 pub mod backends;
+mod checkpoint;
 mod hygiene;
 mod kernels;
 mod options;

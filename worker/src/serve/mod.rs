@@ -69,10 +69,11 @@ pub fn serve_with_args(registry: Registry, args: impl IntoIterator<Item = String
             std::process::exit(0);
         }
         Some("--compare-devices") => std::process::exit(compare_devices(args)),
+        Some("--checkpoint") => std::process::exit(crate::checkpoint::main(args)),
         Some(other) => {
             eprintln!(
-                "berth-worker: unknown argument `{other}` (it takes --version, --backends or \
-                 --compare-devices; otherwise it is started by the berth supervisor)"
+                "berth-worker: unknown argument `{other}` (it takes --version, --backends, \
+                 --compare-devices or --checkpoint; otherwise it is started by the berth supervisor)"
             );
             std::process::exit(2);
         }

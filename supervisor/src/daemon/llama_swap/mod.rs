@@ -207,6 +207,22 @@ fn migrate_root(root: yaml_serde::Mapping) -> Result<Migrated, String> {
             out.notes.push(format!("model `{id}` left out: {e}"));
             continue;
         }
+        // An alias (or a `setParamsByID` key) two models claim: llama-swap
+        // refuses the file, and so does berth, in its words.
+        for alias in &converted.spec.aliases {
+            if let Some(first) = out
+                .models
+                .iter()
+                .position(|m| m.name == *alias || m.aliases.contains(alias))
+            {
+                return Err(format!(
+                    "duplicate alias {alias} found in model: {id} (model `{}` has it already; \
+                     llama-swap refuses this file too: give each model its own aliases and \
+                     `setParamsByID` keys)",
+                    ids[first]
+                ));
+            }
+        }
         if let Some(first) = out.models.iter().find(|m| m.name == name) {
             out.notes.push(format!(
                 "model `{id}` left out: its berth name `{name}` is already model `{}`'s in this \

@@ -431,3 +431,13 @@ fn files_merged_share_their_macros() {
         "/opt/server"
     );
 }
+
+#[test]
+fn an_alias_two_models_claim_is_refused_in_llama_swaps_words() {
+    let text = "models:\n  a: {cmd: '/s --port ${PORT}', aliases: [agent]}\n  b: {cmd: '/s --port ${PORT}', aliases: [agent]}\n";
+    let err = read(text).err().unwrap();
+    assert!(
+        err.starts_with("duplicate alias agent found in model: b (model `a` has it already"),
+        "{err}"
+    );
+}
