@@ -105,6 +105,20 @@ pub enum Error {
     #[error("model `{model}` is not loaded; load it first")]
     NotLoaded { model: String },
 
+    /// A sleep or wake that cannot be done as asked; nothing changed.
+    #[error("model `{model}` cannot sleep: {reason}")]
+    SleepRefused { model: String, reason: String },
+
+    /// A step of a sleep or wake failed; `fallback` says what was done
+    /// instead (stopped, loaded cold), so the model is never left stuck.
+    #[error("model `{model}`: the driver's {step} failed: {reason}; {fallback}")]
+    SleepFailed {
+        model: String,
+        step: String,
+        reason: String,
+        fallback: String,
+    },
+
     #[error("model `{model}` is already loaded (worker pid {pid}); unload it first or swap it")]
     AlreadyLoaded { model: String, pid: u32 },
 
@@ -383,6 +397,8 @@ impl Error {
             Error::WorkerDied { .. } => "worker_died",
             Error::MemoryLimitExceeded { .. } => "memory_limit_exceeded",
             Error::NotLoaded { .. } => "not_loaded",
+            Error::SleepRefused { .. } => "sleep_refused",
+            Error::SleepFailed { .. } => "sleep_failed",
             Error::AlreadyLoaded { .. } => "already_loaded",
             Error::InvalidSpec { .. } => "invalid_spec",
             Error::InvalidRequest { .. } => "bad_request",
@@ -436,9 +452,11 @@ impl Error {
                 )
                 | None => ErrorClass::WorkerFailed,
             },
-            Error::NotLoaded { .. } | Error::AlreadyLoaded { .. } | Error::Busy { .. } => {
-                ErrorClass::Conflict
-            }
+            Error::NotLoaded { .. }
+            | Error::AlreadyLoaded { .. }
+            | Error::Busy { .. }
+            | Error::SleepRefused { .. } => ErrorClass::Conflict,
+            Error::SleepFailed { .. } => ErrorClass::WorkerFailed,
             Error::InvalidSpec { .. } | Error::InvalidRequest { .. } => ErrorClass::Invalid,
             Error::UnknownModel { .. } => ErrorClass::NotFound,
             Error::CatalogueFull { .. } => ErrorClass::Conflict,

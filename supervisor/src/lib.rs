@@ -40,7 +40,8 @@ pub use child::orphans::{Strays, become_subreaper, reap_strays};
 pub use child::ports::Address;
 pub use child::spawn::main_thread_spawns;
 pub use config::{
-    ContainerSpec, Engine, HttpSpec, ModelSpec, SupervisorConfig, WorkerKind, is_dangerous_env,
+    ContainerSpec, Engine, HttpSpec, ModelSpec, SleepMode, SupervisorConfig, WorkerKind,
+    is_dangerous_env,
 };
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
 pub use report::{
@@ -52,7 +53,8 @@ pub use server::{Listen, ServeOptions};
 pub use supervisor::{
     BatchingStatus, CatalogueEntry, EVENT_HISTORY, Event, EventKind, Follow, Followed, HostSample,
     Lease, MemoryHistory, ModelCounters, ModelSample, ModelState, ModelStatus, Occupancy,
-    PreloaderStatus, RequestOptions, RequestStream, Supervisor, SwapReport,
+    PreloaderStatus, RequestOptions, RequestStream, SleepReport, Supervisor, SwapReport,
+    WakeReport,
 };
 pub use units::{format_duration, mib, parse_bytes, parse_duration};
 

@@ -76,6 +76,12 @@ pub(crate) fn spawn(handle: Weak<WorkerHandle>, policy: HealthPolicy) {
             // the full reading (smaps_rollup, status) is taken when asked
             // for, by `ps` or an unload.
             worker.sample_rss();
+            // Asleep: its processes are locked by the driver, and a
+            // server's health route may wait on it. Nothing runs to stall.
+            if worker.is_asleep() {
+                last_progress = None;
+                continue;
+            }
             let asked = Instant::now();
             OUTSTANDING.fetch_add(1, Ordering::SeqCst);
             let answer = worker.heartbeat(policy.heartbeat_timeout).await;

@@ -13,6 +13,7 @@
 //! its stop, its proof, the sweep of what a dead berth left) and `ports`
 //! (where such a server listens, and that it is the one there).
 
+pub(crate) mod checkpoint;
 pub mod container;
 pub(crate) mod death;
 pub mod handle;

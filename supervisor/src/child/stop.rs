@@ -36,6 +36,12 @@ pub(crate) async fn stop(worker: &WorkerHandle, graces: StopGraces) -> UnloadRep
     let stop = if already_dead {
         after_death(worker, graces).await;
         StopKind::AlreadyExited
+    } else if worker.is_asleep() {
+        // Its processes are locked by the driver: their own exit would wait
+        // on it. Killed; the kernel reclaims the device memory's copy.
+        tracing::info!(model = worker.model(), pid, "stopping it asleep: SIGKILL");
+        process.signal_group(Signal::SIGKILL);
+        StopKind::Sigkill
     } else if worker.request_shutdown() && process.exited_within(graces.shutdown).await.is_some() {
         StopKind::Graceful
     } else if let Some(container) = container

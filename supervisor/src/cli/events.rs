@@ -162,6 +162,34 @@ fn line_for(event: &Value) -> String {
                 r["leftover_processes"]
             )
         }
+        "slept" => {
+            let r = &event["report"];
+            format!(
+                "pid {}: GPU {} -> {} (NVML), rss {} -> {}, in {:.0} ms",
+                r["pid"],
+                bytes(&r["vram_before_bytes"]),
+                bytes(&r["vram_after_bytes"]),
+                bytes(&r["rss_before_bytes"]),
+                bytes(&r["rss_after_bytes"]),
+                r["checkpoint_ms"].as_f64().unwrap_or(0.0)
+            )
+        }
+        "woke" => {
+            let r = &event["report"];
+            format!(
+                "pid {}: GPU {} back in {:.0} ms ({})",
+                r["pid"],
+                bytes(&r["vram_bytes"]),
+                r["restore_ms"].as_f64().unwrap_or(0.0),
+                r["reason"].as_str().unwrap_or("")
+            )
+        }
+        "sleep_failed" => format!(
+            "{}: {}; {}",
+            event["step"].as_str().unwrap_or("?"),
+            event["error"].as_str().unwrap_or(""),
+            event["fallback"].as_str().unwrap_or("")
+        ),
         "crashed" => event["description"].as_str().unwrap_or("").to_string(),
         "memory_limit_exceeded" => format!(
             "pid {}: peak {} over its limit of {}",

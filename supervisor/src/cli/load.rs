@@ -1,12 +1,12 @@
-//! `berth load` and `berth unload`: one model by name, and the daemon's
-//! report of it; `berth reload`: the daemon's config read again, and what
+//! `berth load`, `berth unload`, `berth sleep` and `berth wake`: one model
+//! by name, and the daemon's report of it; `berth reload`: the daemon's config read again, and what
 //! changed. One file because they differ only in the route and the report
 //! they print.
 
 use std::process::ExitCode;
 
 use berth::ReloadReport;
-use berth::{LoadReport, UnloadReport};
+use berth::{LoadReport, SleepReport, UnloadReport, WakeReport};
 use clap::Args;
 
 use super::http::{Client, Remote};
@@ -33,6 +33,22 @@ pub fn unload(args: NameArgs) -> ExitCode {
     let result = Client::new(&args.remote).post(&format!("/api/models/{}/unload", args.name), None);
     done(
         result.map(|v| report::<UnloadReport>(v, args.remote.json)),
+        args.remote.json,
+    )
+}
+
+pub fn sleep(args: NameArgs) -> ExitCode {
+    let result = Client::new(&args.remote).post(&format!("/api/models/{}/sleep", args.name), None);
+    done(
+        result.map(|v| report::<SleepReport>(v, args.remote.json)),
+        args.remote.json,
+    )
+}
+
+pub fn wake(args: NameArgs) -> ExitCode {
+    let result = Client::new(&args.remote).post(&format!("/api/models/{}/wake", args.name), None);
+    done(
+        result.map(|v| report::<WakeReport>(v, args.remote.json)),
         args.remote.json,
     )
 }

@@ -52,6 +52,11 @@ enum Commands {
     Load(load::NameArgs),
     /// Unload a model and print the proof of what came back.
     Unload(load::NameArgs),
+    /// Put a loaded model to sleep (`sleep = "driver"`): its GPU memory
+    /// moved to its host memory, its process kept; prints NVML's proof.
+    Sleep(load::NameArgs),
+    /// Wake a sleeping model (a request for it does too).
+    Wake(load::NameArgs),
     /// Make a running `berth serve` read its config again and apply it
     /// (as `SIGHUP` does), and print what changed.
     Reload(load::ReloadArgs),
@@ -156,6 +161,8 @@ pub fn main() -> ExitCode {
             Commands::Events(args) => events::run(args),
             Commands::Load(args) => load::load(args),
             Commands::Unload(args) => load::unload(args),
+            Commands::Sleep(args) => load::sleep(args),
+            Commands::Wake(args) => load::wake(args),
             Commands::Reload(args) => load::reload(args),
             Commands::Upgrade(args) => upgrade::run(args),
             Commands::Swap(args) => swap::run(args),

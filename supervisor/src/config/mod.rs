@@ -141,12 +141,27 @@ pub struct ModelSpec {
     /// one's least turn is over, not its most.
     #[serde(default)]
     pub priority: i32,
+    /// How it gives its GPU back without losing its process
+    /// (`"driver"`: the CUDA driver's checkpoint API moves its device memory
+    /// into its host memory); unset: it cannot be put to sleep.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep: Option<SleepMode>,
     /// The folder `model` must resolve inside, checked again at every load
     /// (with symlinks resolved, and the resolved path is what the worker
     /// opens): set for models registered over HTTP, so a path checked at
     /// registration cannot be swapped for a symlink to elsewhere later.
     #[serde(skip)]
     pub confine: Option<PathBuf>,
+}
+
+/// How a model sleeps (`sleep` in its spec).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SleepMode {
+    /// The CUDA driver's checkpoint API (CUDA 12.8+ drivers, Linux), on
+    /// every process of the worker that holds device memory: any framework,
+    /// without its knowing.
+    Driver,
 }
 
 impl ModelSpec {
@@ -178,6 +193,7 @@ impl ModelSpec {
             max_concurrency: None,
             max_queue: None,
             priority: 0,
+            sleep: None,
             confine: None,
         }
     }

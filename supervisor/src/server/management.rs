@@ -243,6 +243,23 @@ pub async fn unload(
     Ok(Json(json!(app.supervisor.unload(&name).await?)))
 }
 
+/// Puts a model to sleep (`sleep = "driver"`): its GPU memory moved to its
+/// host memory, its process kept; the report proves it by NVML.
+pub async fn sleep(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!(app.supervisor.sleep(&name).await?)))
+}
+
+/// Wakes a sleeping model (a request for it does too).
+pub async fn wake(
+    State(app): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!(app.supervisor.wake(&name).await?)))
+}
+
 /// Swaps a model for the spec in the body. The program, environment and
 /// folder stay the registered model's (see [`swap_spec_from`]); weights
 /// that are the registered ones stay as the operator placed them, new ones

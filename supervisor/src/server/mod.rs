@@ -146,6 +146,8 @@ pub fn router(
         )
         .route("/api/models/{name}/load", post(management::load))
         .route("/api/models/{name}/unload", post(management::unload))
+        .route("/api/models/{name}/sleep", post(management::sleep))
+        .route("/api/models/{name}/wake", post(management::wake))
         .route("/api/models/{name}/swap", post(management::swap))
         .route("/api/models/{name}/infer", post(infer::infer))
         .route("/api/reload", post(management::reload))

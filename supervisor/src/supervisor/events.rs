@@ -105,6 +105,25 @@ pub enum EventKind {
         model: String,
         error: String,
     },
+    /// The model was put to sleep: its processes' device memory moved to
+    /// their host memory, NVML's figures before and after.
+    Slept {
+        model: String,
+        report: Box<super::SleepReport>,
+    },
+    /// The model woke: its memory back on the GPU, how long that took.
+    Woke {
+        model: String,
+        report: Box<super::WakeReport>,
+    },
+    /// A sleep or wake's step failed, and what was done instead (stopped;
+    /// after a wake, loaded cold).
+    SleepFailed {
+        model: String,
+        step: String,
+        error: String,
+        fallback: String,
+    },
     /// The model's worker stopped: what came back, and the proof.
     Unloaded {
         model: String,

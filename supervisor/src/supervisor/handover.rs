@@ -56,6 +56,9 @@ impl Supervisor {
                 },
                 ModelState::Loading | ModelState::Queued => "loading",
                 ModelState::Draining | ModelState::Stopping => "being unloaded",
+                // Its processes are locked by the driver: the next berth
+                // would take it for awake.
+                ModelState::Asleep => "asleep (wake or unload it first)",
             };
             return Some(format!("model `{name}` is {what}"));
         }

@@ -399,6 +399,7 @@ impl Supervisor {
                 Wait(LoadSignal),
                 WaitChange,
                 Load,
+                Wake,
             }
             let changed = self.inner.changed.notified();
             let next = {
@@ -433,6 +434,9 @@ impl Supervisor {
                         // A worker that just died: the crash policy decides next.
                         (ModelState::Failed, Some(_), _) => Next::WaitChange,
                         (_, _, Some(signal)) => Next::Wait(signal.clone()),
+                        // Asleep: woken for this request, which waits as
+                        // for a load (on the wake's signal, next time round).
+                        _ if slot.is_asleep() => Next::Wake,
                         _ => Next::WaitChange,
                     },
                 }
@@ -450,6 +454,18 @@ impl Supervisor {
                 }
                 Next::WaitChange => {
                     let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
+                }
+                Next::Wake => {
+                    // A task of its own: a request that goes away cannot
+                    // strand the wake halfway. Another request's wake, begun
+                    // first, is simply waited for.
+                    let (this, name) = (self.clone(), model.to_string());
+                    tokio::spawn(async move {
+                        if let Err(e) = this.wake_inner(&name, "request").await {
+                            tracing::warn!(model = name, "wake for a request: {e}");
+                        }
+                    });
+                    let _ = tokio::time::timeout(Duration::from_millis(20), changed).await;
                 }
                 Next::Load => match self
                     .unless_stopping(model, self.start_load(model, true))

@@ -82,6 +82,7 @@ mod requests;
 mod residency;
 mod resilience;
 mod room;
+mod sleep;
 mod slot;
 mod status;
 mod swap;
@@ -95,6 +96,7 @@ pub use events::{Event, EventKind, Follow, Followed, HISTORY as EVENT_HISTORY};
 pub use history::{HostSample, MemoryHistory, ModelSample};
 pub use occupancy::Occupancy;
 pub use preloaders::PreloaderStatus;
+pub use sleep::{SleepReport, WakeReport};
 pub use tickets::{Lease, RequestStream};
 pub use types::{
     BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport,

@@ -47,7 +47,8 @@ pub(super) fn room(state: &State, model: &str) -> Room {
                 ram: rss(slot),
                 state: slot.state(),
                 idle: is_idle(state, name, slot),
-                stoppable: slot.state() == ModelState::Ready && !slot.swapping,
+                stoppable: (slot.state() == ModelState::Ready && !slot.swapping)
+                    || slot.is_asleep(),
                 in_flight: slot.worker.as_ref().map(|w| w.in_flight()).unwrap_or(0),
                 turn: slot.turn_started.elapsed(),
                 load_time: slot
@@ -116,6 +117,9 @@ impl Room {
 /// turn. Eviction and the keep-alive both stop only idle models; this is
 /// where "idle" is decided.
 pub(super) fn is_idle(state: &State, name: &str, slot: &Slot) -> bool {
+    if slot.is_asleep() {
+        return true;
+    }
     slot.state == ModelState::Ready
         && !slot.swapping
         && slot.worker.as_ref().is_some_and(|w| w.in_flight() == 0)

@@ -69,6 +69,7 @@ impl Slot {
             turn_started: Instant::now(),
             turn_requests: 0,
             yielding: None,
+            sleep: None,
         }
     }
 
@@ -259,6 +260,13 @@ impl Slot {
         if matches!(self.state, ModelState::Draining | ModelState::Stopping) {
             return Unload::Busy(format!("it is already {}", self.state));
         }
+        match self.sleep {
+            Some(super::sleep::SleepPhase::Falling | super::sleep::SleepPhase::Waking) => {
+                return Unload::Busy("it is falling asleep or waking".into());
+            }
+            // Stopped asleep: killed (its stop sees the worker asleep).
+            Some(super::sleep::SleepPhase::Asleep { .. }) | None => self.sleep = None,
+        }
         self.state = ModelState::Draining;
         Unload::Drain(worker)
     }
@@ -266,6 +274,14 @@ impl Slot {
     /// Drained: the worker is being stopped.
     pub(super) fn stopping(&mut self) {
         self.state = ModelState::Stopping;
+    }
+
+    /// Asleep, and neither falling asleep nor waking: it may be stopped
+    /// (an unload, its keep-alive, an eviction) or woken.
+    pub(super) fn is_asleep(&self) -> bool {
+        self.state == ModelState::Asleep
+            && matches!(self.sleep, Some(super::sleep::SleepPhase::Asleep { .. }))
+            && self.loading.is_none()
     }
 
     /// A request ended: the model was just used, and its keep-alive starts
@@ -324,6 +340,8 @@ pub(super) struct Slot {
     pub(super) turn_requests: u64,
     /// Set while it yields its turn to the model named.
     pub(super) yielding: Option<String>,
+    /// Where it is in a sleep (`sleep.rs`); `None`: awake.
+    pub(super) sleep: Option<super::sleep::SleepPhase>,
 }
 
 /// GPU placement of a worker still loading, counted until it is in.

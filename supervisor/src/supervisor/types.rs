@@ -26,6 +26,9 @@ pub enum ModelState {
     /// No new requests; in-flight ones finish.
     Draining,
     Stopping,
+    /// Its worker lives, its GPU memory moved to its host memory (`sleep`):
+    /// a request wakes it, and waits as for a load.
+    Asleep,
     /// The worker died on its own; requests fail until it is loaded again.
     /// A worker that has only just died shows this, with its pid, for the
     /// moment before the crash policy restarts it (`loading`) or gives up
@@ -42,6 +45,7 @@ impl fmt::Display for ModelState {
             ModelState::Ready => "ready",
             ModelState::Draining => "draining",
             ModelState::Stopping => "stopping",
+            ModelState::Asleep => "asleep",
             ModelState::Failed => "failed",
         })
     }

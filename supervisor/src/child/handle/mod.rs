@@ -100,6 +100,9 @@ pub struct WorkerHandle {
     upstream: Option<Arc<Upstream>>,
     /// What an in-place upgrade hands over of its wire.
     wire_fds: WireFds,
+    /// Put to sleep (its processes locked by the driver): no heartbeat or
+    /// health check is sent, and a stop kills it.
+    asleep: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for WorkerHandle {
@@ -256,6 +259,7 @@ impl WorkerHandle {
             died_tx: watch::channel(None).0,
             upstream: w.upstream,
             wire_fds: w.wire_fds,
+            asleep: std::sync::atomic::AtomicBool::new(false),
         });
         handle.watch_death();
         handle
@@ -428,6 +432,16 @@ impl WorkerHandle {
     /// Asks the worker to exit (the first step of a stop).
     pub(crate) fn request_shutdown(&self) -> bool {
         self.send(Command::Shutdown).is_ok()
+    }
+
+    /// Marks it asleep, or awake (`supervisor/sleep.rs`).
+    pub(crate) fn set_asleep(&self, asleep: bool) {
+        self.asleep.store(asleep, Ordering::SeqCst);
+    }
+
+    /// Whether it is asleep (or falling asleep, or waking).
+    pub fn is_asleep(&self) -> bool {
+        self.asleep.load(Ordering::SeqCst)
     }
 
     /// Kills the whole process group at once (used on a failed load or a

@@ -183,7 +183,7 @@ function handleMessage(text) {
   addEvent(value);
   if (value.type === "unloaded") addReport(value);
   if (value.type === "crashed") addStderr(value);
-  if (["loaded", "unloaded", "crashed", "registered", "deregistered", "swap_completed", "recycled", "failed", "restart_cancelled", "failure_cleared"].includes(value.type)) {
+  if (["loaded", "unloaded", "crashed", "registered", "deregistered", "swap_completed", "recycled", "failed", "restart_cancelled", "failure_cleared", "slept", "woke", "sleep_failed"].includes(value.type)) {
     soon("models", refreshModels);
   }
   soon("charts", drawCharts);
@@ -198,6 +198,9 @@ function describe(e) {
   switch (e.type) {
     case "loaded": return `pid ${r.pid} in ${Math.round(r.load_ms || 0)} ms, RSS ${mib(r.rss_bytes)}`;
     case "unloaded": return `pid ${r.pid}: reclaimed ${mib(r.reclaimed_bytes)} of RSS ${mib(r.rss_at_stop_bytes)}, ${r.leftover_processes} processes left over`;
+    case "slept": return `pid ${r.pid}: GPU ${mib(r.vram_before_bytes)} → ${mib(r.vram_after_bytes)} (NVML) in ${Math.round(r.checkpoint_ms || 0)} ms`;
+    case "woke": return `pid ${r.pid}: GPU ${mib(r.vram_bytes)} back in ${Math.round(r.restore_ms || 0)} ms`;
+    case "sleep_failed": return `${e.step}: ${e.error}; ${e.fallback}`;
     case "crashed": return e.description || "";
     case "memory_limit_exceeded": return `peak ${mib(e.peak_bytes)} over its limit of ${mib(e.limit_bytes)}`;
     case "evicted": return e.for_model ? `to make room for ${e.for_model}` : "past the memory or GPU budget";
@@ -351,6 +354,8 @@ const MARKS = {
   swap_completed: ["mark-other", (e) => "swapped"],
   recycled: ["mark-other", (e) => "recycled"],
   evicted: ["mark-other", (e) => "evicted"],
+  slept: ["mark-other", (e) => "asleep"],
+  woke: ["mark-other", (e) => "awake"],
 };
 
 function chart(title, id, series, marks) {

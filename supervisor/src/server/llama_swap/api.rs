@@ -115,7 +115,7 @@ fn tracked(compat: &Compat, mut request: Request) -> (inflight::Tracked, Request
 pub(super) struct InflightId(pub u64);
 
 /// berth's actions on one model (`/api/models/{name}/{action}`).
-const BERTH_ACTIONS: &[&str] = &["load", "unload", "swap", "infer"];
+const BERTH_ACTIONS: &[&str] = &["load", "unload", "swap", "infer", "sleep", "wake"];
 
 /// llama-swap's word for a model's state, where it runs.
 fn running_state(state: ModelState) -> Option<&'static str> {
@@ -123,6 +123,8 @@ fn running_state(state: ModelState) -> Option<&'static str> {
         ModelState::Loading => Some("starting"),
         ModelState::Ready => Some("ready"),
         ModelState::Draining | ModelState::Stopping => Some("stopping"),
+        // llama-swap's word for a server put to sleep.
+        ModelState::Asleep => Some("sleeping"),
         ModelState::Unloaded | ModelState::Queued | ModelState::Failed => None,
     }
 }
