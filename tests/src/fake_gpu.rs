@@ -79,6 +79,28 @@ impl FakeGpu {
         std::fs::write(state.join(format!("{pid}.{gpu}")), bytes.to_string()).unwrap();
     }
 
+    /// Makes the checkpoint API's `step` (`lock`, `checkpoint`, `restore`,
+    /// `unlock`) fail from now on; `None`: none fails.
+    pub fn fail_checkpoint(&self, step: Option<&str>) {
+        let file = self.dir.join("checkpoint-fail");
+        match step {
+            Some(step) => std::fs::write(file, step).unwrap(),
+            None => {
+                let _ = std::fs::remove_file(file);
+            }
+        }
+    }
+
+    /// A driver without the checkpoint API (`true`), or with it.
+    pub fn without_checkpoint(&self, without: bool) {
+        let file = self.dir.join("no-checkpoint");
+        if without {
+            std::fs::write(file, "").unwrap();
+        } else {
+            let _ = std::fs::remove_file(file);
+        }
+    }
+
     pub fn serve(&self, config: &str) -> Server {
         // The tests register gpu-hog models over HTTP.
         Server::start_env(&format!("test_backends = true\n{config}"), &[], &self.env())
