@@ -67,6 +67,12 @@ impl FakeGpu {
         FakeGpu { dir }
     }
 
+    /// Replaces the `devices` file (`<name> <total> <base_used>
+    /// <context_bytes>` a line).
+    pub fn set_devices(&self, text: &str) {
+        std::fs::write(self.dir.join("devices"), text).unwrap();
+    }
+
     /// The environment that makes a process load the fake.
     pub fn env(&self) -> [(&str, &str); 1] {
         [("LD_LIBRARY_PATH", self.dir.to_str().unwrap())]

@@ -45,7 +45,10 @@ fn a_model_put_to_sleep_gives_its_gpu_back_keeps_its_pid_and_answers_as_before()
     assert_eq!(ps[0]["state"], "asleep", "{ps:?}");
     assert_eq!(u(&ps[0]["pid"]), pid);
     let (status, again) = server.post("/api/models/nap/sleep", json!({}));
-    assert_eq!((status, again["error"]["code"].as_str()), (409, Some("sleep_refused")));
+    assert_eq!(
+        (status, again["error"]["code"].as_str()),
+        (409, Some("sleep_refused"))
+    );
 
     // A request wakes it, and waits for that.
     let (status, after) = infer(&server);
@@ -69,7 +72,10 @@ fn a_model_put_to_sleep_gives_its_gpu_back_keeps_its_pid_and_answers_as_before()
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success() && text.contains(said), "{verb}: {text}");
+        assert!(
+            out.status.success() && text.contains(said),
+            "{verb}: {text}"
+        );
     }
     assert_eq!(u(&server.ps()[0]["pid"]), pid);
 
@@ -178,7 +184,10 @@ fn a_sleep_is_refused_without_nvmls_figures_or_a_sleep_setting() {
         assert_eq!(status, 200);
     }
     let (status, reply) = server.post("/api/models/cpu/sleep", json!({}));
-    assert_eq!((status, reply["error"]["code"].as_str()), (409, Some("sleep_refused")));
+    assert_eq!(
+        (status, reply["error"]["code"].as_str()),
+        (409, Some("sleep_refused"))
+    );
     let message = reply["error"]["message"].as_str().unwrap();
     assert!(message.contains("NVML's per-process figures"), "{message}");
     let (status, reply) = server.post("/api/models/plain/sleep", json!({}));
@@ -196,5 +205,61 @@ fn a_sleep_is_refused_without_nvmls_figures_or_a_sleep_setting() {
         assert_eq!(status, 200, "{model}");
     }
     let (status, reply) = server.post("/api/models/cpu/wake", json!({}));
-    assert_eq!((status, reply["error"]["code"].as_str()), (409, Some("sleep_refused")));
+    assert_eq!(
+        (status, reply["error"]["code"].as_str()),
+        (409, Some("sleep_refused"))
+    );
+}
+
+/// The scheduler chooses: a model that can sleep, whose wake beats its
+/// cold load, sleeps to give its GPU to another (said in the `evicted`
+/// event, with why) and wakes with its pid when the GPU is free again;
+/// woken while the other holds the GPU, its restore finds no room and it
+/// loads cold through the queue, the other giving way.
+#[test]
+fn the_scheduler_puts_a_model_to_sleep_to_free_its_gpu_when_that_is_cheaper() {
+    let fake = FakeGpu::new();
+    // One 4 GiB device: two 2.5 GiB models cannot share it.
+    fake.set_devices(&format!("Fake-small 4G {BASE_USED} {CONTEXT}\n"));
+    let config = format!(
+        "[[model]]\nname = \"slow\"\nbackend = \"gpu-hog\"\ngpus = [0]\nsleep = \"driver\"\n\
+         options = {{ alloc_mib = 2048, load_ms = 1500 }}\n\
+         [[model]]\nname = \"other\"\nbackend = \"gpu-hog\"\ngpus = [0]\n\
+         options = {{ alloc_mib = 2048 }}\n"
+    );
+    let server = fake.serve(&config);
+    let ask = |model: &str| server.post(&format!("/api/models/{model}/infer"), json!({}));
+    let slow = u(&load(&server, "slow")["pid"]);
+    assert_eq!(ask("other").0, 200);
+    let evicted = server.events_of("evicted");
+    assert_eq!(evicted[0]["model"], "slow", "{evicted:?}");
+    let why = evicted[0]["sleep"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{evicted:?}"));
+    assert!(why.starts_with("asleep instead of stopped"), "{why}");
+    let ps = server.ps();
+    let state = |name: &str| {
+        ps.iter()
+            .find(|m| m["name"] == name)
+            .map(|m| (m["state"].as_str().unwrap().to_string(), u(&m["pid"])))
+    };
+    assert_eq!(state("slow"), Some(("asleep".into(), slow)), "{ps:?}");
+
+    // The GPU free again: it wakes with its pid.
+    unload(&server, "other");
+    assert_eq!(ask("slow").0, 200);
+    assert_eq!(u(&server.ps()[0]["pid"]), slow);
+    assert_eq!(server.events_of("woke").len(), 1);
+
+    // Asleep again for `other`, then asked for while `other` holds the
+    // GPU: no room to restore, so a cold load through the queue.
+    assert_eq!(ask("other").0, 200);
+    assert_eq!(server.events_of("slept").len(), 2);
+    assert_eq!(ask("slow").0, 200);
+    let failed = server.events_of("sleep_failed");
+    assert_eq!(failed.last().unwrap()["step"], "restore", "{failed:?}");
+    let ps = server.ps();
+    assert_eq!(ps.len(), 1, "{ps:?}");
+    assert_eq!(ps[0]["name"], "slow");
+    assert_ne!(u(&ps[0]["pid"]), slow, "loaded cold");
 }

@@ -59,7 +59,11 @@ impl Driver {
                 return None;
             }
             // SAFETY: the driver returns a static NUL-terminated string.
-            Some(unsafe { CStr::from_ptr(out) }.to_string_lossy().into_owned())
+            Some(
+                unsafe { CStr::from_ptr(out) }
+                    .to_string_lossy()
+                    .into_owned(),
+            )
         };
         match (text(c"cuGetErrorName"), text(c"cuGetErrorString")) {
             (Some(name), Some(text)) => format!("{name}: {text}"),
@@ -72,7 +76,10 @@ impl Driver {
 /// Runs `--checkpoint`'s arguments (after the flag); the exit code.
 pub fn main(args: impl IntoIterator<Item = String>) -> i32 {
     let args: Vec<String> = args.into_iter().collect();
-    let (action, pid) = match (args.first(), args.get(1).and_then(|p| p.parse::<c_int>().ok())) {
+    let (action, pid) = match (
+        args.first(),
+        args.get(1).and_then(|p| p.parse::<c_int>().ok()),
+    ) {
         (Some(action), Some(pid)) if pid > 0 => (action.as_str(), pid),
         _ => {
             eprintln!(

@@ -209,19 +209,33 @@ impl Supervisor {
     /// Unloads idle `victim` to make room (for `for_model`, or for the
     /// budget itself), and says so.
     pub(super) async fn evict(&self, victim: &str, for_model: Option<&str>) {
-        self.give_room(victim, for_model, "idle").await;
+        self.give_room(victim, for_model, "idle", None).await;
     }
 
     /// `victim` gives its room up for `model` (`why`): a busy one yields
     /// (no new request reaches it; those in flight finish), then goes.
-    pub(super) async fn evict_for(&self, victim: &str, model: &str, why: Why) {
-        self.give_room(victim, Some(model), why.as_str()).await;
+    /// `sleep`: why a model that can sleep was stopped instead.
+    pub(super) async fn evict_for(
+        &self,
+        victim: &str,
+        model: &str,
+        why: Why,
+        sleep: Option<String>,
+    ) {
+        self.give_room(victim, Some(model), why.as_str(), sleep)
+            .await;
     }
 
     /// Unloads `victim` (draining what it has in flight), said as an
     /// `evicted` event with its turn's length and requests; a model that
     /// cannot go now (swapped meanwhile) keeps its turn.
-    pub(super) async fn give_room(&self, victim: &str, for_model: Option<&str>, reason: &str) {
+    pub(super) async fn give_room(
+        &self,
+        victim: &str,
+        for_model: Option<&str>,
+        reason: &str,
+        sleep: Option<String>,
+    ) {
         let turn = {
             let mut state = self.lock();
             let super::State {
@@ -249,6 +263,7 @@ impl Supervisor {
                     model: victim.into(),
                     for_model: for_model.map(Into::into),
                     reason: Some(reason.into()),
+                    sleep,
                     ran_ms: turn.map(|t| t.0),
                     served: turn.map(|t| t.1),
                 });

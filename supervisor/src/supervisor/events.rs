@@ -136,12 +136,15 @@ pub enum EventKind {
     /// `priority` (a waiter of higher priority, past its least turn),
     /// `gpu` (the GPU placement chose it), `residency` (its groups, matrix
     /// or fixed port); `ran_ms` and `served`: its turn, how long and how
-    /// many requests.
+    /// many requests; `sleep`, for a model that can sleep, whether it was
+    /// put to sleep instead of stopped, and why.
     Evicted {
         model: String,
         for_model: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sleep: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ran_ms: Option<u64>,
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -274,12 +274,14 @@ impl Supervisor {
                 .await;
             match &launched {
                 Err(e) if admission.retried.is_none() && out_of_memory(e) => {
+                    let gpu_ran_out = !matches!(e, Error::WorkerDied { cause: None, .. });
+                    // Out of GPU memory: an asleep model holds none there.
                     let idle: Vec<String> = {
                         let state = self.lock();
                         room(&state, model)
                             .held
                             .into_iter()
-                            .filter(|h| h.idle && h.stoppable)
+                            .filter(|h| h.idle && h.stoppable && (h.on_gpu || !gpu_ran_out))
                             .map(|h| h.name)
                             .collect()
                     };
@@ -291,8 +293,31 @@ impl Supervisor {
                         "the load ran out of memory ({e}); the idle models give their room up \
                          and it is tried once more"
                     );
+                    let devices = match gpu_ran_out {
+                        true => match tokio::task::spawn_blocking(crate::gpu::inventory).await {
+                            Ok(crate::gpu::Inventory::Devices(devices)) => Some(devices),
+                            _ => None,
+                        },
+                        false => None,
+                    };
                     for victim in &idle {
-                        self.give_room(victim, Some(model), "out_of_memory").await;
+                        // A model that can sleep gives its GPU up so, where
+                        // that is the cheaper way back.
+                        let note = match &devices {
+                            Some(devices) => match self
+                                .sleep_for(victim, model, super::admission::Why::Gpu, devices)
+                                .await
+                            {
+                                Ok(()) => {
+                                    admission.evicted.push(format!("{victim} (asleep)"));
+                                    continue;
+                                }
+                                Err(note) => note,
+                            },
+                            None => None,
+                        };
+                        self.give_room(victim, Some(model), "out_of_memory", note)
+                            .await;
                         admission.evicted.push(format!("{victim} (out_of_memory)"));
                     }
                     admission.retried = Some(e.to_string());

@@ -87,7 +87,8 @@ impl Supervisor {
                         victim,
                         "its turn is over; it yields to a model it may not run beside"
                     );
-                    self.give_room(&victim, Some(model), "turn_over").await;
+                    self.give_room(&victim, Some(model), "turn_over", None)
+                        .await;
                     continue;
                 }
                 tracing::info!(model, victim, "stopping a model that may not run beside it");
@@ -98,6 +99,7 @@ impl Supervisor {
                             model: victim,
                             for_model: Some(model.into()),
                             reason: Some("residency".into()),
+                            sleep: None,
                             ran_ms: None,
                             served: None,
                         });

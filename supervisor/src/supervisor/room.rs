@@ -58,7 +58,8 @@ pub(super) fn room(state: &State, model: &str) -> Room {
                     .unwrap_or_default(),
                 priority: entry.map(|e| e.spec.priority).unwrap_or(0),
                 unused_for: slot.last_used.elapsed(),
-                on_gpu: !slot.gpus.is_empty() || slot.incoming_gpu.is_some(),
+                // Asleep, its device memory is in its host memory.
+                on_gpu: (!slot.gpus.is_empty() || slot.incoming_gpu.is_some()) && !slot.is_asleep(),
             }
         })
         .collect();
@@ -157,7 +158,9 @@ pub(super) fn gpu_holders(state: &State, model: &str) -> Vec<gpu::Holder> {
     for (name, slot) in &state.slots {
         // Larger is more recent.
         let last_used = u64::MAX - slot.last_used.elapsed().as_micros() as u64;
-        if let Some(worker) = &slot.worker {
+        // Asleep: nothing of it is on a GPU (its wake restores it there,
+        // or loads it cold through the queue when there is no room).
+        if let Some(worker) = slot.worker.as_ref().filter(|_| !slot.is_asleep()) {
             holders.push(gpu::Holder {
                 model: name.clone(),
                 pids: worker.pids(),
@@ -266,7 +269,21 @@ impl Supervisor {
                         why = why.as_str(),
                         "making room: the model gives its room up"
                     );
-                    self.evict_for(&victim, model, why).await;
+                    // For a GPU's room, a model that can sleep sleeps when
+                    // that is the cheaper way back (`sleep.rs`).
+                    let note = match (&need.gpu, &devices) {
+                        (Some(_), Some(devices)) => {
+                            match self.sleep_for(&victim, model, why, devices).await {
+                                Ok(()) => {
+                                    made.evicted.push((victim, why));
+                                    continue;
+                                }
+                                Err(note) => note,
+                            }
+                        }
+                        _ => None,
+                    };
+                    self.evict_for(&victim, model, why, note).await;
                     made.evicted.push((victim, why));
                 }
             }

@@ -105,7 +105,7 @@ impl Slot {
     }
 
     /// Its turn starts now.
-    fn begin_turn(&mut self, entry: Option<&Entry>) {
+    pub(super) fn begin_turn(&mut self, entry: Option<&Entry>) {
         self.turn_started = Instant::now();
         self.turn_requests = entry
             .map(|e| e.counters.requests.load(Ordering::Relaxed))

@@ -73,6 +73,7 @@ pub const OPTIONS: &[&str] = &[
     "alloc_mib",
     "leak_mib_per_request",
     "request_ms",
+    "load_ms",
     "device",
     "on_oom",
     "preallocate",
@@ -130,6 +131,10 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
     let alloc_mib: usize = opts.get_or("alloc_mib", 0)?;
     let leak_mib: usize = opts.get_or("leak_mib_per_request", 0)?;
     let request_ms: u64 = opts.get_or("request_ms", 0)?;
+    // A load as slow as a real model's (the scheduler weighs a sleep's
+    // wake against it).
+    let load_ms: u64 = opts.get_or("load_ms", 0)?;
+    std::thread::sleep(std::time::Duration::from_millis(load_ms));
     let device: usize = opts.get_or("device", 0)?;
     let fail = |message: String| {
         WireError::new(
