@@ -40,8 +40,8 @@ pub use child::orphans::{Strays, become_subreaper, reap_strays};
 pub use child::ports::Address;
 pub use child::spawn::main_thread_spawns;
 pub use config::{
-    ContainerSpec, Engine, HttpSpec, ModelSpec, SleepMode, SupervisorConfig, WorkerKind,
-    is_dangerous_env,
+    ContainerSpec, Engine, HttpSpec, ModelSpec, ServerSleep, SleepMode, SupervisorConfig,
+    WorkerKind, is_dangerous_env,
 };
 pub use error::{Error, ErrorClass, Result, VersionMismatch};
 pub use report::{

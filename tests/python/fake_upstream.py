@@ -12,7 +12,10 @@ answers what it received: the body, the path and the headers. A body's
 "status" field sets the answer's status; its "plain" field makes the answer
 that text, as text/plain; its "delay_ms" delays the answer; its
 "answer_headers" (an object) are added to the answer's headers; its
-"switch": true answers `101 Switching Protocols` and closes.
+"switch": true answers `101 Switching Protocols` and closes. With
+--gpu-state (the fake driver's state folder) it holds --gpu-bytes on device
+0, and vLLM's POST /sleep?level=N and /wake_up leave --residue held, or
+all of it again.
 
 Modes:
   never-ready        /health answers 503 for ever
@@ -22,6 +25,7 @@ Modes:
   drain-on-sigterm   SIGTERM closes the listening socket at once (as uvicorn
                      does), lets running requests finish, then exits 0
   crash-mid-stream   a stream exits the process (SIGKILL itself) after 2 pieces
+  sleep-fails        POST /sleep and /wake_up answer 500 (with --gpu-state)
   ignore-sigterm     SIGTERM is ignored
   fork-child         forks a child holding --child-mib MiB, in its group
   fork-escape        ... and the child leaves the group and session (setsid)
@@ -95,6 +99,15 @@ class Handler(BaseHTTPRequestHandler):
     def post(self):
         length = int(self.headers.get("Content-Length", "0"))
         raw = self.rfile.read(length)
+        # vLLM's sleep and wake, on the fake driver's books (--gpu-state).
+        if self.path.startswith("/sleep") or self.path == "/wake_up":
+            if not ARGS.gpu_state:
+                return self.send_json(404, {"error": "no such route"})
+            if "sleep-fails" in ARGS.mode:
+                return self.send_json(500, {"error": "cannot sleep now"})
+            asleep = self.path.startswith("/sleep")
+            hold_gpu(ARGS.residue if asleep else ARGS.gpu_bytes)
+            return self.send_json(200, {"is_sleeping": asleep})
         try:
             body = json.loads(raw)
         except ValueError:
@@ -189,6 +202,20 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
 
+def hold_gpu(nbytes):
+    """What this process holds on the fake driver's device 0, as its
+    `state/<pid>.0` file says (none: no file)."""
+    os.makedirs(ARGS.gpu_state, exist_ok=True)
+    path = os.path.join(ARGS.gpu_state, "%d.0" % os.getpid())
+    if nbytes:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("%d\n" % nbytes)
+        os.rename(tmp, path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
 def fork_child(escape):
     pid = os.fork()
     if pid:
@@ -215,6 +242,11 @@ def main():
     parser.add_argument("--hold-mib", type=int, default=0)
     parser.add_argument("--child-mib", type=int, default=64)
     parser.add_argument("--model")
+    parser.add_argument("--gpu-state",
+                        help="the fake driver's state folder: hold --gpu-bytes on device 0 there")
+    parser.add_argument("--gpu-bytes", type=int, default=0)
+    parser.add_argument("--residue", type=int, default=0,
+                        help="what POST /sleep leaves held")
     parser.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate")
     parser.add_argument("--tls-key", help="... and this PEM key")
     parser.add_argument("--keepalive-s", type=float, default=0,
@@ -233,6 +265,8 @@ def main():
         for i in range(0, len(held), 4096):
             held[i] = 1
         HELD.append(held)
+    if ARGS.gpu_state:
+        hold_gpu(ARGS.gpu_bytes)
     if "fork-child" in ARGS.mode or "fork-escape" in ARGS.mode:
         fork_child("fork-escape" in ARGS.mode)
     if ARGS.socket:

@@ -73,6 +73,11 @@ impl FakeGpu {
         std::fs::write(self.dir.join("devices"), text).unwrap();
     }
 
+    /// Where the fake driver keeps what each pid holds (`state/<pid>.<gpu>`).
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
     /// The environment that makes a process load the fake.
     pub fn env(&self) -> [(&str, &str); 1] {
         [("LD_LIBRARY_PATH", self.dir.to_str().unwrap())]

@@ -263,3 +263,70 @@ fn the_scheduler_puts_a_model_to_sleep_to_free_its_gpu_when_that_is_cheaper() {
     assert_eq!(ps[0]["name"], "slow");
     assert_ne!(u(&ps[0]["pid"]), slow, "loaded cold");
 }
+
+/// `sleep = "server"`: vLLM's own sleep and wake routes, with what the
+/// server really gave back measured by NVML and reported; a residue over
+/// `http.sleep.max_residue`, or a route that fails, stops it instead.
+#[test]
+fn a_server_sleeps_by_its_own_routes_and_its_residue_is_measured() {
+    let fake = FakeGpu::new();
+    let state = fake.state_dir();
+    let serve = |modes: &str, max_residue: &str| {
+        let args = format!(
+            r#", "--gpu-state", "{}", "--gpu-bytes", "{}", "--residue", "{}""#,
+            state.display(),
+            6 * GIB,
+            GIB
+        );
+        let config = berth_tests::upstream::config(modes, &args, "sleep = \"server\"\n")
+            .replace(
+                "headers = {",
+                &format!(
+                    "sleep = {{ sleep = \"/sleep?level=1\", wake = \"/wake_up\"{max_residue} }}, headers = {{"
+                ),
+            );
+        Server::start_env(&config, &[], &fake.env())
+    };
+    let server = serve("", "");
+    let pid = u(&load(&server, "fake")["pid"]);
+    let (status, slept) = server.post("/api/models/fake/sleep", json!({}));
+    assert_eq!(status, 200, "{slept}");
+    assert_eq!(u(&slept["vram_before_bytes"]), 6 * GIB);
+    assert_eq!(u(&slept["vram_after_bytes"]), GIB, "the residue, measured");
+    // A request wakes it through its own route.
+    let (status, reply) = server.post("/v1/embeddings", json!({"model": "fake", "input": "x"}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(u(&server.ps()[0]["pid"]), pid);
+    assert_eq!(
+        u(&server.events_of("woke")[0]["report"]["vram_bytes"]),
+        6 * GIB
+    );
+    drop(server);
+
+    // A residue over the bound: stopped instead, saying so.
+    let server = serve("", ", max_residue = \"512MiB\"");
+    load(&server, "fake");
+    let (status, reply) = server.post("/api/models/fake/sleep", json!({}));
+    assert_eq!(status, 502, "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("over `http.sleep.max_residue`"),
+        "{message}"
+    );
+    assert!(server.ps().is_empty());
+    drop(server);
+
+    // A server whose sleep route fails: stopped, the next request served.
+    let server = serve("sleep-fails", "");
+    load(&server, "fake");
+    let (status, reply) = server.post("/api/models/fake/sleep", json!({}));
+    assert_eq!(status, 502, "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("answered 500")
+    );
+    let (status, _) = server.post("/v1/embeddings", json!({"model": "fake", "input": "x"}));
+    assert_eq!(status, 200);
+}

@@ -13,7 +13,8 @@ pub use container::{ContainerSpec, Engine, RunCommand};
 pub use limits::*;
 pub use paths::confined;
 pub use programs::{
-    DEFAULT_PRELOAD_KEEP_ALIVE, HttpSpec, Reach, WorkerKind, check_command, is_dangerous_env,
+    DEFAULT_PRELOAD_KEEP_ALIVE, HttpSpec, Reach, ServerSleep, WorkerKind, check_command,
+    is_dangerous_env,
 };
 pub use residency::{Group, Matrix, NamedSet, Residency, Rules};
 pub use turns::Turns;
@@ -162,6 +163,9 @@ pub enum SleepMode {
     /// every process of the worker that holds device memory: any framework,
     /// without its knowing.
     Driver,
+    /// The server's own sleep and wake routes (`http.sleep`: vLLM's,
+    /// SGLang's); what it leaves on the GPU is measured and reported.
+    Server,
 }
 
 impl ModelSpec {

@@ -320,6 +320,31 @@ pub struct HttpSpec {
     /// is outside its cgroup: the load report and `ps` say so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
+    /// The server's own sleep, for a model with `sleep = "server"`: the
+    /// paths POSTed to put it to sleep and wake it (vLLM's `/sleep?level=1`
+    /// and `/wake_up`; SGLang's `/release_memory_occupation` and
+    /// `/resume_memory_occupation`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep: Option<ServerSleep>,
+}
+
+/// A server's own sleep ([`HttpSpec::sleep`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSleep {
+    /// POSTed to put it to sleep (`/sleep?level=1`).
+    pub sleep: String,
+    /// POSTed to wake it (`/wake_up`).
+    pub wake: String,
+    /// What it may leave on the GPU asleep, per NVML (its CUDA context and
+    /// what its framework keeps: vLLM was measured leaving 0.8–16 GB);
+    /// more, and it is stopped instead. Unset: any residue, reported.
+    #[serde(
+        default,
+        with = "crate::units::bytes_opt",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_residue: Option<u64>,
 }
 
 /// Where an HTTP server is reached, from [`HttpSpec::host`].
@@ -398,11 +423,22 @@ impl HttpSpec {
             find_port: false,
             stop_command: None,
             host: None,
+            sleep: None,
         }
     }
 
     /// Every field well formed.
     pub fn check(&self) -> std::result::Result<(), String> {
+        if let Some(sleep) = &self.sleep {
+            for (key, path) in [("sleep", &sleep.sleep), ("wake", &sleep.wake)] {
+                if !path.starts_with('/') || path.chars().any(char::is_whitespace) {
+                    return Err(format!(
+                        "`http.sleep.{key}` is a path on the server POSTed to, such as \
+                         \"/sleep?level=1\" or \"/wake_up\", not `{path}`"
+                    ));
+                }
+            }
+        }
         if self.health != "none"
             && (!self.health.starts_with('/') || self.health.chars().any(char::is_whitespace))
         {

@@ -32,6 +32,8 @@ use tokio::sync::watch;
 use super::{EventKind, ModelState, Supervisor, detached};
 use crate::child::checkpoint::{self, Step};
 use crate::child::handle::WorkerHandle;
+use crate::child::upstream::Upstream;
+use crate::config::{ServerSleep, SleepMode};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
 
@@ -40,8 +42,12 @@ use crate::gpu::{self, Inventory};
 pub(super) enum SleepPhase {
     /// Draining and being checkpointed.
     Falling,
-    /// Checkpointed: the processes that were.
-    Asleep { pids: Vec<u32>, since: Instant },
+    /// Asleep (`mode`): the processes checkpointed, or the server's.
+    Asleep {
+        pids: Vec<u32>,
+        since: Instant,
+        mode: SleepMode,
+    },
     /// Being restored.
     Waking,
 }
@@ -180,18 +186,19 @@ impl Supervisor {
             model: model.into(),
             reason,
         };
-        let worker = {
+        let (worker, mode) = {
             let mut state = self.lock();
             let Some(entry) = state.catalogue.get(model) else {
                 return Err(self.unknown_locked(model, &state));
             };
-            if entry.spec.sleep.is_none() {
+            let Some(mode) = entry.spec.sleep else {
                 return Err(refused(
                     "it has no `sleep` (a model sleeps only as its config says: `sleep = \
-                     \"driver\"`, the CUDA driver's checkpoint API)"
+                     \"driver\"`, the CUDA driver's checkpoint API, or `\"server\"`, its \
+                     server's own routes)"
                         .into(),
                 ));
-            }
+            };
             let Some(slot) = state.slots.get_mut(model) else {
                 return Err(Error::NotLoaded {
                     model: model.into(),
@@ -216,10 +223,10 @@ impl Supervisor {
             let worker = Arc::clone(slot.worker.as_ref().expect("a ready slot has a worker"));
             slot.state = ModelState::Asleep;
             slot.sleep = Some(SleepPhase::Falling);
-            worker
+            (worker, mode)
         };
         self.inner.notify_changed();
-        match self.fall_asleep(model, &worker).await {
+        match self.fall_asleep(model, &worker, mode).await {
             Ok(report) => Ok(report),
             Err(Fell::Refused(reason)) => {
                 self.back_to_ready(model);
@@ -275,7 +282,29 @@ impl Supervisor {
         &self,
         model: &str,
         worker: &Arc<WorkerHandle>,
+        mode: SleepMode,
     ) -> std::result::Result<SleepReport, Fell> {
+        // The server's own routes, for `sleep = "server"`.
+        let server = match (mode, worker.upstream_server()) {
+            (SleepMode::Driver, _) => None,
+            (SleepMode::Server, None) => {
+                return Err(Fell::Refused(
+                    "`sleep = \"server\"` is for a model served by an HTTP server; a berth \
+                     worker sleeps by the driver (`sleep = \"driver\"`)"
+                        .into(),
+                ));
+            }
+            (SleepMode::Server, Some(upstream)) => match upstream.spec().sleep.clone() {
+                Some(routes) => Some((Arc::clone(upstream), routes)),
+                None => {
+                    return Err(Fell::Refused(
+                        "its server's kind has no `http.sleep` routes (vLLM's: `sleep = \
+                         \"/sleep?level=1\"`, `wake = \"/wake_up\"`)"
+                            .into(),
+                    ));
+                }
+            },
+        };
         let _ = worker.sample_memory();
         let pids = worker.pids();
         let before = per_pid_vram(pids.clone()).await.map_err(|reason| {
@@ -311,12 +340,22 @@ impl Supervisor {
         let started = Instant::now();
         let config = self.config();
         let mut done: Vec<(u32, Step)> = Vec::new();
-        for (pid, _) in &held {
+        if let Some((upstream, routes)) = &server
+            && let Err(reason) = post(upstream, &routes.sleep).await
+        {
+            // Asleep or not, it is stopped the ordinary way.
+            return Err(Fell::Failed {
+                step: "sleep".into(),
+                reason,
+                undone: true,
+            });
+        }
+        for (pid, _) in held.iter().filter(|_| server.is_none()) {
             for step in [Step::Lock, Step::Checkpoint] {
                 if let Err(e) = checkpoint::run(&config, step, *pid).await {
                     let undone = self.undo(&config, &done).await;
                     return Err(Fell::Failed {
-                        step,
+                        step: step.to_string(),
                         reason: if e.no_api {
                             format!("{} (the driver cannot put processes to sleep)", e.message)
                         } else {
@@ -345,12 +384,34 @@ impl Supervisor {
             drain_ms,
             checkpoint_ms,
         };
+        // What the server's own sleep left on the GPU, over its bound.
+        if let Some((
+            _,
+            ServerSleep {
+                max_residue: Some(max),
+                ..
+            },
+        )) = &server
+            && report.vram_after_bytes > *max
+        {
+            return Err(Fell::Failed {
+                step: "residue".into(),
+                reason: format!(
+                    "its server's sleep left {} on the GPU (NVML), over `http.sleep.\
+                     max_residue` ({})",
+                    crate::units::mib(report.vram_after_bytes),
+                    crate::units::mib(*max)
+                ),
+                undone: true,
+            });
+        }
         {
             let mut state = self.lock();
             if let Some(slot) = state.slots.get_mut(model) {
                 slot.sleep = Some(SleepPhase::Asleep {
                     pids: held_pids,
                     since: Instant::now(),
+                    mode,
                 });
             }
         }
@@ -399,7 +460,7 @@ impl Supervisor {
     /// Wakes `model` (asked, or for a request: `reason`).
     pub(super) async fn wake_inner(&self, model: &str, reason: &str) -> Result<WakeReport> {
         self.check_not_frozen(model)?;
-        let (tx, worker, pids, since) = {
+        let (tx, worker, pids, since, mode) = {
             let mut state = self.lock();
             let known = state.catalogue.contains_key(model);
             let Some(slot) = state.slots.get_mut(model) else {
@@ -411,9 +472,9 @@ impl Supervisor {
                     self.unknown_locked(model, &state)
                 });
             };
-            let (pids, since) = match (&slot.sleep, slot.state) {
-                (Some(SleepPhase::Asleep { pids, since }), ModelState::Asleep) => {
-                    (pids.clone(), *since)
+            let (pids, since, mode) = match (&slot.sleep, slot.state) {
+                (Some(SleepPhase::Asleep { pids, since, mode }), ModelState::Asleep) => {
+                    (pids.clone(), *since, *mode)
                 }
                 (Some(_), _) => {
                     return Err(Error::Busy {
@@ -432,18 +493,31 @@ impl Supervisor {
             slot.sleep = Some(SleepPhase::Waking);
             slot.loading = Some(rx);
             let worker = Arc::clone(slot.worker.as_ref().expect("an asleep slot has a worker"));
-            (tx, worker, pids, since)
+            (tx, worker, pids, since, mode)
         };
         self.inner.notify_changed();
         let config = self.config();
         let started = Instant::now();
         let mut failed = None;
-        for pid in &pids {
-            for step in [Step::Restore, Step::Unlock] {
-                if failed.is_none()
-                    && let Err(e) = checkpoint::run(&config, step, *pid).await
-                {
-                    failed = Some((step, e.message));
+        let server = worker
+            .upstream_server()
+            .and_then(|u| Some((Arc::clone(u), u.spec().sleep.clone()?)))
+            .filter(|_| mode == SleepMode::Server);
+        match &server {
+            Some((upstream, routes)) => {
+                if let Err(why) = post(upstream, &routes.wake).await {
+                    failed = Some(("wake".to_string(), why));
+                }
+            }
+            None => {
+                for pid in &pids {
+                    for step in [Step::Restore, Step::Unlock] {
+                        if failed.is_none()
+                            && let Err(e) = checkpoint::run(&config, step, *pid).await
+                        {
+                            failed = Some((step.to_string(), e.message));
+                        }
+                    }
                 }
             }
         }
@@ -510,6 +584,62 @@ impl Supervisor {
             report: Box::new(report.clone()),
         });
         Ok(report)
+    }
+}
+
+/// How long a server's own sleep or wake may take (vLLM's level 1 copies
+/// its weights to host memory).
+const SERVER_STEP_BOUND: Duration = Duration::from_secs(120);
+
+/// POSTs `path` to the server (its kind's `http.headers` sent); `Err` says
+/// what it answered instead of a 2xx.
+async fn post(upstream: &Arc<Upstream>, path: &str) -> std::result::Result<(), String> {
+    use axum::http::{HeaderName, HeaderValue, header};
+    let mut request = axum::http::Request::builder()
+        .method(axum::http::Method::POST)
+        .uri(path)
+        .body(axum::body::Bytes::new())
+        .map_err(|e| format!("`{path}` is not a path: {e}"))?;
+    let headers = request.headers_mut();
+    if let Ok(host) = HeaderValue::try_from(upstream.host()) {
+        headers.insert(header::HOST, host);
+    }
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("0"));
+    for (name, value) in &upstream.spec().headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::try_from(name.as_str()),
+            HeaderValue::try_from(value.as_str()),
+        ) {
+            headers.insert(name, value);
+        }
+    }
+    let answer = tokio::time::timeout(SERVER_STEP_BOUND, upstream.send(request))
+        .await
+        .map_err(|_| {
+            format!(
+                "POST {path} did not answer within {}",
+                crate::units::format_duration(SERVER_STEP_BOUND)
+            )
+        })?
+        .map_err(|e| format!("POST {path}: {e}"))?;
+    let status = answer.status();
+    let body = axum::body::Body::new(answer.into_body());
+    let said = tokio::time::timeout(
+        Duration::from_secs(10),
+        axum::body::to_bytes(body, 16 << 10),
+    )
+    .await
+    .ok()
+    .and_then(Result::ok)
+    .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+    .unwrap_or_default();
+    if status.is_success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "POST {path} answered {status}: {}",
+            crate::input::quote(&said)
+        ))
     }
 }
 
@@ -638,7 +768,7 @@ enum Fell {
     Busy(String),
     /// A step failed; `undone`: what was done before it was undone.
     Failed {
-        step: Step,
+        step: String,
         reason: String,
         undone: bool,
     },
