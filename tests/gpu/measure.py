@@ -612,6 +612,78 @@ for line in sys.stdin:
     print(sum(counts) / (time.monotonic() - started), flush=True)
 """
 
+def sleep_rows(b: Berth, name: str, request: Any, rounds: int = 3) -> List[Any]:
+    """`name` put to sleep and woken `rounds` times against an unload and a
+    cold load of the same model, alternating: one row."""
+    loaded = b.load(name)
+    pid = loaded["pid"]
+    _, before = b.infer(name, request)
+    sleeps, wakes, colds, asleep, same = [], [], [], [], True
+    for i in range(rounds):
+        if i % 2 == 1:
+            b.unload(name)
+            colds.append(b.load(name)["load_ms"])
+            pid = b.ps()[0]["pid"]
+            _, before = b.infer(name, request)
+        status, slept = b.call("POST", "/api/models/{}/sleep".format(name), {})
+        if status != 200:
+            message = slept["error"]["message"] if isinstance(slept, dict) else slept
+            return [name, mib(loaded.get("vram_bytes")), "not put to sleep: {}".format(message), "", "", "", ""]
+        sleeps.append(slept["checkpoint_ms"])
+        asleep.append(slept["vram_after_bytes"])
+        status, woke = b.call("POST", "/api/models/{}/wake".format(name), {})
+        if status != 200:
+            return [name, mib(loaded.get("vram_bytes")), "wake failed: {}".format(woke), "", "", "", ""]
+        wakes.append(woke["restore_ms"])
+        _, after = b.infer(name, request)
+        same = same and after == before and woke["pid"] == pid
+        if i % 2 == 0:
+            b.unload(name)
+            colds.append(b.load(name)["load_ms"])
+    b.unload(name)
+    ratio = statistics.median(colds) / max(statistics.median(wakes), 1e-3)
+    return [name, mib(loaded.get("vram_bytes")), mib(max(asleep)), spread(sleeps), spread(wakes),
+            "{} ({:.1f}x the wake)".format(spread(colds), ratio), "yes" if same else "NO"]
+
+
+def s_sleep(run: Run) -> str:
+    """Sleep by the driver's checkpoint API: gpu-hog at 4 and 20 GiB,
+    PyTorch (BERT-large), JAX (eqx_stack), candle's CUDA worker: sleep
+    time, what NVML reads asleep, wake time against a cold load, and the
+    answers after each wake against those before."""
+    rows = []
+    try:
+        bert = run.model_dir("bert-large")
+    except Exception as e:  # no numpy for this python: that row says so
+        bert = None
+        rows.append(["bert-large", "", "its weights could not be made: {}".format(e), "", "", "", ""])
+    config = run.kinds()
+    config += model("hog4", backend="gpu-hog", gpus=[0], sleep="driver", options="{ alloc_mib = 4096 }")
+    config += model("hog20", backend="gpu-hog", gpus=[0], sleep="driver", options="{ alloc_mib = 20480 }")
+    if bert:
+        config += model("bert-large", backend="torch_embed", worker="examples", model=bert, gpus=[0],
+                        sleep="driver", options=run.torch_options())
+    config += model("eqx", backend="eqx_stack", worker="examples", gpus=[0], sleep="driver",
+                    load_timeout="300s")
+    if not run.fake:
+        config += model("minilm-cuda", backend="embed", worker="cuda", gpus=[0], sleep="driver",
+                        model=run.model_dir("minilm"))
+    b = Berth(run.berth, config, run.env, run.log("sleep"))
+    try:
+        for name, request in [("hog4", {}), ("hog20", {})] + \
+                ([("bert-large", {"input": TEXTS[:8], "encoding": "f32"})] if bert else []) + \
+                [("eqx", {"rows": 8, "seed": 1})] + \
+                ([] if run.fake else [("minilm-cuda", {"input": TEXTS[:8], "encoding": "f32"})]):
+            try:
+                rows.append(sleep_rows(b, name, request))
+            except Exception as e:  # one model's failure is its row
+                rows.append([name, "", "failed: {}".format(e), "", "", "", ""])
+    finally:
+        b.stop()
+    return table(["model", "VRAM loaded", "VRAM asleep (NVML)", "sleep", "wake", "cold load", "same answers, pid"],
+                 rows)
+
+
 SECTIONS: List[Tuple[str, str, Callable[[Run], str]]] = [
     ("unload", "Unload proof against the device's own floor", s_unload),
     ("bench", "4 GiB in one process against berth, and 50 cycles", s_bench),
@@ -624,6 +696,7 @@ SECTIONS: List[Tuple[str, str, Callable[[Run], str]]] = [
     ("candle", "candle's CUDA worker: loads and first requests", s_candle),
     ("compare", "generate on CUDA against the CPU (cut GGUF)", s_compare),
     ("throughput", "Throughput beside in-process", s_throughput),
+    ("sleep", "Sleep by the driver's checkpoint API", s_sleep),
 ]
 
 

@@ -1,7 +1,7 @@
 //! `tests/gpu/measure.py`, the one call that re-measures berth on a GPU
 //! machine, run here on the fake driver (`--fake`): its sections that need
 //! no framework (the unload against a bare process, 4 GiB in one process
-//! against berth, the budget) run end to end against the real `berth
+//! against berth, the budget, gpu-hog's sleep and wake) run end to end against the real `berth
 //! serve`, so the script a GPU session runs is known to work before it
 //! spends device time. Its figures here are the fake's bookkeeping.
 
@@ -18,7 +18,7 @@ fn the_gpu_script_runs_its_sections_on_the_fake_driver() {
     std::fs::copy(berth_bin(), carry.join("berth")).unwrap();
     let out = std::process::Command::new("python3")
         .arg(repo_root().join("tests/gpu/measure.py"))
-        .args(["--fake", "--only", "unload,bench,budget", "--carry"])
+        .args(["--fake", "--only", "unload,bench,budget,sleep", "--carry"])
         .arg(&carry)
         .arg("--work")
         .arg(&work)
@@ -39,6 +39,8 @@ fn the_gpu_script_runs_its_sections_on_the_fake_driver() {
         "50 load/unload cycles of 512 MiB",
         "| c | 20992 MiB | b, c |",
         "evicted: [[\"a\", \"c\"]]",
+        "| hog4 | 4608 MiB | 0 MiB |",
+        "| hog20 | 20992 MiB | 0 MiB |",
         "all sections in",
         "0 failed",
     ] {
