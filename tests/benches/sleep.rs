@@ -33,12 +33,12 @@ fn main() {
     let mut sleeps = Rounds::new();
     let mut wakes = Rounds::new();
     for round in 0..16 {
-        let mut warm = || {
+        let warm = || {
             let (slept, _) = post("/api/models/nap/sleep");
             let (woke, _) = post("/api/models/nap/wake");
             (slept, woke)
         };
-        let mut cold = || {
+        let cold = || {
             let (stopped, _) = post("/api/models/nap/unload");
             let (loaded, _) = post("/api/models/nap/load");
             (stopped, loaded)

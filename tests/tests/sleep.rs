@@ -221,13 +221,11 @@ fn the_scheduler_puts_a_model_to_sleep_to_free_its_gpu_when_that_is_cheaper() {
     let fake = FakeGpu::new();
     // One 4 GiB device: two 2.5 GiB models cannot share it.
     fake.set_devices(&format!("Fake-small 4G {BASE_USED} {CONTEXT}\n"));
-    let config = format!(
-        "[[model]]\nname = \"slow\"\nbackend = \"gpu-hog\"\ngpus = [0]\nsleep = \"driver\"\n\
-         options = {{ alloc_mib = 2048, load_ms = 1500 }}\n\
+    let config = "[[model]]\nname = \"slow\"\nbackend = \"gpu-hog\"\ngpus = [0]\n\
+         sleep = \"driver\"\noptions = { alloc_mib = 2048, load_ms = 1500 }\n\
          [[model]]\nname = \"other\"\nbackend = \"gpu-hog\"\ngpus = [0]\n\
-         options = {{ alloc_mib = 2048 }}\n"
-    );
-    let server = fake.serve(&config);
+         options = { alloc_mib = 2048 }\n";
+    let server = fake.serve(config);
     let ask = |model: &str| server.post(&format!("/api/models/{model}/infer"), json!({}));
     let slow = u(&load(&server, "slow")["pid"]);
     assert_eq!(ask("other").0, 200);
