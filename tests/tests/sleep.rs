@@ -328,3 +328,27 @@ fn a_server_sleeps_by_its_own_routes_and_its_residue_is_measured() {
     let (status, _) = server.post("/v1/embeddings", json!({"model": "fake", "input": "x"}));
     assert_eq!(status, 200);
 }
+
+/// A worker that dies asleep is said to have crashed, and the next request
+/// loads it cold: never an asleep model without a process.
+#[test]
+fn a_worker_that_dies_asleep_is_loaded_cold_by_the_next_request() {
+    let fake = FakeGpu::new();
+    let server = napper(&fake);
+    let pid = u(&load(&server, "nap")["pid"]);
+    assert_eq!(server.post("/api/models/nap/sleep", json!({})).0, 200);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while server.events_of("crashed").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no crashed event");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(server.ps().is_empty(), "{:?}", server.ps());
+    let (status, reply) = infer(&server);
+    assert_eq!(status, 200, "{reply}");
+    assert_ne!(u(&server.ps()[0]["pid"]), pid);
+}

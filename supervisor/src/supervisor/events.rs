@@ -109,12 +109,12 @@ pub enum EventKind {
     /// their host memory, NVML's figures before and after.
     Slept {
         model: String,
-        report: Box<super::SleepReport>,
+        report: Box<super::sleep::state::SleepReport>,
     },
     /// The model woke: its memory back on the GPU, how long that took.
     Woke {
         model: String,
-        report: Box<super::WakeReport>,
+        report: Box<super::sleep::state::WakeReport>,
     },
     /// A sleep or wake's step failed, and what was done instead (stopped;
     /// after a wake, loaded cold).

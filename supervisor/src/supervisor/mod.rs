@@ -34,6 +34,7 @@
 //! | `swap.rs` | `swap`, `swap_with`; `replace_worker` (swaps, recycles, restarts) |
 //! | `resilience.rs` | `watch_worker`, `on_death` (restart with backoff), `maybe_recycle` |
 //! | `keep_alive.rs` | the keep-alive reaper |
+//! | `sleep/` | `sleep`, `wake` (the checkpoint API or the server's routes; `state.rs` the phase and reports), `sleep_for` (`choice.rs`: sleep or stop to free a GPU) |
 //! | `preloaders.rs` | `preloaders`; the worker kinds' preloaded interpreters started, stopped, restarted |
 //! | `status.rs` | `stats`, `gpus`, `counters` (what `ps`, `/api/ps` and `/metrics` read) |
 //! | `occupancy.rs` | `occupancy_on`: the gauges an inference gateway's picker reads |
@@ -96,7 +97,7 @@ pub use events::{Event, EventKind, Follow, Followed, HISTORY as EVENT_HISTORY};
 pub use history::{HostSample, MemoryHistory, ModelSample};
 pub use occupancy::Occupancy;
 pub use preloaders::PreloaderStatus;
-pub use sleep::{SleepReport, WakeReport};
+pub use sleep::state::{SleepReport, WakeReport};
 pub use tickets::{Lease, RequestStream};
 pub use types::{
     BatchingStatus, CatalogueEntry, ModelState, ModelStatus, RequestOptions, SwapReport,

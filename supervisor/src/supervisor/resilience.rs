@@ -79,6 +79,15 @@ impl Supervisor {
                 slot.hold();
                 return;
             }
+            // Asleep, it had nothing in flight: its death is said, and the
+            // next request loads it cold.
+            if current && slot.is_asleep() && !self.is_shutting_down() {
+                let quarantined = entry.health.note_death(model, worker.pid(), death);
+                self.death_events(model, entry.health.last_exit.as_ref(), quarantined);
+                slots.remove(model);
+                self.inner.notify_changed();
+                return;
+            }
             if !current || slot.state != ModelState::Ready || self.is_shutting_down() {
                 return; // a planned stop, or a worker already replaced
             }

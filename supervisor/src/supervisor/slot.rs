@@ -261,11 +261,13 @@ impl Slot {
             return Unload::Busy(format!("it is already {}", self.state));
         }
         match self.sleep {
-            Some(super::sleep::SleepPhase::Falling | super::sleep::SleepPhase::Waking) => {
+            Some(
+                super::sleep::state::SleepPhase::Falling | super::sleep::state::SleepPhase::Waking,
+            ) => {
                 return Unload::Busy("it is falling asleep or waking".into());
             }
             // Stopped asleep: killed (its stop sees the worker asleep).
-            Some(super::sleep::SleepPhase::Asleep { .. }) | None => self.sleep = None,
+            Some(super::sleep::state::SleepPhase::Asleep { .. }) | None => self.sleep = None,
         }
         self.state = ModelState::Draining;
         Unload::Drain(worker)
@@ -280,7 +282,10 @@ impl Slot {
     /// (an unload, its keep-alive, an eviction) or woken.
     pub(super) fn is_asleep(&self) -> bool {
         self.state == ModelState::Asleep
-            && matches!(self.sleep, Some(super::sleep::SleepPhase::Asleep { .. }))
+            && matches!(
+                self.sleep,
+                Some(super::sleep::state::SleepPhase::Asleep { .. })
+            )
             && self.loading.is_none()
     }
 
@@ -341,7 +346,7 @@ pub(super) struct Slot {
     /// Set while it yields its turn to the model named.
     pub(super) yielding: Option<String>,
     /// Where it is in a sleep (`sleep.rs`); `None`: awake.
-    pub(super) sleep: Option<super::sleep::SleepPhase>,
+    pub(super) sleep: Option<super::sleep::state::SleepPhase>,
 }
 
 /// GPU placement of a worker still loading, counted until it is in.

@@ -106,13 +106,11 @@ fn tracked(compat: &Compat, mut request: Request) -> (inflight::Tracked, Request
     let tracked = compat
         .inflight
         .track(request.method().as_str(), request.uri().path());
-    request.extensions_mut().insert(InflightId(tracked.id));
+    request
+        .extensions_mut()
+        .insert(inflight::InflightId(tracked.id));
     (tracked, request)
 }
-
-/// A request's in-flight ID.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct InflightId(pub u64);
 
 /// berth's actions on one model (`/api/models/{name}/{action}`).
 const BERTH_ACTIONS: &[&str] = &["load", "unload", "swap", "infer", "sleep", "wake"];

@@ -29,6 +29,11 @@ struct Entry {
     cancel: Arc<Notify>,
 }
 
+/// A request's in-flight ID, in its extensions (so a handler can say
+/// which model it is for).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InflightId(pub u64);
+
 /// The requests in flight, by ID.
 #[derive(Default)]
 pub struct Inflight {

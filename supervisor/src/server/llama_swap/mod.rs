@@ -5,6 +5,7 @@
 //! file itself is read by the daemon (`daemon/llama_swap/`).
 
 pub mod api;
+mod filters;
 pub mod inflight;
 pub mod layer;
 mod logs;

@@ -25,7 +25,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value as Json, json};
 
-use super::layer::Filters;
+use super::filters::Filters;
 use crate::server::error::ApiError;
 
 /// A peer's address, as its `proxy` says.

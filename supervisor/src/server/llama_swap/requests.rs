@@ -141,7 +141,7 @@ pub(super) async fn upstream(app: &AppState, compat: &Compat, request: Request) 
 
 /// Says in the in-flight list which model a request is for.
 fn note_model(compat: &Compat, extensions: &axum::http::Extensions, model: &str) {
-    if let Some(super::api::InflightId(id)) = extensions.get() {
+    if let Some(super::inflight::InflightId(id)) = extensions.get() {
         compat.inflight.set_model(*id, model);
     }
 }

@@ -23,10 +23,12 @@
 //! namespace) a sleep is refused with the reason, and every sleep says
 //! what NVML read for the model's processes before and after.
 
+mod choice;
+pub(super) mod state;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::{EventKind, ModelState, Supervisor, detached};
@@ -36,88 +38,7 @@ use crate::child::upstream::Upstream;
 use crate::config::{ServerSleep, SleepMode};
 use crate::error::{Error, Result};
 use crate::gpu::{self, Inventory};
-
-/// Where a model is in its sleep.
-#[derive(Debug, Clone)]
-pub(super) enum SleepPhase {
-    /// Draining and being checkpointed.
-    Falling,
-    /// Asleep (`mode`): the processes checkpointed, or the server's.
-    Asleep {
-        pids: Vec<u32>,
-        since: Instant,
-        mode: SleepMode,
-    },
-    /// Being restored.
-    Waking,
-}
-
-/// What a sleep did, and its proof.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SleepReport {
-    pub model: String,
-    /// The worker's pid, the same before and after.
-    pub pid: u32,
-    /// The processes checkpointed: those NVML showed holding device memory.
-    pub pids: Vec<u32>,
-    /// What NVML read for them before and after.
-    pub vram_before_bytes: u64,
-    pub vram_after_bytes: u64,
-    /// The worker's resident memory before and after: the device memory's
-    /// copy is its host memory now (counted in `memory_budget`).
-    pub rss_before_bytes: u64,
-    pub rss_after_bytes: u64,
-    /// How long its requests took to finish, and the driver's steps.
-    pub drain_ms: f64,
-    pub checkpoint_ms: f64,
-}
-
-/// What a wake did.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct WakeReport {
-    pub model: String,
-    pub pid: u32,
-    /// What NVML reads for its processes once restored.
-    pub vram_bytes: u64,
-    /// The driver's steps (restore, unlock).
-    pub restore_ms: f64,
-    /// How long it had slept.
-    pub slept_s: f64,
-    /// Why it woke: `request` or `asked`.
-    pub reason: String,
-}
-
-impl std::fmt::Display for SleepReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} asleep (pid {}): GPU {} -> {} per NVML, RSS {} -> {}; drained in {:.0} ms, \
-             checkpointed in {:.0} ms",
-            self.model,
-            self.pid,
-            crate::units::mib(self.vram_before_bytes),
-            crate::units::mib(self.vram_after_bytes),
-            crate::units::mib(self.rss_before_bytes),
-            crate::units::mib(self.rss_after_bytes),
-            self.drain_ms,
-            self.checkpoint_ms
-        )
-    }
-}
-
-impl std::fmt::Display for WakeReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} awake (pid {}): GPU {} per NVML, restored in {:.0} ms after {:.1} s asleep",
-            self.model,
-            self.pid,
-            crate::units::mib(self.vram_bytes),
-            self.restore_ms,
-            self.slept_s
-        )
-    }
-}
+use state::{SleepPhase, SleepReport, WakeReport};
 
 /// What NVML reads for each of `pids` now; `Err` says why there is no
 /// per-process figure.
@@ -643,124 +564,6 @@ async fn post(upstream: &Arc<Upstream>, path: &str) -> std::result::Result<(), S
     }
 }
 
-/// The bandwidth a wake is reckoned at: host to device over PCIe, well
-/// below a Gen4 x16 link's, so the estimate errs towards stopping.
-const WAKE_BYTES_PER_S: f64 = 8e9;
-/// What a wake costs besides the copy (the driver's steps, the helper).
-const WAKE_OVERHEAD: Duration = Duration::from_millis(100);
-/// Host memory kept free beyond a sleeping model's copy.
-const HOST_MARGIN: u64 = 1 << 30;
-
-/// Whether a model holding `vram` bytes on its GPUs, whose cold load took
-/// `cold_load`, sleeps rather than stops to make room: `Ok` says why it
-/// sleeps, `Err` why it is stopped instead. `available`: the host's
-/// available memory; `budget_left`: what `memory_budget` leaves, if set.
-pub(super) fn sleep_choice(
-    vram: u64,
-    available: u64,
-    budget_left: Option<u64>,
-    cold_load: Duration,
-) -> std::result::Result<String, String> {
-    use crate::units::{format_duration, mib};
-    if vram == 0 {
-        return Err("stopped, not put to sleep: NVML shows no GPU memory held by it".into());
-    }
-    let wake = WAKE_OVERHEAD + Duration::from_secs_f64(vram as f64 / WAKE_BYTES_PER_S);
-    // Said to the 10 ms: an estimate.
-    let wake = Duration::from_millis(wake.as_millis() as u64 / 10 * 10);
-    let cold_load = Duration::from_millis(cold_load.as_millis() as u64);
-    if available < vram.saturating_add(HOST_MARGIN) {
-        return Err(format!(
-            "stopped, not put to sleep: host memory ({} available) cannot hold its {} copy \
-             and a GiB to spare",
-            mib(available),
-            mib(vram)
-        ));
-    }
-    if let Some(left) = budget_left
-        && left < vram
-    {
-        return Err(format!(
-            "stopped, not put to sleep: `memory_budget` leaves {}, less than its {} copy",
-            mib(left),
-            mib(vram)
-        ));
-    }
-    if wake >= cold_load {
-        return Err(format!(
-            "stopped, not put to sleep: its wake (about {} for {}) would not beat its cold \
-             load ({})",
-            format_duration(wake),
-            mib(vram),
-            format_duration(cold_load)
-        ));
-    }
-    Ok(format!(
-        "asleep instead of stopped: its wake (about {} for {}) beats its cold load ({}), and \
-         host memory holds its copy",
-        format_duration(wake),
-        mib(vram),
-        format_duration(cold_load)
-    ))
-}
-
-impl Supervisor {
-    /// `victim` gives its GPU room up for `model` by sleeping, where it can
-    /// and that is the cheaper way back ([`sleep_choice`]); `Err` carries
-    /// why it is to be stopped instead (`None`: it cannot sleep at all).
-    pub(super) async fn sleep_for(
-        &self,
-        victim: &str,
-        model: &str,
-        why: super::admission::Why,
-        devices: &[gpu::DeviceReading],
-    ) -> std::result::Result<(), Option<String>> {
-        let (pids, cold_load, budget_left) = {
-            let state = self.lock();
-            let Some(entry) = state.catalogue.get(victim) else {
-                return Err(None);
-            };
-            if entry.spec.sleep.is_none() {
-                return Err(None);
-            }
-            let Some(slot) = state.slots.get(victim) else {
-                return Err(None);
-            };
-            let Some(worker) = &slot.worker else {
-                return Err(None);
-            };
-            let cold_load = slot
-                .report
-                .as_ref()
-                .map(|r| Duration::from_secs_f64(r.load_ms.max(0.0) / 1e3))
-                .unwrap_or_default();
-            let used = super::room::room(&state, victim).used;
-            let budget_left = self.config().memory_budget.map(|b| b.saturating_sub(used));
-            (worker.pids(), cold_load, budget_left)
-        };
-        let vram = gpu::process_vram(devices, &pids).unwrap_or(0);
-        let available = crate::child::memory::system_memory().available_bytes;
-        let because = sleep_choice(vram, available, budget_left, cold_load).map_err(Some)?;
-        tracing::info!(model, victim, "making room: {because}");
-        match self.sleep(victim).await {
-            Ok(_) => {
-                self.emit(EventKind::Evicted {
-                    model: victim.into(),
-                    for_model: Some(model.into()),
-                    reason: Some(why.as_str().into()),
-                    sleep: Some(because),
-                    ran_ms: None,
-                    served: None,
-                });
-                Ok(())
-            }
-            // Stopped instead (its `sleep_failed` says why): room made.
-            Err(Error::SleepFailed { .. }) => Ok(()),
-            Err(e) => Err(Some(format!("stopped, not put to sleep: {e}"))),
-        }
-    }
-}
-
 /// Why a sleep did not happen.
 enum Fell {
     /// Nothing was done; it serves on.
@@ -772,45 +575,4 @@ enum Fell {
         reason: String,
         undone: bool,
     },
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const GIB: u64 = 1 << 30;
-
-    #[test]
-    fn a_model_sleeps_when_host_memory_holds_it_and_its_wake_beats_its_load() {
-        let secs = Duration::from_secs;
-        let ok = sleep_choice(8 * GIB, 64 * GIB, None, secs(30)).unwrap();
-        assert!(
-            ok.starts_with("asleep instead of stopped: its wake (about 1s 170ms for"),
-            "{ok}"
-        );
-        // Host memory too small (with a GiB to spare), the budget too small,
-        // a load cheaper than the wake, nothing on the GPU: stopped.
-        for (vram, available, budget, load, why) in [
-            (8 * GIB, 8 * GIB, None, secs(30), "host memory"),
-            (
-                8 * GIB,
-                64 * GIB,
-                Some(4 * GIB),
-                secs(30),
-                "`memory_budget` leaves",
-            ),
-            (
-                8 * GIB,
-                64 * GIB,
-                None,
-                secs(1),
-                "would not beat its cold load",
-            ),
-            (0, 64 * GIB, None, secs(30), "no GPU memory"),
-        ] {
-            let err = sleep_choice(vram, available, budget, load).unwrap_err();
-            assert!(err.starts_with("stopped, not put to sleep"), "{err}");
-            assert!(err.contains(why), "{why}: {err}");
-        }
-    }
 }
