@@ -47,37 +47,41 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 /// The bound on one step's helper: a checkpoint or restore copies all of
 /// a process's device memory (80 GiB over PCIe: a few seconds).
 const STEP_BOUND: Duration = Duration::from_secs(120);
+/// The most a step's helper may print on stdout (`state` prints a word).
+const OUTPUT_MAX: usize = 4 << 10;
 
-/// Runs `step` on `pid` with `config`'s berth worker program.
+/// Runs `step` on `pid` with `config`'s berth worker program, as the
+/// backends' probe runs a program (`probe::run_once`: bounded in time and
+/// output, the worker's environment, a process group killed at its end).
 pub(crate) async fn run(config: &SupervisorConfig, step: Step, pid: u32) -> Result<(), StepError> {
     let program = super::program::default_program(config).map_err(|e| StepError {
         no_api: true,
         message: format!("the berth worker program, which makes the driver's calls: {e}"),
     })?;
-    let mut command = tokio::process::Command::new(&program.path);
-    command
-        .args(&program.args)
-        .args(["--checkpoint", step.as_str(), &pid.to_string()])
-        .arg(LOCK_TIMEOUT.as_millis().to_string())
-        // The API acts on the target's devices, whatever this sees.
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    let child = command.spawn().map_err(|e| StepError {
+    let timeout = LOCK_TIMEOUT.as_millis().to_string();
+    let ran = tokio::task::spawn_blocking(move || {
+        super::probe::run_once(
+            &program,
+            &["--checkpoint", step.as_str(), &pid.to_string(), &timeout],
+            // The API acts on the target's devices, whatever this sees.
+            &["CUDA_VISIBLE_DEVICES"],
+            STEP_BOUND,
+            OUTPUT_MAX,
+        )
+        .map_err(|e| format!("cannot run `{}`: {e}", program.path.display()))
+    })
+    .await
+    .map_err(|e| format!("the {step} step's helper failed: {e}"))
+    .and_then(|ran| ran)
+    .map_err(|message| StepError {
         no_api: true,
-        message: format!("cannot run `{}`: {e}", program.path.display()),
+        message,
     })?;
-    let output = match tokio::time::timeout(STEP_BOUND, child.wait_with_output()).await {
-        Ok(Ok(output)) => output,
-        Ok(Err(e)) => {
-            return Err(StepError {
-                no_api: false,
-                message: format!("the {step} step's helper failed: {e}"),
-            });
-        }
-        Err(_) => {
+    let said = String::from_utf8_lossy(&ran.stderr_tail);
+    let said = crate::input::quote(said.trim()).into_owned();
+    let status = match ran.status {
+        Some(status) if ran.read.is_ok() => status,
+        _ => {
             return Err(StepError {
                 no_api: false,
                 message: format!(
@@ -87,15 +91,13 @@ pub(crate) async fn run(config: &SupervisorConfig, step: Step, pid: u32) -> Resu
             });
         }
     };
-    if output.status.success() {
+    if status.success() {
         return Ok(());
     }
-    let said = String::from_utf8_lossy(&output.stderr);
-    let said = crate::input::quote(said.trim()).into_owned();
     Err(StepError {
-        no_api: output.status.code() == Some(3),
+        no_api: status.code() == Some(3),
         message: if said.is_empty() {
-            format!("the driver's {step} failed ({})", output.status)
+            format!("the driver's {step} failed ({status})")
         } else {
             said
         },

@@ -1,5 +1,7 @@
 //! Asking a worker program which backends it offers: `PROGRAM ARGS
-//! --backends`, one name a line on stdout, exit 0 (docs/wire.md).
+//! --backends`, one name a line on stdout, exit 0 (docs/wire.md); and any
+//! other one bounded run of a worker program ([`run_once`]: sleep's
+//! checkpoint helper, `child/checkpoint.rs`).
 //!
 //! The program is the operator's, but what it does is not trusted: the
 //! whole exchange is bounded in time (its exit *and* the end of its
@@ -60,15 +62,31 @@ fn offered(line: &str) -> Option<Offered> {
     })
 }
 
-fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<Offered>, String> {
+/// One bounded run of `program` with `args` after its own: what it printed
+/// on stdout (up to `limit`, within `timeout`), its exit status if it
+/// exited in time, and the last of its stderr. The same hygiene as a
+/// worker's start (the worker's environment less `without`, its folder, no
+/// descriptor of the supervisor's), in a process group of its own that is
+/// killed when the run ends, whatever it left behind. Blocks.
+pub(crate) fn run_once(
+    program: &WorkerProgram,
+    args: &[&str],
+    without: &[&str],
+    timeout: Duration,
+    limit: usize,
+) -> Result<Ran, String> {
     let deadline = Instant::now() + timeout;
     let mut command = Command::new(&program.path);
     command
         .args(&program.args)
-        .arg("--backends")
+        .args(args)
         .env_clear()
         .envs(crate::child::spawn::passthrough_env())
-        .envs(program.env.iter().map(|(k, v)| (k, v)))
+        .envs(program.env.iter().map(|(k, v)| (k, v)));
+    for name in without {
+        command.env_remove(name);
+    }
+    command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -109,6 +127,29 @@ fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<O
     kill_group();
     let _ = child.wait();
     drop(waiting);
+    Ok(Ran {
+        read,
+        status,
+        stderr_tail,
+    })
+}
+
+/// What [`run_once`] saw.
+pub(crate) struct Ran {
+    /// Its stdout, or why it was not read whole.
+    pub read: Result<Vec<u8>, Unread>,
+    /// Its exit status, if it exited in time.
+    pub status: Option<std::process::ExitStatus>,
+    /// The last bytes of its stderr.
+    pub stderr_tail: Vec<u8>,
+}
+
+fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<Offered>, String> {
+    let Ran {
+        read,
+        status,
+        stderr_tail,
+    } = run_once(program, &["--backends"], &[], timeout, limit)?;
     let stderr_tail = String::from_utf8_lossy(&stderr_tail)
         .trim()
         .replace('\n', " | ");
@@ -161,7 +202,7 @@ fn ask(program: &WorkerProgram, timeout: Duration, limit: usize) -> Result<Vec<O
 }
 
 /// Why output could not be read whole.
-enum Unread {
+pub(crate) enum Unread {
     TimedOut,
     TooLong,
     Failed(std::io::Error),

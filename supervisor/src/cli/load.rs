@@ -30,25 +30,26 @@ pub fn load(args: NameArgs) -> ExitCode {
 }
 
 pub fn unload(args: NameArgs) -> ExitCode {
-    let result = Client::new(&args.remote).post(&format!("/api/models/{}/unload", args.name), None);
-    done(
-        result.map(|v| report::<UnloadReport>(v, args.remote.json)),
-        args.remote.json,
-    )
+    act::<UnloadReport>(args, "unload")
 }
 
 pub fn sleep(args: NameArgs) -> ExitCode {
-    let result = Client::new(&args.remote).post(&format!("/api/models/{}/sleep", args.name), None);
-    done(
-        result.map(|v| report::<SleepReport>(v, args.remote.json)),
-        args.remote.json,
-    )
+    act::<SleepReport>(args, "sleep")
 }
 
 pub fn wake(args: NameArgs) -> ExitCode {
-    let result = Client::new(&args.remote).post(&format!("/api/models/{}/wake", args.name), None);
+    act::<WakeReport>(args, "wake")
+}
+
+/// `POST /api/models/NAME/ACTION`, and its report `R` printed.
+fn act<R: serde::de::DeserializeOwned + std::fmt::Display>(
+    args: NameArgs,
+    action: &str,
+) -> ExitCode {
+    let result =
+        Client::new(&args.remote).post(&format!("/api/models/{}/{action}", args.name), None);
     done(
-        result.map(|v| report::<WakeReport>(v, args.remote.json)),
+        result.map(|v| report::<R>(v, args.remote.json)),
         args.remote.json,
     )
 }

@@ -75,6 +75,10 @@ impl Texts {
     }
 }
 
+/// The most files `--llama-swap-dir` reads: a folder of configs has a
+/// handful; thousands are not configs, and each is held whole while read.
+const MAX_DIR_FILES: usize = 256;
+
 /// The `.yml` and `.yaml` files of `dir` (not its folders'), sorted by
 /// name, as llama-swap's `-config-dir` reads them; `file` (the
 /// `--llama-swap` file) must not be one of them.
@@ -98,6 +102,14 @@ pub(super) fn dir_files(dir: &Path, file: Option<&Path>) -> Result<Vec<PathBuf>,
         }
     }
     files.sort();
+    if files.len() > MAX_DIR_FILES {
+        return Err(format!(
+            "--llama-swap-dir `{}` has {} .yml/.yaml files; berth reads at most {MAX_DIR_FILES} \
+             (each up to 8 MiB): merge some, or point at the folder of the config's own files",
+            dir.display(),
+            files.len()
+        ));
+    }
     if let Some(file) = file {
         let same = |p: &PathBuf| match (p.canonicalize(), file.canonicalize()) {
             (Ok(a), Ok(b)) => a == b,

@@ -520,16 +520,10 @@ impl Supervisor {
         self.check_not_frozen(model)?;
         let worker = {
             let mut state = self.lock();
-            let known = state.catalogue.contains_key(model);
-            let Some(slot) = state.slots.get_mut(model) else {
-                return Err(if known {
-                    Error::NotLoaded {
-                        model: model.into(),
-                    }
-                } else {
-                    self.unknown_locked(model, &state)
-                });
-            };
+            if !state.slots.contains_key(model) {
+                return Err(self.not_loaded_locked(model, &state));
+            }
+            let slot = state.slots.get_mut(model).expect("looked at just now");
             match slot.begin_unload() {
                 Unload::Drain(worker) => worker,
                 cancelled @ (Unload::CancelRestart | Unload::ClearFailure) => {
@@ -590,6 +584,17 @@ impl Supervisor {
     fn set_report(&self, model: &str, report: &LoadReport) {
         if let Some(slot) = self.lock().slots.get_mut(model) {
             slot.report = Some(report.clone());
+        }
+    }
+
+    /// `model` has no slot: not loaded, or not registered at all.
+    pub(super) fn not_loaded_locked(&self, model: &str, state: &State) -> Error {
+        if state.catalogue.contains_key(model) {
+            Error::NotLoaded {
+                model: model.into(),
+            }
+        } else {
+            self.unknown_locked(model, state)
         }
     }
 

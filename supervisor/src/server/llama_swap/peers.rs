@@ -288,28 +288,18 @@ fn client(peer: &Peer) -> Result<HttpsClient, String> {
         .build(connector))
 }
 
-/// Headers that belong to one connection, and berth's own credentials:
-/// never sent to a peer, nor passed back from it.
-const NOT_PASSED: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-    "content-length",
-    "authorization",
-    "x-api-key",
-    "cookie",
-    "forwarded",
-    "x-forwarded-for",
-    "x-forwarded-host",
-    "x-forwarded-proto",
-];
+/// What the relay never passes on (`relay::NOT_PASSED`: one connection's
+/// headers, berth's own credentials), and what says where the client is:
+/// never sent to a peer, which is another site, nor passed back from it.
+fn not_passed(name: &HeaderName) -> bool {
+    const WHERE_FROM: &[&str] = &[
+        "forwarded",
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+    ];
+    crate::server::relay::NOT_PASSED.contains(&name.as_str()) || WHERE_FROM.contains(&name.as_str())
+}
 
 /// One request for `target` relayed to its peer: `path` and `query` as the
 /// peer is to see them, `body` as berth's filters left it.
@@ -348,7 +338,7 @@ pub(crate) async fn relay(
         }
     };
     for (name, value) in headers {
-        if !NOT_PASSED.contains(&name.as_str()) {
+        if !not_passed(name) {
             request.headers_mut().append(name.clone(), value.clone());
         }
     }
@@ -423,7 +413,7 @@ pub(crate) async fn relay(
         .headers
         .keys()
         .filter(|n| {
-            (NOT_PASSED.contains(&n.as_str()) && **n != header::CONTENT_LENGTH)
+            (not_passed(n) && **n != header::CONTENT_LENGTH)
                 || **n == header::SET_COOKIE
                 || n.as_str().starts_with("access-control-")
         })

@@ -139,6 +139,29 @@ pub(super) async fn upstream(app: &AppState, compat: &Compat, request: Request) 
     .await
 }
 
+/// `requested` as the active profile pins it; `None`: a pin turns the name
+/// off ([`turned_off`] answers it).
+fn pinned(compat: &Compat, requested: String) -> Option<String> {
+    match compat.pin(&requested) {
+        None => Some(requested),
+        Some(target) => target,
+    }
+}
+
+/// A name the active profile turns off, answered as llama-swap answers it.
+fn turned_off() -> Response {
+    not_found("no model id could be identified")
+}
+
+/// The peer's model `name` reaches, unless a model here has that name (a
+/// model here always wins).
+fn peer_for(app: &AppState, compat: &Compat, name: &str) -> Option<peers::PeerModel> {
+    if known(app, compat, name).is_some() {
+        return None;
+    }
+    compat.peers.resolve(name).cloned()
+}
+
 /// Says in the in-flight list which model a request is for.
 fn note_model(compat: &Compat, extensions: &axum::http::Extensions, model: &str) {
     if let Some(super::inflight::InflightId(id)) = extensions.get() {
@@ -182,12 +205,10 @@ pub(super) async fn rewrite(
             .run(Request::from_parts(parts, Body::from(bytes)))
             .await;
     };
-    if let Some(pin) = compat.pin(&requested) {
-        match pin {
-            Some(target) => requested = target,
-            None => return not_found("no model id could be identified"),
-        }
-    }
+    requested = match pinned(&compat, requested) {
+        Some(requested) => requested,
+        None => return turned_off(),
+    };
     let mut spill = None;
     if compat.selectors.contains_key(&requested) {
         let state = |t: &str| match app.supervisor.model_state(&app.supervisor.canonical(t)) {
@@ -208,9 +229,7 @@ pub(super) async fn rewrite(
         }
     }
     note_model(&compat, &parts.extensions, &requested);
-    if known(&app, &compat, &requested).is_none()
-        && let Some(target) = compat.peers.resolve(&requested).cloned()
-    {
+    if let Some(target) = peer_for(&app, &compat, &requested) {
         // A peer's model: its filters by the name the request used, then
         // the peer's own name for it.
         compat.peers.list[target.peer]
@@ -296,19 +315,12 @@ async fn other_body(app: AppState, compat: Arc<Compat>, request: Request, next: 
     let bytes = axum::body::to_bytes(body, usize::MAX)
         .await
         .unwrap_or_default();
-    let requested = crate::server::relay::model_of(&parts.headers, &bytes);
-    let requested = match requested.as_deref().map(|r| (r, compat.pin(r))) {
-        Some((_, Some(Some(pinned)))) => Some(pinned),
-        Some((_, Some(None))) => return not_found("no model id could be identified"),
-        Some((r, None)) => Some(r.to_string()),
-        None => None,
-    };
-    let target = requested.as_deref().and_then(|r| {
-        known(&app, &compat, r)
-            .is_none()
-            .then(|| compat.peers.resolve(r).cloned())
-            .flatten()
-    });
+    let target =
+        match crate::server::relay::model_of(&parts.headers, &bytes).map(|r| pinned(&compat, r)) {
+            Some(None) => return turned_off(),
+            Some(Some(requested)) => peer_for(&app, &compat, &requested),
+            None => None,
+        };
     let Some(target) = target else {
         return next
             .run(Request::from_parts(parts, Body::from(bytes)))
@@ -348,17 +360,16 @@ pub(super) async fn by_query(
     request: Request,
     next: Next,
 ) -> Response {
-    let requested = crate::server::relay::query_model(request.uri().query());
-    let requested = match requested.as_deref().map(|r| (r, compat.pin(r))) {
-        Some((_, Some(Some(pinned)))) => pinned,
-        Some((_, Some(None))) => return not_found("no model id could be identified"),
-        Some((r, None)) => r.to_string(),
+    let requested = match crate::server::relay::query_model(request.uri().query()) {
+        Some(requested) => match pinned(compat, requested) {
+            Some(requested) => requested,
+            None => return turned_off(),
+        },
         None => return next.run(request).await,
     };
     note_model(compat, request.extensions(), &requested);
-    let target = match compat.peers.resolve(&requested) {
-        Some(target) if known(app, compat, &requested).is_none() => target.clone(),
-        _ => return next.run(request).await,
+    let Some(target) = peer_for(app, compat, &requested) else {
+        return next.run(request).await;
     };
     let query = request
         .uri()

@@ -42,7 +42,7 @@ use crate::supervisor::Lease;
 
 /// Headers that belong to one connection (RFC 9110 §7.6.1), and berth's
 /// own credentials: never passed on, either way.
-const NOT_PASSED: &[&str] = &[
+pub(crate) const NOT_PASSED: &[&str] = &[
     "connection",
     "keep-alive",
     "proxy-connection",

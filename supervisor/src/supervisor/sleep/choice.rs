@@ -80,6 +80,7 @@ impl Supervisor {
         why: crate::supervisor::admission::Why,
         devices: &[gpu::DeviceReading],
     ) -> std::result::Result<(), Option<String>> {
+        let budget = self.config().memory_budget;
         let (pids, cold_load, budget_left) = {
             let state = self.lock();
             let Some(entry) = state.catalogue.get(victim) else {
@@ -100,7 +101,7 @@ impl Supervisor {
                 .map(|r| Duration::from_secs_f64(r.load_ms.max(0.0) / 1e3))
                 .unwrap_or_default();
             let used = crate::supervisor::room::room(&state, victim).used;
-            let budget_left = self.config().memory_budget.map(|b| b.saturating_sub(used));
+            let budget_left = budget.map(|b| b.saturating_sub(used));
             (worker.pids(), cold_load, budget_left)
         };
         let vram = gpu::process_vram(devices, &pids).unwrap_or(0);

@@ -383,16 +383,10 @@ impl Supervisor {
         self.check_not_frozen(model)?;
         let (tx, worker, pids, since, mode) = {
             let mut state = self.lock();
-            let known = state.catalogue.contains_key(model);
-            let Some(slot) = state.slots.get_mut(model) else {
-                return Err(if known {
-                    Error::NotLoaded {
-                        model: model.into(),
-                    }
-                } else {
-                    self.unknown_locked(model, &state)
-                });
-            };
+            if !state.slots.contains_key(model) {
+                return Err(self.not_loaded_locked(model, &state));
+            }
+            let slot = state.slots.get_mut(model).expect("looked at just now");
             let (pids, since, mode) = match (&slot.sleep, slot.state) {
                 (Some(SleepPhase::Asleep { pids, since, mode }), ModelState::Asleep) => {
                     (pids.clone(), *since, *mode)
