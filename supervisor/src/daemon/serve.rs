@@ -33,7 +33,8 @@ pub(crate) struct Extras {
 }
 
 /// Serves on `bound` (bound now, or the socket an in-place upgrade handed
-/// over, with what the new binary says once it serves: `adopted`) until
+/// over, with the workers it handed over: `adoption`, adopted while this
+/// serves) until
 /// SIGTERM or SIGINT, then shuts down in bounded time:
 /// - new connections are no longer accepted, and open ones are told to close
 ///   after their current request;
@@ -51,7 +52,7 @@ pub(crate) async fn serve_on(
     options: ServeOptions,
     extras: Extras,
     bound: listen::Bound,
-    adopted: Option<EventKind>,
+    adoption: Option<upgrade::Adoption>,
 ) -> Result<(), String> {
     refuse_open_door(&options)?;
     let (upgrades, mut checked) = Upgrades::new(supervisor.clone());
@@ -80,15 +81,12 @@ pub(crate) async fn serve_on(
     }
     tokio::spawn(crate::heap::run_heap_trimmer());
     tracing::info!("berth serve listening on {}", options.listen);
-    match adopted {
-        Some(upgraded) => supervisor.emit(upgraded),
-        None => {
-            supervisor.emit(EventKind::ServerStarted {
-                listen: options.listen.to_string(),
-                version: env!("CARGO_PKG_VERSION").to_string(),
-            });
-            eprintln!("berth: listening on {}", options.listen);
-        }
+    if adoption.is_none() {
+        supervisor.emit(EventKind::ServerStarted {
+            listen: options.listen.to_string(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        });
+        eprintln!("berth: listening on {}", options.listen);
     }
     notify::notify(&format!(
         "READY=1\nSTATUS=listening on {}\nMAINPID={}",
@@ -97,6 +95,15 @@ pub(crate) async fn serve_on(
     ));
     tokio::spawn(notify::watchdog());
     upgrade::serving();
+    if let Some(adoption) = adoption {
+        // Off the async threads, while the accept loop below runs.
+        let adopter = supervisor.clone();
+        tokio::task::spawn_blocking(move || {
+            let upgraded = adoption.run(&adopter);
+            say_upgraded(&upgraded);
+            adopter.emit(upgraded);
+        });
+    }
     let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let connections = listen::Connections::new(options.connections.max_connections);
     loop {
@@ -148,9 +155,11 @@ pub(crate) async fn serve_on(
                 crate::units::format_duration(wait)
             ))
         } else {
-            // Then accepting stops (new connections wait in the backlog
+            // What need not run while new connections wait runs first;
+            // then accepting stops (new connections wait in the backlog
             // for the new binary), and the last one-request connections
             // finish.
+            upgrade::quiesce(&supervisor).await;
             let _ = pause_tx.send(true);
             paused_at_unix_ms = crate::base::unix_ms();
             listening.await;
@@ -215,6 +224,27 @@ pub(crate) async fn serve_on(
         );
     }
     Ok(())
+}
+
+/// Says on stderr what an in-place upgrade kept and lost.
+fn say_upgraded(event: &EventKind) {
+    if let EventKind::Upgraded {
+        from,
+        to,
+        adopted,
+        lost,
+        ..
+    } = event
+    {
+        eprintln!(
+            "berth: upgraded in place from {from} to {to}: {} workers kept, {} lost",
+            adopted.len(),
+            lost.len()
+        );
+        for line in lost {
+            eprintln!("berth: not kept: {line}");
+        }
+    }
 }
 
 /// The first SIGTERM or SIGINT starts the shutdown; a second one kills every

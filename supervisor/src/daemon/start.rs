@@ -14,7 +14,6 @@ use super::serve::{Extras, serve_on};
 use super::upgrade::Takeover;
 use crate::child::orphans;
 use crate::server::{Listen, listen, refuse_open_door};
-use crate::supervisor::EventKind;
 use crate::supervisor::Supervisor;
 
 pub(super) async fn start(options: Options) -> Result<(), String> {
@@ -83,14 +82,21 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
     }
     let worker = options.worker.clone();
     let supervisor = Supervisor::new(config.supervisor_config(worker.clone(), models_root.clone()));
-    match supervisor.check_workers() {
-        Ok(()) => {}
-        // Taking workers over that run already: the next start of a kind
-        // that cannot start says so, as a load.
-        Err(e) if takeover.is_some() => {
-            tracing::warn!("a worker kind cannot start workers: {e}");
-        }
-        Err(e) => return Err(format!("cannot start workers: {e}")),
+    if takeover.is_some() {
+        // Taking workers over that run already: the kinds were checked by
+        // the previous program, and asking them again (a Python worker's
+        // interpreter started) would hold new connections. Asked in the
+        // background; a kind that cannot start says so at its next load.
+        let checked = supervisor.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = checked.check_workers() {
+                tracing::warn!("a worker kind cannot start workers: {e}");
+            }
+        });
+    } else {
+        supervisor
+            .check_workers()
+            .map_err(|e| format!("cannot start workers: {e}"))?;
     }
     let models = match takeover.as_ref().and_then(Takeover::catalogue) {
         Some(catalogue) => catalogue,
@@ -99,9 +105,11 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
     };
     for spec in models {
         let name = spec.name.clone();
-        supervisor
-            .register(spec)
-            .map_err(|e| format!("cannot register model `{name}`: {e}"))?;
+        let registered = match takeover {
+            Some(_) => supervisor.register_handed_over(spec),
+            None => supervisor.register(spec),
+        };
+        registered.map_err(|e| format!("cannot register model `{name}`: {e}"))?;
     }
     listen::raise_descriptor_limit();
     let front = front_door(&config, listen.clone(), token, llama_swap.as_mut());
@@ -137,8 +145,10 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
     }
     if let Some(mut takeover) = takeover {
         let bound = takeover.listener(&listen)?;
-        let upgraded = takeover_into(takeover, &supervisor);
-        return serve_on(supervisor, front, extras, bound, Some(upgraded)).await;
+        // Accepting comes first: the workers are adopted meanwhile, and a
+        // request for a model waits until its worker is.
+        let adoption = takeover.begin(&supervisor);
+        return serve_on(supervisor, front, extras, bound, Some(adoption)).await;
     }
     if let Some(migrated) = llama_swap {
         // `hooks.on_startup.preload`: one after another, in the
@@ -215,30 +225,6 @@ fn reloader(
             Ok((report, options))
         })
     })
-}
-
-/// Adopts the workers an in-place upgrade handed over (those it cannot are
-/// stopped and named in the event returned).
-fn takeover_into(takeover: Takeover, supervisor: &Supervisor) -> EventKind {
-    let event = takeover.adopt(supervisor);
-    if let EventKind::Upgraded {
-        from,
-        to,
-        adopted,
-        lost,
-        ..
-    } = &event
-    {
-        eprintln!(
-            "berth: upgraded in place from {from} to {to}: {} workers kept, {} lost",
-            adopted.len(),
-            lost.len()
-        );
-        for line in lost {
-            eprintln!("berth: not kept: {line}");
-        }
-    }
-    event
 }
 
 /// Reaps what workers fork, and stops what a killed predecessor left (but

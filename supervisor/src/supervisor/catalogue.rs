@@ -10,11 +10,28 @@ use crate::report::UnloadReport;
 impl Supervisor {
     /// Adds a model to the catalogue (or replaces an unloaded one's spec).
     /// It loads on its first request, or with [`Supervisor::load_registered`].
-    pub fn register(&self, mut spec: ModelSpec) -> Result<()> {
+    pub fn register(&self, spec: ModelSpec) -> Result<()> {
+        self.register_as(spec, true)
+    }
+
+    /// Registers a model an in-place upgrade handed over, as the previous
+    /// program had registered it: its fields are checked, but its worker
+    /// program is not asked for its backends again (that starts the
+    /// program, a Python interpreter for a Python worker, while new
+    /// connections wait for the new program to accept).
+    pub(crate) fn register_handed_over(&self, spec: ModelSpec) -> Result<()> {
+        self.register_as(spec, false)
+    }
+
+    fn register_as(&self, mut spec: ModelSpec, ask_program: bool) -> Result<()> {
         if spec.backend.is_empty() && spec.http_spec(&self.config()).is_some() {
             spec.backend = crate::child::handle::HTTP_BACKEND.into();
         }
-        self.check_spec(&spec)?;
+        if ask_program {
+            self.check_spec(&spec)?;
+        } else {
+            spec.validate_for(&self.config())?;
+        }
         let mut state = self.lock();
         if let Some(slot) = state.slots.get(&spec.name) {
             let pid = slot.worker.as_ref().map(|w| w.pid()).unwrap_or(0);

@@ -119,11 +119,31 @@ impl Supervisor {
         self.inner.events.resume(events);
     }
 
+    /// Holds `model`'s place while the worker an upgrade handed over is
+    /// adopted: a request for it waits as for a load, and none starts a
+    /// second worker meanwhile. `None` if the model is not registered (its
+    /// worker is not to be kept) or already has a slot.
+    pub(crate) fn await_adoption(&self, model: &str) -> Option<Awaited> {
+        let mut state = self.lock();
+        if !state.catalogue.contains_key(model) || state.slots.contains_key(model) {
+            return None;
+        }
+        let (done, signal) = watch::channel(None);
+        state
+            .slots
+            .insert(model.to_string(), Slot::loading(signal, 0, None));
+        Some(Awaited {
+            supervisor: self.clone(),
+            model: model.to_string(),
+            done,
+        })
+    }
+
     /// Installs a worker handed over by an in-place upgrade as its model's
-    /// ready worker, last used `idle` ago; its model must be registered and
-    /// not loaded.
+    /// ready worker, last used `idle` ago, in the place `awaited` held.
     pub(crate) fn install_adopted(
         &self,
+        awaited: Awaited,
         worker: &Arc<WorkerHandle>,
         report: &LoadReport,
         idle: Duration,
@@ -139,7 +159,7 @@ impl Supervisor {
                     "model `{model}` is no longer in the config; its worker is stopped"
                 ));
             };
-            if slots.contains_key(&model) {
+            if model != awaited.model || !slots.get(&model).is_some_and(|s| awaited.holds(s)) {
                 return Err(format!("model `{model}` is loaded already"));
             }
             let mut slot = Slot::loading(watch::channel(None).1, 0, None);
@@ -150,8 +170,56 @@ impl Supervisor {
             slot.expires_at = entry.keep_alive.and_then(|k| slot.last_used.checked_add(k));
             slots.insert(model.clone(), slot);
         }
-        self.inner.notify_changed();
+        // The place is filled: `awaited`'s drop wakes whoever waited.
+        drop(awaited);
         self.watch_worker(&model, worker);
         Ok(())
+    }
+}
+
+/// A model's place held while its handed-over worker is adopted
+/// ([`Supervisor::await_adoption`]). Dropped (the worker installed, or not
+/// kept), the requests that waited go on: to the worker, or to a load.
+pub(crate) struct Awaited {
+    supervisor: Supervisor,
+    model: String,
+    done: watch::Sender<Option<std::result::Result<(), Arc<crate::error::Error>>>>,
+}
+
+impl std::fmt::Debug for Awaited {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Awaited")
+            .field("model", &self.model)
+            .finish()
+    }
+}
+
+impl Awaited {
+    /// The model whose place this holds.
+    pub(crate) fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// Whether `slot` is the place this holds (not a worker installed since).
+    fn holds(&self, slot: &Slot) -> bool {
+        slot.worker.is_none()
+            && slot
+                .loading
+                .as_ref()
+                .is_some_and(|signal| signal.same_channel(&self.done.subscribe()))
+    }
+}
+
+impl Drop for Awaited {
+    fn drop(&mut self) {
+        {
+            let mut state = self.supervisor.lock();
+            if state.slots.get(&self.model).is_some_and(|s| self.holds(s)) {
+                // Not adopted: the next request loads it afresh.
+                state.slots.remove(&self.model);
+            }
+        }
+        self.done.send_replace(Some(Ok(())));
+        self.supervisor.inner.notify_changed();
     }
 }

@@ -94,6 +94,7 @@ pub use counters::{BATCH_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, ModelCount
 
 pub use crashes::LastExit;
 pub use events::{Event, EventKind, Follow, Followed, HISTORY as EVENT_HISTORY};
+pub(crate) use handover::Awaited;
 pub use history::{HostSample, MemoryHistory, ModelSample};
 pub use occupancy::Occupancy;
 pub use preloaders::PreloaderStatus;

@@ -38,7 +38,7 @@ pub(crate) use exec::{serve_within, serving, watchdog};
 pub(crate) use request::requested_binary;
 pub use request::{RequestFile, ask, request_file};
 pub use state::{READS, VERSION};
-pub use takeover::Takeover;
+pub use takeover::{Adoption, Takeover};
 
 /// An upgrade whose binary passed its check, for the serve loop to run.
 pub(crate) struct Checked {
@@ -190,6 +190,19 @@ pub(crate) struct Served {
     pub state_file: Option<PathBuf>,
 }
 
+/// What an upgrade does before accepting stops, so that new connections
+/// do not wait for it: the preloaded interpreters stopped (they hold no
+/// model; the new berth starts its own), heartbeats paused and those sent
+/// given [`PONGS_WAIT`] to come back. Called off, [`hand_over`] undoes it.
+pub(crate) async fn quiesce(supervisor: &Supervisor) {
+    supervisor.stop_all_preloaders().await;
+    crate::child::health::pause(true);
+    let pongs = Instant::now() + PONGS_WAIT;
+    while crate::child::health::outstanding() > 0 && Instant::now() < pongs {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// Runs a checked upgrade once accepting has stopped and the connections
 /// have closed (`called_off` says why they did not, if they did not).
 /// Returns only if the upgrade was called off, with why; berth then serves
@@ -277,15 +290,10 @@ async fn hand_over_steps(
                     crate::units::format_duration(wait)
                 );
             }
-            Some(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            // Rare (the connections are closed, so no request runs):
+            // looked at often, since new connections wait meanwhile.
+            Some(_) => tokio::time::sleep(Duration::from_millis(2)).await,
         }
-    }
-    // Preloaded interpreters hold no model: the new berth starts its own.
-    supervisor.stop_all_preloaders().await;
-    crate::child::health::pause(true);
-    let pongs = Instant::now() + PONGS_WAIT;
-    while crate::child::health::outstanding() > 0 && Instant::now() < pongs {
-        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let (workers, mut keep) = match supervisor.hand_over() {
         Ok(handed) => handed,

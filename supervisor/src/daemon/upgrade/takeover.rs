@@ -4,8 +4,9 @@
 use std::os::fd::RawFd;
 
 use super::state::Handover;
-use crate::child::handover::take;
+use crate::child::handover::{HandedWorker, take};
 use crate::server::listen::{Bound, Listen};
+use crate::supervisor::Awaited;
 use crate::supervisor::EventKind;
 use crate::supervisor::Supervisor;
 
@@ -52,30 +53,69 @@ impl Takeover {
         Bound::handed_over(listen, unsafe { take(fd) })
     }
 
-    /// Adopts every worker into `supervisor` (its models registered), and
-    /// takes up the event log; returns the event that says so. A worker
-    /// that cannot be adopted (gone, not this process's child, its model no
-    /// longer in the config) is stopped and named in the event.
-    pub fn adopt(self, supervisor: &Supervisor) -> EventKind {
-        let state = self.state;
-        supervisor.resume_event_log(state.events);
+    /// Takes up the event log and holds a place for each handed-over
+    /// worker's model (requests for it wait until [`Adoption::run`] has
+    /// adopted it), so that the new program may accept at once; says how
+    /// long new connections waited.
+    pub fn begin(self, supervisor: &Supervisor) -> Adoption {
+        let mut state = self.state;
+        supervisor.resume_event_log(std::mem::take(&mut state.events));
+        let workers = std::mem::take(&mut state.workers)
+            .into_iter()
+            .map(|worker| {
+                let awaited = supervisor.await_adoption(&worker.model);
+                (worker, awaited)
+            })
+            .collect();
+        let held_ms = crate::base::unix_ms().saturating_sub(state.paused_at_unix_ms);
+        Adoption {
+            state,
+            workers,
+            held_ms,
+        }
+    }
+}
+
+/// The workers an upgrade handed over, their models' places held, to be
+/// adopted while the new program serves.
+#[derive(Debug)]
+pub struct Adoption {
+    state: Handover,
+    workers: Vec<(HandedWorker, Option<Awaited>)>,
+    held_ms: u64,
+}
+
+impl Adoption {
+    /// Adopts every worker into `supervisor`, each into the place held for
+    /// it; returns the event that says so. A worker that cannot be adopted
+    /// (gone, not this process's child, its model no longer in the config)
+    /// is stopped and named in the event; its model loads afresh on demand.
+    /// Blocks (it reads `/proc`, starts threads): run it off the async
+    /// threads.
+    pub fn run(self, supervisor: &Supervisor) -> EventKind {
+        let Adoption {
+            state,
+            workers,
+            held_ms,
+        } = self;
         let config = supervisor.config();
         let (mut adopted, mut lost) = (Vec::new(), Vec::new());
-        for worker in state.workers {
+        for (worker, awaited) in workers {
             let model = worker.model.clone();
             let pid = worker.pid;
-            let Some(spec) = supervisor.spec(&model) else {
+            let (Some(spec), Some(awaited)) = (supervisor.spec(&model), awaited) else {
                 lost.push(format!(
                     "{model} (pid {pid}): no longer in the config; its worker is stopped"
                 ));
                 crate::child::handover::discard(worker);
                 continue;
             };
+            debug_assert_eq!(awaited.model(), model);
             let idle = std::time::Duration::from_millis(worker.idle_ms);
             let taken = crate::child::handover::adopt(worker, &spec, &config).and_then(
                 |(handle, report)| {
                     supervisor
-                        .install_adopted(&handle, &report, idle)
+                        .install_adopted(awaited, &handle, &report, idle)
                         .inspect_err(|_| handle.kill())
                 },
             );
@@ -91,7 +131,6 @@ impl Takeover {
         // memfd and the previous binary's descriptor go (else each upgrade
         // would leave two more open, and hand them on).
         super::exec::close_handover_descriptors(state.previous_binary, state.binary);
-        let held_ms = crate::base::unix_ms().saturating_sub(state.paused_at_unix_ms);
         let (from, to) = match &state.fell_back {
             // This is the previous binary again: the upgrade went nowhere.
             Some(_) => (crate::base::this_build(), crate::base::this_build()),
