@@ -153,17 +153,23 @@ pub(crate) fn prepare(
     })
 }
 
-/// A kept-alive connection to the server and the task that drives it.
+/// A connection's I/O: polled by whoever uses the connection.
+type Driver = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A kept-alive connection to the server. Its I/O has no task of its own:
+/// the request that uses it drives it (while its answer's head comes, then
+/// as its body is read), so a relayed request wakes no other task, and
+/// often no other thread, on its way there and back.
 struct Conn {
     sender: SendRequest<Body>,
-    driver: tokio::task::JoinHandle<()>,
+    /// `None` once the connection has ended.
+    driver: Option<Driver>,
     /// Since when it has waited in the pool; `None` until its first answer.
     idle_since: Option<Instant>,
 }
 
 impl Conn {
-    /// An HTTP/1 connection over `stream` (TCP or a unix socket), its
-    /// driver running on its own task.
+    /// An HTTP/1 connection over `stream` (TCP or a unix socket).
     async fn over<S>(stream: S) -> std::io::Result<Conn>
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -171,15 +177,100 @@ impl Conn {
         let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(std::io::Error::other)?;
-        let driver = tokio::spawn(async move {
-            let _ = connection.await;
-        });
         Ok(Conn {
             sender,
-            driver,
+            driver: Some(Box::pin(async move {
+                let _ = connection.await;
+            })),
             idle_since: None,
         })
     }
+
+    /// Whether the connection has ended, once what its socket holds now is
+    /// read (a server that closed it while it waited in the pool).
+    fn ended(&mut self) -> bool {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        drive(&mut self.driver, &mut cx)
+    }
+}
+
+/// Polls a connection's I/O; true once it has ended.
+fn drive(driver: &mut Option<Driver>, cx: &mut std::task::Context<'_>) -> bool {
+    let Some(io) = driver else { return true };
+    if io.as_mut().poll(cx).is_pending() {
+        return false;
+    }
+    *driver = None;
+    true
+}
+
+/// Polls `work` (a request on the connection, or its answer's body) and the
+/// connection's I/O together, in the task that uses them.
+///
+/// Each side wakes the other as it goes (a request queued for the
+/// connection, bytes handed to the answer), and a task that wakes itself
+/// while it is polled counts, for tokio, as one that yields: it goes to
+/// the back of the queue and another worker thread is woken to look for
+/// work, a futex round trip per wake. So a wake that comes while they are
+/// polled here is only noted, and they are polled again at once, up to
+/// [`ROUNDS`] times; a wake that comes after (the socket, from the I/O
+/// driver) wakes the task as usual.
+fn poll_driven<T>(
+    driver: &mut Option<Driver>,
+    cx: &mut std::task::Context<'_>,
+    mut work: impl FnMut(&mut std::task::Context<'_>) -> std::task::Poll<T>,
+) -> std::task::Poll<T> {
+    /// Polled again this many times at most before the task yields.
+    const ROUNDS: usize = 8;
+    let noted = Arc::new(Noted {
+        woken: std::sync::atomic::AtomicBool::new(false),
+        polling: std::sync::atomic::AtomicBool::new(true),
+        task: cx.waker().clone(),
+    });
+    let waker = std::task::Waker::from(Arc::clone(&noted));
+    let mut here = std::task::Context::from_waker(&waker);
+    for _ in 0..ROUNDS {
+        noted.polling.store(true, Ordering::SeqCst);
+        drive(driver, &mut here);
+        let polled = work(&mut here);
+        noted.polling.store(false, Ordering::SeqCst);
+        if polled.is_ready() {
+            return polled;
+        }
+        if !noted.woken.swap(false, Ordering::SeqCst) {
+            return std::task::Poll::Pending;
+        }
+    }
+    cx.waker().wake_by_ref();
+    std::task::Poll::Pending
+}
+
+/// The waker of [`poll_driven`]: a wake while polling is noted; any other
+/// wakes the task.
+struct Noted {
+    woken: std::sync::atomic::AtomicBool,
+    polling: std::sync::atomic::AtomicBool,
+    task: std::task::Waker,
+}
+
+impl std::task::Wake for Noted {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::SeqCst);
+        if !self.polling.load(Ordering::SeqCst) {
+            self.task.wake_by_ref();
+        }
+    }
+}
+
+/// Runs `work` (a request on the connection: its readiness, its answer's
+/// head) while driving the connection's I/O from the same task.
+async fn driven<F: std::future::Future>(driver: &mut Option<Driver>, work: F) -> F::Output {
+    let mut work = std::pin::pin!(work);
+    std::future::poll_fn(|cx| poll_driven(driver, cx, |cx| work.as_mut().poll(cx))).await
 }
 
 /// How long a connection may wait in the pool: below the keep-alive of the
@@ -354,16 +445,16 @@ impl Upstream {
     async fn checkout(&self) -> std::io::Result<Conn> {
         loop {
             let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            match pooled {
-                // Not closed and not too old; `send` waits for it to be ready.
-                Some(conn)
-                    if !conn.sender.is_closed()
-                        && conn.idle_since.is_some_and(|t| t.elapsed() < IDLE_MAX) =>
-                {
-                    return Ok(conn);
-                }
-                Some(conn) => conn.driver.abort(),
-                None => return self.connect().await,
+            let Some(mut conn) = pooled else {
+                return self.connect().await;
+            };
+            // Not closed and not too old; `send` waits for it to be ready.
+            // (Dropped, a connection closes.)
+            if !conn.ended()
+                && !conn.sender.is_closed()
+                && conn.idle_since.is_some_and(|t| t.elapsed() < IDLE_MAX)
+            {
+                return Ok(conn);
             }
         }
     }
@@ -371,13 +462,12 @@ impl Upstream {
     fn checkin(&self, mut conn: Conn) {
         conn.idle_since = Some(Instant::now());
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        // Right after an answer's last byte the connection's task may not yet
-        // have made it ready for the next request: only a closed one is
-        // dropped here (checking `is_ready` had dropped every connection).
-        if idle.len() < POOL && !conn.sender.is_closed() {
+        // Right after an answer's last byte the connection may not yet be
+        // ready for the next request (its I/O not polled since): only a
+        // closed one is dropped here (checking `is_ready` had dropped every
+        // connection). Dropped, a connection closes.
+        if idle.len() < POOL && conn.driver.is_some() && !conn.sender.is_closed() {
             idle.push(conn);
-        } else {
-            conn.driver.abort();
         }
     }
 
@@ -412,20 +502,22 @@ impl Upstream {
                 // A pooled connection is ready at once, unless the server
                 // closed it while it waited, or left it half-way (an early
                 // answer to an upload it never read): then a new one.
-                let ready = tokio::time::timeout(Duration::from_secs(1), conn.sender.ready()).await;
+                let ready = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    driven(&mut conn.driver, conn.sender.ready()),
+                )
+                .await;
                 if !matches!(ready, Ok(Ok(()))) {
-                    conn.driver.abort();
                     conn = self.connect().await.map_err(RelayError::Connect)?;
                     continue;
                 }
-            } else if let Err(e) = conn.sender.ready().await {
-                conn.driver.abort();
+            } else if let Err(e) = driven(&mut conn.driver, conn.sender.ready()).await {
                 return Err(RelayError::Http(e));
             }
-            match conn.sender.try_send_request(request).await {
+            let sent = driven(&mut conn.driver, conn.sender.try_send_request(request)).await;
+            match sent {
                 Ok(response) => break response,
                 Err(mut e) => {
-                    conn.driver.abort();
                     // Not written at all (the connection was closing): the
                     // same request goes again, once, on a new connection.
                     match e.take_message() {
@@ -463,15 +555,15 @@ impl Upstream {
             let mut conn = self.connect().await.ok()?;
             if self.spec.health == "none" {
                 // No health route: accepting a connection is all there is.
-                conn.driver.abort();
                 return Some(StatusCode::OK);
             }
             let request = Request::get(&self.spec.health)
                 .header(axum::http::header::HOST, self.host())
                 .body(Body::empty())
                 .ok()?;
-            let response = conn.sender.send_request(request).await.ok();
-            conn.driver.abort();
+            let response = driven(&mut conn.driver, conn.sender.send_request(request))
+                .await
+                .ok();
             response.map(|r| r.status())
         };
         let status = tokio::time::timeout(timeout, attempt).await.ok().flatten();
@@ -552,7 +644,14 @@ impl hyper::body::Body for PooledBody {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        // With the connection's I/O, which brings the body's bytes.
+        let this = &mut *self;
+        let polled = match &mut this.conn {
+            Some(conn) => poll_driven(&mut conn.driver, cx, |cx| {
+                std::pin::Pin::new(&mut this.inner).poll_frame(cx)
+            }),
+            None => std::pin::Pin::new(&mut this.inner).poll_frame(cx),
+        };
         let ended = match &polled {
             std::task::Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
@@ -584,9 +683,7 @@ impl Drop for PooledBody {
     fn drop(&mut self) {
         // Dropped before its end: the connection is closed, so the server
         // sees the request end (llama.cpp stops generating).
-        if let Some(conn) = self.conn.take() {
-            conn.driver.abort();
-        }
+        drop(self.conn.take());
     }
 }
 
