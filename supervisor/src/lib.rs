@@ -27,6 +27,7 @@ pub mod gpu;
 mod heap;
 mod input;
 pub mod logs;
+mod repoll;
 mod report;
 mod server;
 mod supervisor;

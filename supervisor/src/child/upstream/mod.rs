@@ -32,6 +32,7 @@ use hyper_util::rt::TokioIo;
 use nix::sys::signal::Signal;
 
 use crate::config::HttpSpec;
+use crate::repoll::Repoll;
 
 /// An environment: `(name, value)` pairs.
 pub(crate) type Env = [(String, String)];
@@ -162,10 +163,18 @@ type Driver = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 /// often no other thread, on its way there and back.
 struct Conn {
     sender: SendRequest<Body>,
-    /// `None` once the connection has ended.
-    driver: Option<Driver>,
+    io: Io,
     /// Since when it has waited in the pool; `None` until its first answer.
     idle_since: Option<Instant>,
+}
+
+/// A connection's I/O, and the one waker everything on the connection is
+/// polled with ([`Repoll`]: the request and the connection wake each
+/// other as they go, and that must not make the task yield).
+struct Io {
+    /// `None` once the connection has ended.
+    driver: Option<Driver>,
+    waker: Arc<Repoll>,
 }
 
 impl Conn {
@@ -179,9 +188,12 @@ impl Conn {
             .map_err(std::io::Error::other)?;
         Ok(Conn {
             sender,
-            driver: Some(Box::pin(async move {
-                let _ = connection.await;
-            })),
+            io: Io {
+                driver: Some(Box::pin(async move {
+                    let _ = connection.await;
+                })),
+                waker: Arc::default(),
+            },
             idle_since: None,
         })
     }
@@ -189,8 +201,8 @@ impl Conn {
     /// Whether the connection has ended, once what its socket holds now is
     /// read (a server that closed it while it waited in the pool).
     fn ended(&mut self) -> bool {
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        drive(&mut self.driver, &mut cx)
+        let Io { driver, waker } = &mut self.io;
+        waker.poll_alone(|cx| drive(driver, cx))
     }
 }
 
@@ -206,71 +218,25 @@ fn drive(driver: &mut Option<Driver>, cx: &mut std::task::Context<'_>) -> bool {
 
 /// Polls `work` (a request on the connection, or its answer's body) and the
 /// connection's I/O together, in the task that uses them.
-///
-/// Each side wakes the other as it goes (a request queued for the
-/// connection, bytes handed to the answer), and a task that wakes itself
-/// while it is polled counts, for tokio, as one that yields: it goes to
-/// the back of the queue and another worker thread is woken to look for
-/// work, a futex round trip per wake. So a wake that comes while they are
-/// polled here is only noted, and they are polled again at once, up to
-/// [`ROUNDS`] times; a wake that comes after (the socket, from the I/O
-/// driver) wakes the task as usual.
 fn poll_driven<T>(
-    driver: &mut Option<Driver>,
+    io: &mut Io,
     cx: &mut std::task::Context<'_>,
     mut work: impl FnMut(&mut std::task::Context<'_>) -> std::task::Poll<T>,
 ) -> std::task::Poll<T> {
-    /// Polled again this many times at most before the task yields.
-    const ROUNDS: usize = 8;
-    let noted = Arc::new(Noted {
-        woken: std::sync::atomic::AtomicBool::new(false),
-        polling: std::sync::atomic::AtomicBool::new(true),
-        task: cx.waker().clone(),
-    });
-    let waker = std::task::Waker::from(Arc::clone(&noted));
-    let mut here = std::task::Context::from_waker(&waker);
-    for _ in 0..ROUNDS {
-        noted.polling.store(true, Ordering::SeqCst);
-        drive(driver, &mut here);
-        let polled = work(&mut here);
-        noted.polling.store(false, Ordering::SeqCst);
-        if polled.is_ready() {
-            return polled;
-        }
-        if !noted.woken.swap(false, Ordering::SeqCst) {
-            return std::task::Poll::Pending;
-        }
-    }
-    cx.waker().wake_by_ref();
-    std::task::Poll::Pending
-}
-
-/// The waker of [`poll_driven`]: a wake while polling is noted; any other
-/// wakes the task.
-struct Noted {
-    woken: std::sync::atomic::AtomicBool,
-    polling: std::sync::atomic::AtomicBool,
-    task: std::task::Waker,
-}
-
-impl std::task::Wake for Noted {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.woken.store(true, Ordering::SeqCst);
-        if !self.polling.load(Ordering::SeqCst) {
-            self.task.wake_by_ref();
-        }
-    }
+    let Io { driver, waker } = io;
+    waker.poll(cx, |cx| {
+        drive(driver, cx);
+        work(cx)
+    })
 }
 
 /// Runs `work` (a request on the connection: its readiness, its answer's
-/// head) while driving the connection's I/O from the same task.
-async fn driven<F: std::future::Future>(driver: &mut Option<Driver>, work: F) -> F::Output {
+/// head) while driving the connection's I/O from the same task. `work`
+/// must do nothing until polled (an `async` block), so that what it wakes
+/// is seen as part of the poll.
+async fn driven<F: std::future::Future>(io: &mut Io, work: F) -> F::Output {
     let mut work = std::pin::pin!(work);
-    std::future::poll_fn(|cx| poll_driven(driver, cx, |cx| work.as_mut().poll(cx))).await
+    std::future::poll_fn(|cx| poll_driven(io, cx, |cx| work.as_mut().poll(cx))).await
 }
 
 /// How long a connection may wait in the pool: below the keep-alive of the
@@ -466,7 +432,7 @@ impl Upstream {
         // ready for the next request (its I/O not polled since): only a
         // closed one is dropped here (checking `is_ready` had dropped every
         // connection). Dropped, a connection closes.
-        if idle.len() < POOL && conn.driver.is_some() && !conn.sender.is_closed() {
+        if idle.len() < POOL && conn.io.driver.is_some() && !conn.sender.is_closed() {
             idle.push(conn);
         }
     }
@@ -504,17 +470,23 @@ impl Upstream {
                 // answer to an upload it never read): then a new one.
                 let ready = tokio::time::timeout(
                     Duration::from_secs(1),
-                    driven(&mut conn.driver, conn.sender.ready()),
+                    driven(&mut conn.io, conn.sender.ready()),
                 )
                 .await;
                 if !matches!(ready, Ok(Ok(()))) {
                     conn = self.connect().await.map_err(RelayError::Connect)?;
                     continue;
                 }
-            } else if let Err(e) = driven(&mut conn.driver, conn.sender.ready()).await {
+            } else if let Err(e) = driven(&mut conn.io, conn.sender.ready()).await {
                 return Err(RelayError::Http(e));
             }
-            let sent = driven(&mut conn.driver, conn.sender.try_send_request(request)).await;
+            // Queued when called, which wakes the connection: called
+            // inside the poll.
+            let sender = &mut conn.sender;
+            let sent = driven(&mut conn.io, async {
+                sender.try_send_request(request).await
+            })
+            .await;
             match sent {
                 Ok(response) => break response,
                 Err(mut e) => {
@@ -561,7 +533,8 @@ impl Upstream {
                 .header(axum::http::header::HOST, self.host())
                 .body(Body::empty())
                 .ok()?;
-            let response = driven(&mut conn.driver, conn.sender.send_request(request))
+            let sender = &mut conn.sender;
+            let response = driven(&mut conn.io, async { sender.send_request(request).await })
                 .await
                 .ok();
             response.map(|r| r.status())
@@ -647,7 +620,7 @@ impl hyper::body::Body for PooledBody {
         // With the connection's I/O, which brings the body's bytes.
         let this = &mut *self;
         let polled = match &mut this.conn {
-            Some(conn) => poll_driven(&mut conn.driver, cx, |cx| {
+            Some(conn) => poll_driven(&mut conn.io, cx, |cx| {
                 std::pin::Pin::new(&mut this.inner).poll_frame(cx)
             }),
             None => std::pin::Pin::new(&mut this.inner).poll_frame(cx),
