@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .version import WIRE_VERSION
-from .wire import Frame, FrameError
+from .wire import Frame, FrameError, encode_json
 
 #: The wire versions this worker speaks.
 WIRE_VERSIONS = [WIRE_VERSION]
@@ -56,6 +56,24 @@ def done(request_id: int, body: Any, run: Optional[Tuple[int, int]] = None) -> D
     return out
 
 
+# done()'s header as encode_header writes it, around the body's own JSON.
+_DONE = '{"type":"done","id":%d,"body":%s}'
+_DONE_RUN = '{"type":"done","id":%d,"body":%s,"batch":%d,"compute_us":%d}'
+
+
+def done_head(request_id: int, body: Any, run: Optional[Tuple[int, int]] = None) -> bytes:
+    """:func:`done`'s header, encoded: byte for byte what
+    :func:`~berth_worker.wire.encode_header` makes of it, without building
+    the dict and encoding its fixed members every time. The integers are
+    the worker's own (an id checked to be one, a count, microseconds).
+    Raises what ``encode_header`` raises for a body JSON cannot carry."""
+    if run is None:
+        text = _DONE % (request_id, encode_json(body))
+    else:
+        text = _DONE_RUN % (request_id, encode_json(body), run[0], run[1])
+    return text.encode("utf-8")
+
+
 def done_error(
     request_id: int, error: Dict[str, Any], run: Optional[Tuple[int, int]] = None
 ) -> Dict[str, Any]:
@@ -74,8 +92,11 @@ def pong(seq: int, stats: Dict[str, int]) -> Dict[str, Any]:
 # -- supervisor -> worker ------------------------------------------------------
 
 
+_U64_END = 1 << 64
+
+
 def _is_u64(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 1 << 64
+    return type(value) is int and 0 <= value < _U64_END
 
 
 def _member(frame: Frame, key: str, what: str, ok: bool) -> None:
@@ -96,9 +117,16 @@ def check_supervisor_message(frame: Frame) -> None:
     """
     kind = frame.type
     h = frame.header
+    if kind == "request":
+        # The message that comes most, first, its one check inline: it may
+        # carry bulk bytes, and its `body` may be anything.
+        request_id = h.get("id")
+        if not (type(request_id) is int and 0 <= request_id < _U64_END):
+            _member(frame, "id", "an integer", False)
+        return
     if kind not in SUPERVISOR_TYPES:
         raise FrameError("the supervisor sent a message of unknown type `{}`".format(kind))
-    if kind != "request" and frame.bulk is not None:
+    if frame.bulk is not None:
         raise FrameError("a `{}` message carries bulk bytes".format(kind))
     if kind == "welcome":
         _member(frame, "version", "an integer", _is_u64(h.get("version")))
@@ -117,7 +145,7 @@ def check_supervisor_message(frame: Frame) -> None:
             options is None
             or (isinstance(options, dict) and all(isinstance(v, str) for v in options.values())),
         )
-    elif kind in ("request", "cancel"):
+    elif kind == "cancel":
         _member(frame, "id", "an integer", _is_u64(h.get("id")))
     elif kind == "ping":
         _member(frame, "seq", "an integer", _is_u64(h.get("seq")))

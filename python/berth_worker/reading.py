@@ -161,8 +161,11 @@ class Reading:
 
     def _queued(self) -> Optional[Frame]:
         """The next queued job, RESUME included, or None; without the
-        exception an empty queue's ``get_nowait`` raises (the common case)."""
-        if not self.jobs.qsize():
+        exception an empty queue's ``get_nowait`` raises (the common case).
+        The queue's deque is looked at without the queue's lock, as
+        ``qsize`` would: one atomic read under the GIL, as current as
+        ``qsize``'s answer once its lock is released."""
+        if not self.jobs.queue:
             return None
         try:
             return self.jobs.get_nowait()

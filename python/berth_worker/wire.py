@@ -34,6 +34,8 @@ __all__ = [
     "FrameTooLarge",
     "OutgoingFrame",
     "encode_frame",
+    "encode_json",
+    "frame_of_head",
     "send_frame",
 ]
 
@@ -75,17 +77,15 @@ class Frame:
     read-only mapping of the memfd: no copy).
     """
 
-    __slots__ = ("header", "bulk")
+    __slots__ = ("header", "bulk", "type")
 
     def __init__(self, header: Dict[str, Any], bulk: Optional[memoryview]) -> None:
         self.header = header
         self.bulk = bulk
-
-    @property
-    def type(self) -> str:
-        """The header's ``"type"`` (checked to be a string when read)."""
-        kind: str = self.header["type"]
-        return kind
+        #: The header's ``"type"`` (checked to be a string when read). A
+        #: plain attribute, not a property: the serve loop reads it several
+        #: times a request.
+        self.type: str = header["type"]
 
     def __repr__(self) -> str:
         bulk = "" if self.bulk is None else ", {} bulk bytes".format(self.bulk.nbytes)
@@ -96,8 +96,9 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError("{} is not JSON".format(name))
 
 
-# A plain int: `flags & socket.MSG_CTRUNC` goes through IntFlag's Python code.
+# Plain ints: `flags & socket.MSG_CTRUNC` goes through IntFlag's Python code.
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 
 # Made once: json.dumps and json.loads build a new one per call when given
 # settings, a few microseconds of every frame.
@@ -133,29 +134,44 @@ class _ThreadEncoder(threading.local):
 _THREAD_ENCODER = _ThreadEncoder() if c_make_encoder is not None else None
 
 
+def encode_json(value: Any) -> str:
+    """Any JSON value as compact JSON text, as it reads inside a header.
+
+    Raises ``TypeError``/``ValueError`` for what JSON cannot carry (an
+    object that is not JSON, NaN).
+    """
+    local = _THREAD_ENCODER
+    if local is None or local.markers:
+        # No C encoder, or this thread is inside an encode already (a
+        # finalizer or a container's own code sending a frame): a fresh one.
+        return _ENCODER.encode(value)
+    try:
+        chunks = local.encode(value, 0)
+    except BaseException:
+        # A failed encode leaves what it was inside in the registry.
+        local.markers.clear()
+        raise
+    return "".join(chunks)
+
+
 def encode_header(header: Dict[str, Any]) -> bytes:
     """The header as compact UTF-8 JSON.
 
     Raises ``TypeError``/``ValueError``/``UnicodeEncodeError`` for what JSON
     cannot carry (an object that is not JSON, NaN, a lone surrogate).
     """
-    local = _THREAD_ENCODER
-    if local is None or local.markers:
-        # No C encoder, or this thread is inside an encode already (a
-        # finalizer or a container's own code sending a frame): a fresh one.
-        return _ENCODER.encode(header).encode("utf-8")
-    try:
-        chunks = local.encode(header, 0)
-    except BaseException:
-        # A failed encode leaves what it was inside in the registry.
-        local.markers.clear()
-        raise
-    return "".join(chunks).encode("utf-8")
+    return encode_json(header).encode("utf-8")
 
 
 def encode_frame(header: Dict[str, Any], payload: bytes = b"") -> bytes:
     """A whole frame: prefix, header, payload. Raises :class:`FrameTooLarge`."""
     return _frame(encode_header(header), payload, header.get("type"))
+
+
+def frame_of_head(head: bytes, kind: str) -> bytes:
+    """A whole frame of an already encoded header (of type ``kind``) and no
+    payload. Raises :class:`FrameTooLarge`."""
+    return _frame(head, b"", kind)
 
 
 def _frame(head: bytes, payload: bytes, kind: Any) -> bytes:
@@ -271,10 +287,10 @@ class OutgoingFrame:
 
     def send(self, sock: socket.socket) -> None:
         """Sends the frame, the memfd (if any) with its first byte."""
+        if self.fd is None:
+            sock.sendall(self.data)
+            return
         try:
-            if self.fd is None:
-                sock.sendall(self.data)
-                return
             fds = array.array("i", [self.fd])
             sent = sock.sendmsg([self.data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
             if sent < len(self.data):
@@ -309,7 +325,13 @@ class FrameReader:
     def __init__(self, sock: socket.socket, buffer_size: int = _READ_BUFFER) -> None:
         self._sock = sock
         self._initial = buffer_size
+        # Past this size the buffer goes back to its first once it can.
+        self._shrink_above = 4 * buffer_size
         self._buf = bytearray(buffer_size)
+        # A view of _buf, made with it: a receive slices it rather than
+        # making (and releasing) a view of the whole buffer each time. The
+        # buffer is never resized while viewed, only replaced (with its view).
+        self._view = memoryview(self._buf)
         self._start = 0  # first unread byte in _buf
         self._end = 0  # end of received bytes in _buf
         self._base = 0  # stream offset of _buf[0]
@@ -318,16 +340,46 @@ class FrameReader:
 
     def read(self) -> Frame:
         """The next frame. Raises :class:`EOFError` or :class:`FrameError`."""
-        self._fill(8)
-        length, header_length = PREFIX.unpack_from(self._buf, self._start)
-        check_prefix(length, header_length)
-        self._fill(4 + length)
-        frame_start = self._base + self._start
-        next_start = frame_start + 4 + length
-        head_at = self._start + 8
-        pay_at = head_at + header_length
-        pay_end = self._start + 4 + length
-        header = decode_header(self._buf[head_at:pay_at])
+        if self._end - self._start < 8:
+            self._fill(8)
+        start = self._start
+        length, header_length = PREFIX.unpack_from(self._buf, start)
+        # check_prefix's limits, tested inline; it says what is wrong.
+        if not (MIN_LENGTH <= length <= MAX_LENGTH and MIN_HEADER <= header_length <= length - 4):
+            check_prefix(length, header_length)
+        if self._end - start < 4 + length:
+            self._fill(4 + length)
+            start = self._start  # the buffer may have been compacted
+        pay_at = start + 8 + header_length
+        pay_end = start + 4 + length
+        header = decode_header(self._buf[start + 8 : pay_at])
+        bulk: Optional[memoryview] = None
+        if pay_at == pay_end and header.get("bulk") is None:
+            # The common case: no bulk bytes declared and none carried.
+            self._start = pay_end
+        else:
+            bulk = self._bulk(header, start, pay_at, pay_end)
+        if self._fds:
+            self._check_strays(self._base + pay_end)
+        if len(self._buf) > self._shrink_above:
+            self._maybe_shrink()
+        return Frame(header, bulk)
+
+    def buffered(self) -> bool:
+        """True if bytes already received wait here (part or all of a frame):
+        the next :meth:`read` starts from them, not from the socket."""
+        return self._end > self._start
+
+    def close(self) -> None:
+        """Closes any descriptor received but not yet matched to a frame."""
+        while self._fds:
+            os.close(self._fds.popleft()[0])
+
+    def _bulk(
+        self, header: Dict[str, Any], start: int, pay_at: int, pay_end: int
+    ) -> Optional[memoryview]:
+        """The bulk bytes of the frame at ``start`` in the buffer, checked
+        against what its header declares; moves past the frame."""
         form, size = declared_bulk(header)
         payload_size = pay_end - pay_at
         bulk: Optional[memoryview] = None
@@ -347,20 +399,8 @@ class FrameReader:
             )
         self._start = pay_end
         if form == "memfd":
-            bulk = self._take_memfd(header, size, frame_start)
-        self._check_strays(next_start)
-        self._maybe_shrink()
-        return Frame(header, bulk)
-
-    def buffered(self) -> bool:
-        """True if bytes already received wait here (part or all of a frame):
-        the next :meth:`read` starts from them, not from the socket."""
-        return self._end > self._start
-
-    def close(self) -> None:
-        """Closes any descriptor received but not yet matched to a frame."""
-        while self._fds:
-            os.close(self._fds.popleft()[0])
+            bulk = self._take_memfd(header, size, self._base + start)
+        return bulk
 
     def _take_memfd(self, header: Dict[str, Any], size: int, frame_start: int) -> memoryview:
         if not self._fds or not (self._fds[0][1] <= frame_start < self._fds[0][2]):
@@ -383,15 +423,20 @@ class FrameReader:
 
     def _maybe_shrink(self) -> None:
         pending = self._end - self._start
-        if len(self._buf) > 4 * self._initial and pending <= self._initial:
+        if len(self._buf) > self._shrink_above and pending <= self._initial:
             fresh = bytearray(self._initial)
             fresh[:pending] = self._buf[self._start : self._end]
             self._base += self._start
-            self._buf, self._start, self._end = fresh, 0, pending
+            self._replace(fresh)
+            self._start, self._end = 0, pending
 
     def _fill(self, need: int) -> None:
         """Reads until ``need`` bytes from ``_start`` are in the buffer."""
         while self._end - self._start < need:
+            if self._start == self._end:
+                # Nothing pending: receive at the buffer's start, for free.
+                self._base += self._start
+                self._start = self._end = 0
             if len(self._buf) - self._start < need:
                 self._compact(need)
             self._receive()
@@ -401,20 +446,24 @@ class FrameReader:
         if len(self._buf) < need:
             fresh = bytearray(max(need, self._initial))
             fresh[:pending] = self._buf[self._start : self._end]
-            self._buf = fresh
+            self._replace(fresh)
         else:
             self._buf[:pending] = self._buf[self._start : self._end]
         self._base += self._start
         self._start, self._end = 0, pending
 
+    def _replace(self, fresh: bytearray) -> None:
+        self._buf = fresh
+        self._view = memoryview(fresh)
+
     def _receive(self) -> None:
-        view = memoryview(self._buf)[self._end :]
-        try:
-            nbytes, ancdata, flags, _ = self._sock.recvmsg_into(
-                [view], _ANCILLARY_SPACE, socket.MSG_CMSG_CLOEXEC
-            )
-        finally:
-            view.release()
+        nbytes, ancdata, flags, _ = self._sock.recvmsg_into(
+            [self._view[self._end :]], _ANCILLARY_SPACE, _CMSG_CLOEXEC
+        )
+        if nbytes and not ancdata and not flags & _MSG_CTRUNC:
+            # The common case: bytes and no descriptor.
+            self._end += nbytes
+            return
         fds = _descriptors(ancdata)
         began = self._base + self._end
         if flags & _MSG_CTRUNC:

@@ -44,7 +44,7 @@ from .process import die, flush_and_exit, say
 from .reading import Reading
 from .state import WorkerState
 from .stats import self_memory
-from .wire import Frame, FrameError, OutgoingFrame
+from .wire import Frame, FrameError, OutgoingFrame, frame_of_head
 
 
 def _log_traceback(what: str) -> None:
@@ -105,6 +105,10 @@ class Worker:
     def _sort(self, frame: Frame) -> Optional[Frame]:
         kind = frame.type
         h = frame.header
+        if kind == "request":
+            if not self.state.started(h["id"]):
+                raise FrameError("request id {} is already in flight".format(h["id"]))
+            return frame
         if kind == "ping":
             memory = self_memory()
             stats: Dict[str, int] = {"rss_bytes": memory[0], "peak_rss_bytes": memory[1]}
@@ -114,10 +118,6 @@ class Worker:
         if kind == "cancel":
             self.state.cancel(h["id"])
             return None
-        if kind == "request":
-            if not self.state.started(h["id"]):
-                raise FrameError("request id {} is already in flight".format(h["id"]))
-            return frame
         if kind in ("load", "shutdown"):
             return frame
         raise FrameError("the supervisor sent `{}` after the welcome".format(kind))
@@ -133,22 +133,24 @@ class Worker:
             else:
                 frame = self.reading.next_job()
             kind = frame.type
-            if kind == "load":
-                self._load(frame)
-            elif kind == "request":
+            if kind == "request":
                 stepping = self.backend.stepping() if self.backend is not None else None
                 if stepping is not None:
                     self._run_stepping(stepping, frame)
                     del frame
                     continue
-                batch = [frame]
-                if self.policy is not None:
-                    self._gather(self.policy, batch)
-                if len(batch) == 1:
+                if self.policy is None:
                     self._request(frame)
                 else:
-                    self._request_batch(batch)
-                del batch
+                    batch = [frame]
+                    self._gather(self.policy, batch)
+                    if len(batch) == 1:
+                        self._request(frame)
+                    else:
+                        self._request_batch(batch)
+                    del batch
+            elif kind == "load":
+                self._load(frame)
             else:
                 self._shutdown()
             # Drop the frame now: its bulk mapping is freed while idle.
@@ -283,22 +285,32 @@ class Worker:
 
     def _answer(self, request_id: int, frame: Frame) -> OutgoingFrame:
         """Runs the request and encodes its ``done``, result or error."""
-        name = self._name()
         if self.backend is None:
             return self._encode(
                 request_id,
                 NotLoaded(
                     "model `{}`: request {} came before a successful load; "
-                    "no model is loaded".format(name, request_id)
+                    "no model is loaded".format(self._name(), request_id)
                 ),
             )
         if self.state.is_cancelled(request_id):
             return self._encode(request_id, self._cancelled_early(request_id))
         started = time.monotonic()
+        name = self._name()
+        ctx = RequestContext(request_id, name, self.state, self._send_chunk)
+        request = Request(request_id, frame.header.get("body"), frame.bulk)
+        result: Any
         try:
-            result: Any = self._handle(request_id, frame)
+            result = self.backend.handle(request, ctx)
         except WireError as e:
             result = e
+        except Exception as e:
+            _log_traceback("model `{}`: request {} failed".format(name, request_id))
+            result = BackendError(
+                "model `{}`: request {} failed: {}".format(name, request_id, describe_exception(e))
+            )
+        finally:
+            ctx.finish()
         run = (1, _micros_since(started))
         self.pace = (1, run[1] / 1e6, 0)
         return self._encode(request_id, result, run)
@@ -312,22 +324,25 @@ class Worker:
         self, request_id: int, result: Any, run: Optional[Tuple[int, int]] = None
     ) -> OutgoingFrame:
         """The ``done`` of a result, or of an error (an exception)."""
-        name = self._name()
         if isinstance(result, BaseException):
             if not isinstance(result, WireError):
                 result = BackendError(
                     "model `{}`: request {} failed: {}".format(
-                        name, request_id, describe_exception(result)
+                        self._name(), request_id, describe_exception(result)
                     )
                 )
             return self.conn.build(messages.done_error(request_id, result.to_wire(), run))
         body, bulk = (result.body, result.bulk) if isinstance(result, Response) else (result, None)
         try:
+            if bulk is None:
+                # The usual answer: its header encoded without the dict.
+                head = messages.done_head(request_id, body, run)
+                return OutgoingFrame(frame_of_head(head, "done"), None)
             return self.conn.build(messages.done(request_id, body, run), bulk)
         except Exception as e:
             error = BackendError(
                 "model `{}`: the answer to request {} cannot be sent: {}".format(
-                    name, request_id, describe_exception(e)
+                    self._name(), request_id, describe_exception(e)
                 )
             )
             return self.conn.build(messages.done_error(request_id, error.to_wire(), run))
@@ -479,23 +494,6 @@ class Worker:
         out = self._encode(request_id, result, run)
         self.state.finished(request_id)
         self.conn.send_built(out)
-
-    def _handle(self, request_id: int, frame: Frame) -> Any:
-        assert self.backend is not None
-        name = self._name()
-        ctx = RequestContext(request_id, name, self.state, self._send_chunk)
-        request = Request(request_id, frame.header.get("body"), frame.bulk)
-        try:
-            return self.backend.handle(request, ctx)
-        except WireError:
-            raise
-        except Exception as e:
-            _log_traceback("model `{}`: request {} failed".format(name, request_id))
-            raise BackendError(
-                "model `{}`: request {} failed: {}".format(name, request_id, describe_exception(e))
-            ) from None
-        finally:
-            ctx.finish()
 
     def _send_chunk(self, request_id: int, body: Any, bulk: Optional[Any]) -> None:
         self.conn.send_built(self.conn.build(messages.chunk(request_id, body), bulk))
