@@ -16,7 +16,6 @@
 //! - on shutdown every connection is told to finish its current request and
 //!   close, and the caller decides how long to wait for them.
 
-use crate::repoll::Repoll;
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -442,16 +441,10 @@ async fn serve_one<S>(
     let stream = SendTimeout::new(stream, limits.send_timeout);
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
-    // hyper's connection and the request body it hands the service wake
-    // each other as a body is read: polled again, not a yield of the task
-    // (`crate::repoll`).
-    let waker = Arc::<Repoll>::default();
-    let mut served = std::future::poll_fn(|cx| waker.poll(cx, |cx| connection.as_mut().poll(cx)));
     tokio::select! {
-        _ = &mut served => return,
+        _ = connection.as_mut() => return,
         _ = stop.wait_for(|s| *s) => {}
     }
-    drop(served);
     // No request yet: it may be on its way (the connection was accepted
     // as the stop came, and its client wrote at once); closing now would
     // cut it off unanswered. Its first request is awaited, within the
