@@ -367,3 +367,43 @@ fn upgrade_attempts_under_a_long_request_do_not_black_out_new_connections() {
     assert!(!server.events_of("upgrade_failed").is_empty());
     assert_eq!(build(&server), "black-a");
 }
+
+/// The new program accepts before it has adopted the workers (held back
+/// 1.5 s here by a fault): it answers at once what needs no worker, a
+/// request for a handed-over model waits for its worker and is answered
+/// by it, and no second worker starts.
+#[test]
+fn a_request_during_the_adoption_waits_for_its_worker() {
+    let env = [("BERTH_FAULT_ADOPT_SLOW", "adopt-b")];
+    let server = start(&marked_berth("adopt-a"), &echo("a"), &env);
+    assert_eq!(server.post("/api/models/a/load", json!({})).0, 200);
+    let before = worker_pids(&server);
+    let b = marked_berth("adopt-b");
+    std::thread::scope(|scope| {
+        let upgrade = scope.spawn(|| server.cli(&["upgrade", "--binary", b.to_str().unwrap()]));
+        // Serving, the workers not yet adopted.
+        assert!(wait_for(Duration::from_secs(30), || {
+            let (status, version) = server.get("/api/version");
+            status == 200 && version["build"] == "adopt-b"
+        }));
+        assert!(
+            server.events_of("upgraded").is_empty(),
+            "the workers were adopted before the new program served"
+        );
+        // Answered by the worker handed over (no load below), so after
+        // its adoption.
+        let (status, answer) = server.post("/api/models/a/infer", json!({"x": 1}));
+        assert_eq!(status, 200, "{answer}");
+        let (ok, outcome, stderr) = upgrade.join().unwrap();
+        assert!(ok, "{stderr} {outcome}");
+    });
+    let upgraded = &server.events_of("upgraded")[0];
+    assert_eq!(upgraded["lost"], json!([]), "{upgraded}");
+    assert_eq!(worker_pids(&server), before, "no second worker");
+    let loads = server
+        .events_of("loaded")
+        .iter()
+        .filter(|e| e["model"] == "a")
+        .count();
+    assert_eq!(loads, 1, "a second worker was loaded");
+}

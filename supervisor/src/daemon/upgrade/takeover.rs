@@ -98,6 +98,13 @@ impl Adoption {
             workers,
             held_ms,
         } = self;
+        // A fault for the upgrade's tests: an adoption that takes its time,
+        // in the build whose mark the variable names (requests for the
+        // handed-over models then wait for it while the program serves).
+        if std::env::var("BERTH_FAULT_ADOPT_SLOW").is_ok_and(|m| m == crate::base::build_mark()) {
+            tracing::warn!("BERTH_FAULT_ADOPT_SLOW: the workers are adopted 1.5 s late, as asked");
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+        }
         let config = supervisor.config();
         let (mut adopted, mut lost) = (Vec::new(), Vec::new());
         for (worker, awaited) in workers {
