@@ -72,10 +72,16 @@ impl Repoll {
         Poll::Pending
     }
 
+    /// Forgets the task that polled last: what is woken from now on wakes
+    /// nobody until the next poll (a connection back in its pool).
+    pub(crate) fn forget_task(&self) {
+        self.task.take();
+    }
+
     /// Polls `work` with this waker for no task: what it wakes wakes
     /// nobody (a look at a pooled connection between requests).
     pub(crate) fn poll_alone<T>(self: &Arc<Self>, work: impl FnOnce(&mut Context<'_>) -> T) -> T {
-        self.task.take();
+        self.forget_task();
         let waker = Waker::from(Arc::clone(self));
         work(&mut Context::from_waker(&waker))
     }

@@ -427,6 +427,8 @@ impl Upstream {
 
     fn checkin(&self, mut conn: Conn) {
         conn.idle_since = Some(Instant::now());
+        // The request's task is done with it.
+        conn.io.waker.forget_task();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         // Right after an answer's last byte the connection may not yet be
         // ready for the next request (its I/O not polled since): only a

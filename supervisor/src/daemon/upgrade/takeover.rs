@@ -110,12 +110,23 @@ impl Adoption {
         for (worker, awaited) in workers {
             let model = worker.model.clone();
             let pid = worker.pid;
-            let (Some(spec), Some(awaited)) = (supervisor.spec(&model), awaited) else {
-                lost.push(format!(
-                    "{model} (pid {pid}): no longer in the config; its worker is stopped"
-                ));
-                crate::child::handover::discard(worker);
-                continue;
+            let (spec, awaited) = match (supervisor.spec(&model), awaited) {
+                (Some(spec), Some(awaited)) => (spec, awaited),
+                (spec, _) => {
+                    // No place held: not registered, or a second worker
+                    // for one model in the state (which no berth writes).
+                    lost.push(match spec {
+                        None => format!(
+                            "{model} (pid {pid}): no longer in the config; its worker is stopped"
+                        ),
+                        Some(_) => format!(
+                            "{model} (pid {pid}): the model has a worker already; this one is \
+                             stopped"
+                        ),
+                    });
+                    crate::child::handover::discard(worker);
+                    continue;
+                }
             };
             debug_assert_eq!(awaited.model(), model);
             let idle = std::time::Duration::from_millis(worker.idle_ms);
