@@ -195,11 +195,6 @@ impl std::fmt::Debug for Awaited {
 }
 
 impl Awaited {
-    /// The model whose place this holds.
-    pub(crate) fn model(&self) -> &str {
-        &self.model
-    }
-
     /// Whether `slot` is the place this holds (not a worker installed since).
     fn holds(&self, slot: &Slot) -> bool {
         slot.worker.is_none()

@@ -115,21 +115,24 @@ pub(crate) async fn check_binary(binary: &Binary) -> Result<CheckAnswer, String>
         .args(&args)
         .arg(CHECK_FLAG)
         .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true);
+    let shown = binary.path.display();
+    let child = command
+        .spawn()
+        .map_err(|e| format!("cannot run `{shown}`: {e}"))?;
     // The check is background work while this berth serves: at a lower
     // priority, it takes the CPU that requests leave (measured on two
     // cores under four clients: at the same priority, its start made the
-    // requests sent meanwhile wait up to 25 ms).
-    // SAFETY: between fork and exec, one async-signal-safe call on the
-    // child itself; its failure leaves the priority as it was.
-    unsafe {
-        command.pre_exec(|| {
-            libc::setpriority(libc::PRIO_PROCESS, 0, CHECK_NICENESS);
-            Ok(())
-        });
+    // requests sent meanwhile wait up to 25 ms). Set from here, once it
+    // runs: a `pre_exec` would make the spawn a fork of this whole process.
+    if let Some(pid) = child.id() {
+        // SAFETY: a plain system call on our own child, not yet reaped; its
+        // failure leaves the priority as it was.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, pid, CHECK_NICENESS) };
     }
-    let shown = binary.path.display();
-    let out = tokio::time::timeout(CHECK_TIMEOUT, command.output())
+    let out = tokio::time::timeout(CHECK_TIMEOUT, child.wait_with_output())
         .await
         .map_err(|_| {
             format!(

@@ -128,7 +128,6 @@ impl Adoption {
                     continue;
                 }
             };
-            debug_assert_eq!(awaited.model(), model);
             let idle = std::time::Duration::from_millis(worker.idle_ms);
             let taken = crate::child::handover::adopt(worker, &spec, &config).and_then(
                 |(handle, report)| {
