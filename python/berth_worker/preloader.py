@@ -46,6 +46,10 @@ _FD_SIZE = array.array("i").itemsize
 #: fork cannot share): NVIDIA, AMD's KFD, DRM render nodes, accel.
 _DEVICE_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/", "/dev/accel")
 
+#: The ``cgroup.procs`` the first spare worker joins (each fork frame's
+#: ``spare_cgroup_procs`` names the next one's).
+ENV_SPARE_CGROUP = "BERTH_SPARE_CGROUP"
+
 #: How long a forked worker waits to be re-parented to the supervisor.
 _REPARENT_WAIT = 2.0
 
@@ -302,7 +306,16 @@ def become_preloader() -> None:
         },
     )
     say("preloaded {} in {:.0f} ms; forking workers".format(", ".join(modules), micros / 1000))
+    spare: Optional[_Spare] = None
+    spare_cgroup = os.environ.pop(ENV_SPARE_CGROUP, None)
     while True:
+        if spare is None:
+            # The next load's worker, forked now, while nobody waits for it.
+            made = _Spare.make(sock, mark, spare_cgroup)
+            if made is _IN_SPARE:
+                # This process is that spare, and has been handed its load.
+                return
+            spare = made
         try:
             header, fds = control.read()
         except EOFError:
@@ -313,33 +326,114 @@ def become_preloader() -> None:
             for extra in fds:
                 os.close(extra)
             die("the supervisor sent `{}` to a preloader; exiting".format(header["type"]))
-        child = _fork(sock, header, fds, mark)
-        if child is not None:
+        given = header.get("spare_cgroup_procs")
+        spare_cgroup = given if isinstance(given, str) else None
+        if spare is not None and _hand_to_spare(sock, spare, header, fds):
+            spare = None
+            continue
+        if spare is not None:
+            # It was gone, or the frame is not one a fork takes: the next
+            # frame gets a new spare.
+            spare.close()
+            spare = None
+        if _fork(sock, header, fds, mark):
             # The forked worker: its setup is done; serve() goes on.
             return
 
 
-def _fork(
-    sock: socket.socket,
-    header: Dict[str, Any],
-    fds: List[int],
-    mark: Tuple[Optional[int], str],
-) -> Optional[bool]:
-    """Answers one fork frame; returns True in the forked worker only."""
-    request_id = header.get("id")
-    if len(fds) != _FORK_FDS:
-        for extra in fds:
-            os.close(extra)
-        _send(sock, {"type": "fork_failed", "id": request_id,
-                     "reason": "{} descriptors came with the fork; it takes 3".format(len(fds))})
-        return None
-    why = unsafe_to_fork()
-    if why is not None:
-        # Something the preload started has since made forking unsafe.
-        _send(sock, {"type": "refused", "module": "(after the preload)", "reason": why})
-        flush_and_exit(3)
-    sys.stdout.flush()
-    sys.stderr.flush()
+class _Spare:
+    """A worker forked ahead of its load (as a fork frame's would be), so
+    that a load does not wait for the fork: already the supervisor's child,
+    waiting on a socket pair of its own for the fork frame the preloader
+    hands on to it. One at a time; it shares all but a few pages with the
+    preloader, and goes with it (it stays in the preloader's process group
+    and sees its socket close)."""
+
+    def __init__(self, pid: int, link: socket.socket) -> None:
+        self.pid = pid
+        self.link: Optional[socket.socket] = link
+
+    @staticmethod
+    def make(sock: socket.socket, mark: Tuple[Optional[int], str], cgroup: Optional[str]) -> Any:
+        """Forks a spare, which joins the cgroup whose ``cgroup.procs`` is
+        ``cgroup`` (made for it by the supervisor, which makes it the
+        worker's at the fork), and waits until it is the supervisor's child:
+        the spare (``None`` if that failed, said why) in the preloader, and
+        :data:`_IN_SPARE` in the spare once it has been handed its load."""
+        if unsafe_to_fork() is not None:
+            return None  # the next fork frame says why
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = _double_fork()
+        except ChildProcessError:
+            # Something reaps this process's children (a preloaded module
+            # ignoring SIGCHLD): it cannot tell a worker's fork worked, and
+            # ends here, as it would at a fork frame.
+            raise
+        except OSError as e:
+            ours.close()
+            theirs.close()
+            say("no spare worker: forking it failed: {}".format(e))
+            return None
+        if pid == 0:
+            ours.close()
+            _serve_as_spare(sock, theirs, mark, cgroup)
+            return _IN_SPARE
+        theirs.close()
+        spare = _Spare(pid, ours)
+        try:
+            ours.settimeout(_REPARENT_WAIT + 1.0)
+            ready = ours.recv(1)
+            ours.settimeout(None)
+        except OSError as e:
+            ready, why = b"", str(e)
+        else:
+            why = "it exited"
+        if ready != b"r":
+            say("no spare worker: pid {} did not get ready ({})".format(pid, why))
+            spare.close()
+            return None
+        return spare
+
+    def close(self) -> None:
+        """Lets it go: it sees its socket close and exits."""
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+
+#: What :meth:`_Spare.make` returns in the spare itself.
+_IN_SPARE = object()
+
+
+def _hand_to_spare(sock: socket.socket, spare: _Spare, header: Dict[str, Any], fds: List[int]) -> bool:
+    """Hands a fork frame and its descriptors on to the spare and answers
+    it with the spare's pid. False, nothing handed, if the frame is not one
+    a fork takes (left to :func:`_fork` to refuse) or the spare is gone
+    (then closed)."""
+    if len(fds) != _FORK_FDS or spare.link is None:
+        return False
+    try:
+        socket.send_fds(spare.link, [encode_frame(header)], fds)
+    except OSError:
+        spare.close()
+        return False
+    spare.close()
+    for extra in fds:
+        os.close(extra)
+    _send(sock, {"type": "forked", "id": header.get("id"), "pid": spare.pid})
+    return True
+
+
+class _SecondForkFailed(OSError):
+    """The intermediate child could not fork: no worker, nothing left."""
+
+
+def _double_fork() -> int:
+    """Forks a process whose parent exits at once, so that it is re-parented
+    to the supervisor (a child subreaper): its pid in the caller, 0 in it."""
     pid_r, pid_w = os.pipe()
     intermediate = os.fork()
     if intermediate == 0:
@@ -350,13 +444,16 @@ def _fork(
             os._exit(1)
         if worker == 0:
             os.close(pid_w)
-            _become_worker(sock, header, fds, mark)
-            return True
+            return 0
         os.write(pid_w, struct.pack("<i", worker))
+        try:
+            # Its exit tears its copy of the interpreter down (milliseconds
+            # of the kernel's work): behind the worker just handed its load.
+            os.nice(19)
+        except OSError:
+            pass
         os._exit(0)
     os.close(pid_w)
-    for extra in fds:
-        os.close(extra)
     raw = b""
     try:
         while len(raw) < 4:
@@ -369,11 +466,98 @@ def _fork(
     # Reaped before the answer: the worker is then the supervisor's child.
     os.waitpid(intermediate, 0)
     if len(raw) != 4:
-        _send(sock, {"type": "fork_failed", "id": request_id, "reason": "the second fork failed"})
-        return None
-    (worker_pid,) = struct.unpack("<i", raw)
+        raise _SecondForkFailed("the second fork failed")
+    return struct.unpack("<i", raw)[0]
+
+
+def _serve_as_spare(
+    sock: socket.socket,
+    link: socket.socket,
+    mark: Tuple[Optional[int], str],
+    cgroup: Optional[str],
+) -> None:
+    """In the spare: joins its cgroup and waits to be the supervisor's
+    child, says so, then waits for the fork frame the preloader hands on,
+    and sets up as that worker. Exits (0) when the preloader goes without
+    handing it one."""
+    joined = _join(cgroup) if cgroup is not None else None
+    _wait_for_the_supervisor()
+    arm_parent_death()
+    if parent_gone() is not None:
+        os._exit(0)
+    try:
+        link.sendall(b"r")
+        header, fds = _Control(link).read()
+    except (OSError, ValueError, EOFError, FrameError):
+        os._exit(0)
+    link.close()
+    if len(fds) != _FORK_FDS:
+        os._exit(1)
+    _become_worker(sock, header, fds, mark, joined)
+
+
+def _fork(
+    sock: socket.socket,
+    header: Dict[str, Any],
+    fds: List[int],
+    mark: Tuple[Optional[int], str],
+) -> bool:
+    """Answers one fork frame by forking its worker now (no spare was
+    ready); returns True in the forked worker only."""
+    request_id = header.get("id")
+    if len(fds) != _FORK_FDS:
+        for extra in fds:
+            os.close(extra)
+        _send(sock, {"type": "fork_failed", "id": request_id,
+                     "reason": "{} descriptors came with the fork; it takes 3".format(len(fds))})
+        return False
+    why = unsafe_to_fork()
+    if why is not None:
+        # Something the preload started has since made forking unsafe.
+        _send(sock, {"type": "refused", "module": "(after the preload)", "reason": why})
+        flush_and_exit(3)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        worker_pid = _double_fork()
+    except _SecondForkFailed as e:
+        for extra in fds:
+            os.close(extra)
+        _send(sock, {"type": "fork_failed", "id": request_id, "reason": str(e)})
+        return False
+    if worker_pid == 0:
+        _become_worker(sock, header, fds, mark)
+        return True
+    for extra in fds:
+        os.close(extra)
     _send(sock, {"type": "forked", "id": request_id, "pid": worker_pid})
-    return None
+    return False
+
+
+def _join(procs: str) -> Optional[Tuple[int, int]]:
+    """Moves this process into the cgroup whose ``cgroup.procs`` is
+    ``procs``; that cgroup's folder (device, inode: the supervisor may
+    rename it), or ``None`` if the move failed (said why)."""
+    try:
+        with open(procs, "w") as f:
+            f.write("0")
+        st = os.stat(os.path.dirname(procs))
+    except OSError as e:
+        say("the spare worker could not join its cgroup {}: {}".format(procs, e))
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _already_in(procs: str, joined: Optional[Tuple[int, int]]) -> bool:
+    """Whether the cgroup of ``procs`` is the one this process joined ahead
+    (its folder the same, whatever its name now)."""
+    if joined is None:
+        return False
+    try:
+        st = os.stat(os.path.dirname(procs))
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == joined
 
 
 def _become_worker(
@@ -381,9 +565,11 @@ def _become_worker(
     header: Dict[str, Any],
     fds: List[int],
     mark: Tuple[Optional[int], str],
+    joined: Optional[Tuple[int, int]] = None,
 ) -> None:
-    """In the forked worker: its own session, cgroup, descriptors,
-    environment and folder, then waits to be the supervisor's child."""
+    """In the forked worker: its own session, cgroup (unless it ``joined``
+    that one ahead, as a spare), descriptors, environment and folder, then
+    waits to be the supervisor's child."""
     wire, out, err = fds
     try:
         # Its own output first, so that whatever fails below is its own.
@@ -393,7 +579,7 @@ def _become_worker(
         os.dup2(err, 2)
         os.setsid()
         procs = header.get("cgroup_procs")
-        if isinstance(procs, str):
+        if isinstance(procs, str) and not _already_in(procs, joined):
             with open(procs, "w") as f:
                 f.write("0")
         _null_all_but(3)

@@ -125,6 +125,110 @@ fn workers_are_forked_from_one_preloader_and_ps_tells_what_each_owns() {
     );
 }
 
+/// The memory cgroup a process is in (this machine lets berth make them)
+/// and the file that caps it: (`/sys/fs/cgroup/...`, `memory.max` on v2 or
+/// `memory.limit_in_bytes` on v1).
+fn memory_cgroup(pid: u32) -> (std::path::PathBuf, &'static str) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let line = |prefix: &str| {
+        text.lines()
+            .find_map(|l| l.split_once(prefix).map(|(_, path)| path.to_string()))
+    };
+    match line(":memory:") {
+        Some(path) => (
+            std::path::PathBuf::from(format!("/sys/fs/cgroup/memory{path}")),
+            "memory.limit_in_bytes",
+        ),
+        None => (
+            std::path::PathBuf::from(format!("/sys/fs/cgroup{}", line("0::").unwrap())),
+            "memory.max",
+        ),
+    }
+}
+
+/// The preloader forks the next load's worker ahead: a spare, already the
+/// supervisor's child, shown in `ps`, waiting in a cgroup made for it. The
+/// next fork hands it its load: it is that worker, its cgroup renamed for
+/// the model and capped at the model's `memory_limit`, and another spare
+/// takes its place.
+#[test]
+fn a_spare_worker_waits_forked_and_becomes_the_next_loads_in_its_own_cgroup() {
+    let mut config = config(&["json", "berth_worker.backends"], "");
+    config.push_str("memory_limit = \"300MiB\"\n");
+    let (server, _log) = serve(&config);
+    let a = load(&server, "a");
+    let preloader = preloader_pid(&a);
+    let spare = || {
+        preloaders(&server)
+            .first()
+            .and_then(|p| p["spare_pid"].as_u64())
+            .map(|p| p as u32)
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || spare().is_some()),
+        "no spare worker in {:?}",
+        preloaders(&server)
+    );
+    let waiting = spare().unwrap();
+    let stat = procfs::process::Process::new(waiting as i32)
+        .unwrap()
+        .stat()
+        .unwrap();
+    assert_eq!(stat.ppid as u32, server.pid(), "the supervisor's child");
+    assert_eq!(stat.pgrp as u32, preloader, "in its preloader's group");
+    assert!(
+        memory_cgroup(waiting)
+            .0
+            .display()
+            .to_string()
+            .contains("/berth/preload-py-spare-"),
+        "{:?}",
+        memory_cgroup(waiting)
+    );
+    // `b` (the last model in the file) is capped at 300 MiB.
+    let b = load(&server, "b");
+    assert_eq!(preloader_pid(&b), preloader);
+    assert_eq!(b["pid"].as_u64().unwrap() as u32, waiting, "{b}");
+    let (dir, cap) = memory_cgroup(waiting);
+    let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with("b-"),
+        "named for its model: {}",
+        dir.display()
+    );
+    let limit = std::fs::read_to_string(dir.join(cap)).unwrap();
+    assert_eq!(
+        limit.trim(),
+        (300u64 << 20).to_string(),
+        "{}",
+        dir.display()
+    );
+    assert_eq!(b["memory_limit_bytes"], 300u64 << 20, "{b}");
+    // Its session is its own; a new spare waits for the next load.
+    let stat = procfs::process::Process::new(waiting as i32)
+        .unwrap()
+        .stat()
+        .unwrap();
+    assert_eq!(stat.session as u32, waiting);
+    assert!(
+        wait_for(Duration::from_secs(10), || spare()
+            .is_some_and(|p| p != waiting)),
+        "no new spare in {:?}",
+        preloaders(&server)
+    );
+    let (status, body) = server.post("/api/models/b/infer", json!({}));
+    assert_eq!(status, 200, "{body}");
+    // The spare goes with its preloader.
+    let next = spare().unwrap();
+    signal(preloader, nix::sys::signal::Signal::SIGKILL);
+    assert!(
+        wait_for(Duration::from_secs(10), || !alive(next)),
+        "the spare {next} outlived its preloader"
+    );
+    let (status, body) = server.post("/api/models/b/infer", json!({}));
+    assert_eq!(status, 200, "{body}");
+}
+
 #[test]
 fn a_preload_that_starts_a_thread_is_refused_naming_the_module_and_loads_start_cold() {
     let (server, log_file) = serve(&config_of(

@@ -202,17 +202,12 @@ impl Cgroup {
     /// A new cgroup for a worker of `model` about to start, capped at
     /// `limit` bytes if given.
     pub fn create(model: &str, limit: Option<u64>) -> Result<Cgroup, String> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
         if cgroups_off() {
             return Err("BERTH_NO_CGROUPS=1".into());
         }
         let (version, base) = cgroup_base().ok_or("no memory cgroup found")?;
         let parent = base.join("berth");
-        let leaf = parent.join(format!(
-            "{model}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
+        let leaf = parent.join(leaf_name(model));
         let setup = || -> std::io::Result<()> {
             std::fs::create_dir_all(&parent)?;
             if version == CapMechanism::CgroupV2 {
@@ -221,21 +216,10 @@ impl Cgroup {
                 write(&parent.join("cgroup.subtree_control"), "+memory")?;
             }
             std::fs::create_dir(&leaf)?;
-            let Some(limit) = limit else { return Ok(()) };
-            match version {
-                CapMechanism::CgroupV2 => {
-                    write(&leaf.join("memory.max"), &limit.to_string())?;
-                    let _ = write(&leaf.join("memory.swap.max"), "0");
-                }
-                _ => {
-                    write(&leaf.join("memory.limit_in_bytes"), &limit.to_string())?;
-                    let _ = write(
-                        &leaf.join("memory.memsw.limit_in_bytes"),
-                        &limit.to_string(),
-                    );
-                }
+            match limit {
+                Some(limit) => set_limit(&leaf, version, limit),
+                None => Ok(()),
             }
-            Ok(())
         };
         let procs = CString::new(
             leaf.join("cgroup.procs")
@@ -258,6 +242,41 @@ impl Cgroup {
                 ))
             }
         }
+    }
+
+    /// Makes a cgroup made ahead (a preloader's spare worker sits in it)
+    /// the one of a worker of `model`: named for it, as [`Cgroup::create`]
+    /// would have (a failed rename keeps the old name, said at debug), and
+    /// capped at `limit` bytes if given.
+    pub(crate) fn make_for(&mut self, model: &str, limit: Option<u64>) -> Result<(), String> {
+        if let Some(limit) = limit {
+            set_limit(&self.dir, self.version, limit)
+                .map_err(|e| format!("cannot cap {}: {e}", self.dir.display()))?;
+        }
+        let Some(parent) = self.dir.parent() else {
+            return Ok(());
+        };
+        let renamed = parent.join(leaf_name(model));
+        let procs = CString::new(
+            renamed
+                .join("cgroup.procs")
+                .into_os_string()
+                .into_encoded_bytes(),
+        );
+        match (std::fs::rename(&self.dir, &renamed), procs) {
+            (Ok(()), Ok(procs)) => {
+                self.dir = renamed;
+                self.procs = procs;
+            }
+            (Ok(()), Err(_)) => {
+                // Not reachable: the new name came from a path without NUL.
+                let _ = std::fs::rename(&renamed, &self.dir);
+            }
+            (Err(e), _) => {
+                tracing::debug!(model, dir = %self.dir.display(), "the cgroup keeps its name: {e}");
+            }
+        }
+        Ok(())
     }
 
     /// The `cgroup.procs` file the child writes itself into before exec.
@@ -303,6 +322,32 @@ impl Cgroup {
         text.lines()
             .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
     }
+}
+
+/// A new worker cgroup's folder name: the model's, this process's pid and
+/// a count, so that no two are alike.
+fn leaf_name(model: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{model}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Caps the cgroup at `dir` at `limit` bytes, swap included.
+fn set_limit(dir: &Path, version: CapMechanism, limit: u64) -> std::io::Result<()> {
+    match version {
+        CapMechanism::CgroupV2 => {
+            write(&dir.join("memory.max"), &limit.to_string())?;
+            let _ = write(&dir.join("memory.swap.max"), "0");
+        }
+        _ => {
+            write(&dir.join("memory.limit_in_bytes"), &limit.to_string())?;
+            let _ = write(&dir.join("memory.memsw.limit_in_bytes"), &limit.to_string());
+        }
+    }
+    Ok(())
 }
 
 /// The cgroup at `dir` and every cgroup below it, parents first. A
@@ -425,6 +470,15 @@ impl MemoryCap {
             mechanism: handed.mechanism,
             cgroup: handed.cgroup.map(Cgroup::taken_over).transpose()?,
         })
+    }
+
+    /// A cap of `limit` bytes enforced by `cgroup`, already capped so.
+    pub(crate) fn in_cgroup(limit: u64, cgroup: Cgroup) -> MemoryCap {
+        MemoryCap {
+            limit,
+            mechanism: cgroup.version,
+            cgroup: Some(cgroup),
+        }
     }
 
     /// A cap of `limit` bytes for a worker about to start.

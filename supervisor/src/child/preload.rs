@@ -24,7 +24,7 @@ use serde::Deserialize;
 use tokio::io::unix::AsyncFd;
 
 use crate::child::limits::Cgroup;
-use crate::child::memory::{ProcessMemory, process_memory};
+use crate::child::memory::{ProcessMemory, process_memory, tree_memory};
 use crate::child::process::ProcessWatch;
 use crate::child::spawn::{Connect, SpawnOptions, spawn, worker_env};
 use crate::child::stream::io as wire_io;
@@ -36,6 +36,10 @@ pub(crate) const ENV_PRELOAD: &str = "BERTH_PRELOAD";
 /// block for each worker's environment (preloader.py), and its size.
 const ENV_SPACE: &str = "BERTH_ENV_SPACE";
 const ENV_SPACE_BYTES: usize = 32 << 10;
+
+/// The `cgroup.procs` of the cgroup the preloader's first spare worker
+/// joins (each fork frame names the next one's).
+const ENV_SPARE_CGROUP: &str = "BERTH_SPARE_CGROUP";
 
 /// The longest control frame either side sends.
 const MAX_FRAME: usize = 1 << 20;
@@ -88,6 +92,11 @@ pub(crate) struct Preloader {
     /// at most once a second, however many poll (smaps_rollup walks its
     /// page tables: ~10 ms for an interpreter holding PyTorch).
     memory: std::sync::Mutex<Option<(Instant, ProcessMemory)>>,
+    /// The cgroup made for its spare worker (preloader.py: a worker forked
+    /// ahead of its load), which the spare joins while nobody waits: the
+    /// next fork's worker is that spare, and this its cgroup. Dropped, once
+    /// the preloader has ended, by the task that sweeps up after it.
+    spare_cgroup: Arc<std::sync::Mutex<Option<Cgroup>>>,
 }
 
 #[derive(Debug)]
@@ -183,6 +192,11 @@ impl Preloader {
         // overwrites with its own: /proc/<pid>/environ then tells the
         // worker's model and mark, not the preloader's.
         env.push((ENV_SPACE.into(), " ".repeat(ENV_SPACE_BYTES)));
+        let spare = Cgroup::create(&format!("{label}-spare"), None).ok();
+        if let Some(procs) = spare.as_ref().and_then(|c| c.procs_file().to_str().ok()) {
+            env.push((ENV_SPARE_CGROUP.into(), procs.to_string()));
+        }
+        let spare_cgroup = Arc::new(std::sync::Mutex::new(spare));
         let fence = Cgroup::create(&label, None)
             .inspect_err(|why| tracing::debug!(kind, "no cgroup for the preloader: {why}"))
             .ok();
@@ -263,9 +277,12 @@ impl Preloader {
                 // crash, a stop): its group, and what left the group (its
                 // cgroup, its mark), as for a worker.
                 let watched = Arc::clone(&process);
+                let spare = Arc::clone(&spare_cgroup);
                 tokio::spawn(async move {
                     watched.exited().await;
                     let swept = crate::child::sweep::sweep_all(&watched).await;
+                    // Its spare went with its group: the cgroup is empty.
+                    drop_later(lock(&spare).take());
                     if swept.found > 0 {
                         tracing::warn!(
                             pid = watched.pid(),
@@ -285,14 +302,17 @@ impl Preloader {
                     forks: AtomicU64::new(0),
                     next_id: AtomicU64::new(1),
                     memory: std::sync::Mutex::new(None),
+                    spare_cgroup,
                 })
             }
             Said::Refused { module, reason } => {
                 stop(&process);
+                drop_later(lock(&spare_cgroup).take());
                 Err(StartFailure::Refused { module, reason })
             }
             other => {
                 stop(&process);
+                drop_later(lock(&spare_cgroup).take());
                 Err(failed(format!("it said {other:?} before it was ready")))
             }
         }
@@ -332,12 +352,17 @@ impl Preloader {
         .into_iter()
         .collect();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // Where the spare forked after this one waits for its load.
+        let next_spare = Cgroup::create(&format!("preload-{}-spare", self.kind), None).ok();
         let header = serde_json::json!({
             "type": "fork",
             "id": id,
             "env": env,
             "cwd": request.cwd.map(|p| p.to_string_lossy().into_owned()),
             "cgroup_procs": request.cgroup_procs.map(|p| p.to_string_lossy().into_owned()),
+            "spare_cgroup_procs": next_spare
+                .as_ref()
+                .and_then(|c| c.procs_file().to_str().ok()),
         });
         let bytes = berth_protocol::stream::frame(header.to_string().as_bytes(), &[]);
         let mut control = self.control.lock().await;
@@ -351,7 +376,26 @@ impl Preloader {
                 .map_err(|e| e.to_string())?;
             control.read().await
         };
-        let said = match tokio::time::timeout(timeout, exchange).await {
+        let said = tokio::time::timeout(timeout, exchange).await;
+        drop(control);
+        let said = match said {
+            Ok(Ok(Said::Forked { id: got, pid })) if got == id => {
+                self.forks.fetch_add(1, Ordering::Relaxed);
+                drop_later(std::mem::replace(
+                    &mut *lock(&self.spare_cgroup),
+                    next_spare,
+                ));
+                return Ok(Forked {
+                    pid,
+                    output: (File::from(out_r), File::from(err_r)),
+                });
+            }
+            said => {
+                drop_later(next_spare);
+                said
+            }
+        };
+        let said = match said {
             Ok(Ok(said)) => said,
             Ok(Err(why)) => return Err(unanswered(format!("its control socket broke: {why}"))),
             Err(_) => {
@@ -360,15 +404,7 @@ impl Preloader {
                 )));
             }
         };
-        drop(control);
         match said {
-            Said::Forked { id: got, pid } if got == id => {
-                self.forks.fetch_add(1, Ordering::Relaxed);
-                Ok(Forked {
-                    pid,
-                    output: (File::from(out_r), File::from(err_r)),
-                })
-            }
             Said::ForkFailed { id: got, reason } if got.is_none_or(|g| g == id) => {
                 Err(clean(format!("the fork failed: {reason}")))
             }
@@ -376,6 +412,22 @@ impl Preloader {
                 Err(clean(format!("it refused to fork: `{module}`: {reason}")))
             }
             other => Err(unanswered(format!("it answered a fork with {other:?}"))),
+        }
+    }
+
+    /// The cgroup its spare worker sits in, made the one of a worker of
+    /// `model` (named for it, capped at `limit`), for the fork about to be
+    /// asked; `None` if it has none or it cannot be capped (the worker then
+    /// gets a cgroup of its own, and moves there).
+    pub(crate) fn spare_cgroup_for(&self, model: &str, limit: Option<u64>) -> Option<Cgroup> {
+        let mut spare = lock(&self.spare_cgroup);
+        let made = spare.as_mut()?.make_for(model, limit);
+        match made {
+            Ok(()) => spare.take(),
+            Err(why) => {
+                tracing::debug!(model, kind = self.kind, "the spare's cgroup is left: {why}");
+                None
+            }
         }
     }
 
@@ -409,13 +461,23 @@ impl Preloader {
         self.forks.load(Ordering::Relaxed)
     }
 
-    /// Its memory, read at most once a second.
+    /// Its spare worker's pid, while one waits for a load.
+    pub(crate) fn spare_pid(&self) -> Option<u32> {
+        lock(&self.spare_cgroup)
+            .as_ref()?
+            .members()
+            .first()
+            .copied()
+    }
+
+    /// Its memory with its spare worker's, read at most once a second.
     pub(crate) fn memory(&self) -> ProcessMemory {
         let mut last = self.memory.lock().unwrap_or_else(|e| e.into_inner());
         match *last {
             Some((at, reading)) if at.elapsed() < Duration::from_secs(1) => reading,
             _ => {
-                let reading = process_memory(self.pid()).unwrap_or_default();
+                let spare: Vec<u32> = self.spare_pid().into_iter().collect();
+                let reading = tree_memory(self.pid(), &spare, process_memory).unwrap_or_default();
                 *last = Some((Instant::now(), reading));
                 reading
             }
@@ -507,4 +569,16 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: pipe2 succeeded: both are open descriptors nothing else owns.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Drops a cgroup off the async threads: its removal waits (up to half a
+/// second) for the processes that were in it to be gone.
+fn drop_later(cgroup: Option<Cgroup>) {
+    if let Some(cgroup) = cgroup {
+        tokio::task::spawn_blocking(move || drop(cgroup));
+    }
 }

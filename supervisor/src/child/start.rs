@@ -60,14 +60,26 @@ pub(crate) async fn start_process(
     (start, load_timeout): (Start, Duration),
 ) -> Result<Started> {
     let model = spec.name.as_str();
-    let cap = spec
-        .memory_limit
-        .map(|limit| MemoryCap::prepare(model, limit));
-    let fence = match &cap {
-        Some(_) => None,
-        None => Cgroup::create(model, None)
-            .inspect_err(|why| tracing::debug!(model, "no cgroup for the worker: {why}"))
-            .ok(),
+    // A fork is handed the preloader's spare worker, which already sits in
+    // a cgroup made for it ahead: that cgroup becomes this worker's, and the
+    // load does not wait for a process to move between cgroups (which waits
+    // out an RCU grace period: 8–26 ms measured).
+    let spare = match (&start, connect) {
+        (Start::Fork(preloader), Connect::Stream(_)) => {
+            preloader.spare_cgroup_for(model, spec.memory_limit)
+        }
+        _ => None,
+    };
+    let (cap, fence) = match (spec.memory_limit, spare) {
+        (Some(limit), Some(cgroup)) => (Some(MemoryCap::in_cgroup(limit, cgroup)), None),
+        (Some(limit), None) => (Some(MemoryCap::prepare(model, limit)), None),
+        (None, Some(cgroup)) => (None, Some(cgroup)),
+        (None, None) => (
+            None,
+            Cgroup::create(model, None)
+                .inspect_err(|why| tracing::debug!(model, "no cgroup for the worker: {why}"))
+                .ok(),
+        ),
     };
     // A container's command names the model's cgroup (`child/container.rs`).
     let args = &crate::child::container::fill_cgroup(

@@ -138,6 +138,10 @@ fn print_preloaders(preloaders: &[PreloaderStatus]) {
             ),
             _ => p.reason.clone().unwrap_or_default(),
         };
+        let until = match p.spare_pid {
+            Some(spare) => format!("{until}; a spare worker (pid {spare}) waits for the next load"),
+            None => until,
+        };
         println!(
             "{:<16} {:>8} {:<8} {:>W$} {:>W$} {:>9} {:>6}  {until}",
             p.kind,

@@ -153,6 +153,14 @@ impl Supervisor {
         self.inner.notify_changed();
         match installed {
             Some(value) => {
+                // It serves now: the report's full memory reading (a walk
+                // of its page tables) keeps no request waiting.
+                launch::complete_report(&worker, &mut report);
+                if let Some(slot) = self.lock().slots.get_mut(model)
+                    && slot.report.as_ref().is_some_and(|r| r.pid == report.pid)
+                {
+                    slot.report = Some(report.clone());
+                }
                 self.watch_worker(model, &worker);
                 for warning in &report.warnings {
                     self.emit(EventKind::Warning {

@@ -60,7 +60,11 @@ pub struct PreloaderStatus {
     pub pid: Option<u32>,
     pub modules: Vec<String>,
     pub import_ms: f64,
-    /// Its standing cost: what it holds while it waits.
+    /// The worker it forked ahead for the next load of its kind, waiting
+    /// (counted in its memory below).
+    #[serde(default)]
+    pub spare_pid: Option<u32>,
+    /// Its standing cost: what it and its spare worker hold while they wait.
     pub rss_bytes: u64,
     pub pss_bytes: u64,
     pub private_bytes: u64,
@@ -229,6 +233,7 @@ impl Supervisor {
                 kind: kind.clone(),
                 state: "ready".into(),
                 pid: None,
+                spare_pid: None,
                 modules: Vec::new(),
                 import_ms: 0.0,
                 rss_bytes: 0,
@@ -245,6 +250,7 @@ impl Supervisor {
             } else if let Some(p) = slot.preloader.as_ref().filter(|p| p.is_alive()) {
                 let memory = p.memory();
                 status.pid = Some(p.pid());
+                status.spare_pid = p.spare_pid();
                 status.modules = p.modules().to_vec();
                 status.import_ms = p.import_time().as_secs_f64() * 1e3;
                 status.rss_bytes = memory.rss_bytes;

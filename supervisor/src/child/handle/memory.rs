@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use berth_protocol::WorkerStats;
 
 use super::{MemoryState, WorkerHandle};
-use crate::child::memory::{ProcessMemory, process_memory};
+use crate::child::memory::{ProcessMemory, process_memory, process_status_memory, tree_memory};
 
 impl WorkerHandle {
     /// The processes besides the worker whose memory counts as its: for an
@@ -49,7 +49,7 @@ impl WorkerHandle {
     /// HTTP server, with everything it started).
     pub fn sample_memory(&self) -> Option<ProcessMemory> {
         let reading = match self.tree() {
-            Some(tree) => crate::child::memory::tree_memory(self.pid, &tree)?,
+            Some(tree) => tree_memory(self.pid, &tree, process_memory)?,
             None => process_memory(self.pid)?,
         };
         let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
@@ -59,6 +59,26 @@ impl WorkerHandle {
             ..reading
         };
         m.sampled_at = Some(Instant::now());
+        Some(m.last)
+    }
+
+    /// [`WorkerHandle::sample_memory`] without the proportional, private
+    /// and shared figures (left as last read): what `/proc/<pid>/status`
+    /// says, read without walking the worker's page tables. Not counted as
+    /// a sample (a status asks for a full one still).
+    pub(crate) fn sample_status_memory(&self) -> Option<ProcessMemory> {
+        let reading = match self.tree() {
+            Some(tree) => tree_memory(self.pid, &tree, process_status_memory)?,
+            None => process_status_memory(self.pid)?,
+        };
+        let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
+        m.last = ProcessMemory {
+            peak_rss_bytes: m.last.peak_rss_bytes.max(reading.peak_rss_bytes),
+            pss_bytes: m.last.pss_bytes,
+            private_bytes: m.last.private_bytes,
+            shared_bytes: m.last.shared_bytes,
+            ..reading
+        };
         Some(m.last)
     }
 

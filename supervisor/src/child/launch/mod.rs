@@ -302,9 +302,12 @@ struct Measured {
     max_batch: u32,
 }
 
-/// A worker (or server) that is ready: its memory sampled as the baseline
-/// its growth is measured from, its heartbeats started, and its load
-/// report, the one place a report is made (both wires and servers alike).
+/// A worker (or server) that is ready: its memory read as the baseline its
+/// growth is measured from, its heartbeats started, and its load report,
+/// the one place a report is made (both wires and servers alike). The
+/// reading is `/proc/<pid>/status`'s; the proportional, private and shared
+/// figures, which walk the worker's page tables, are read once it serves
+/// ([`complete_report`]).
 fn ready_report(
     handle: &Arc<WorkerHandle>,
     process: &ProcessWatch,
@@ -313,7 +316,7 @@ fn ready_report(
     measured: Measured,
     config: &SupervisorConfig,
 ) -> LoadReport {
-    let memory = handle.sample_memory().unwrap_or_default();
+    let memory = handle.sample_status_memory().unwrap_or_default();
     handle.set_baseline(measured.started.elapsed());
     health::spawn(
         Arc::downgrade(handle),
@@ -355,6 +358,22 @@ fn ready_report(
         warnings: Vec::new(),
         admission: None,
     }
+}
+
+/// Completes a load report with a full reading of the worker's memory
+/// (`smaps_rollup`: its proportional, private and shared figures), taken
+/// once the worker serves, so that no request waits for it.
+pub(crate) fn complete_report(handle: &WorkerHandle, report: &mut LoadReport) {
+    let Some(memory) = handle.sample_memory() else {
+        return;
+    };
+    report.rss_bytes = memory.rss_bytes;
+    report.anon_bytes = memory.anon_bytes;
+    report.file_bytes = memory.file_bytes;
+    report.pss_bytes = memory.pss_bytes;
+    report.private_bytes = memory.private_bytes;
+    report.shared_bytes = memory.shared_bytes;
+    report.peak_rss_bytes = report.peak_rss_bytes.max(memory.peak_rss_bytes);
 }
 
 /// A load that failed for want of device memory (the framework's own words
