@@ -15,7 +15,9 @@ pub struct LoadReport {
     pub backend: String,
     pub pid: u32,
     pub worker_version: String,
-    /// Spawn to ready, as the caller waited for it.
+    /// Spawn to ready: the worker loaded, serving from here (the
+    /// proportional, private and shared figures are read right after, once
+    /// it serves; the call returns when they are in).
     pub load_ms: f64,
     /// Spawn to hello: the cost of the process itself.
     pub spawn_ms: f64,
