@@ -327,16 +327,16 @@ def become_preloader() -> None:
                 os.close(extra)
             die("the supervisor sent `{}` to a preloader; exiting".format(header["type"]))
         given = header.get("spare_cgroup_procs")
-        spare_cgroup = given if isinstance(given, str) else None
-        if spare is not None and _hand_to_spare(sock, spare, header, fds):
-            spare = None
-            continue
-        if spare is not None:
-            # It was gone, or the frame is not one a fork takes: the next
-            # frame gets a new spare.
-            spare.close()
-            spare = None
-        if _fork(sock, header, fds, mark):
+        if spare is not None and spare.fits(header, fds):
+            if _hand_to_spare(sock, spare, header, fds):
+                spare = None
+                spare_cgroup = given if isinstance(given, str) else None
+                continue
+            spare = None  # it was gone
+        if spare is None:
+            # The next spare goes where this frame says.
+            spare_cgroup = given if isinstance(given, str) else None
+        if _fork(sock, header, fds, mark, spare_kept=spare is not None):
             # The forked worker: its setup is done; serve() goes on.
             return
 
@@ -349,9 +349,22 @@ class _Spare:
     preloader, and goes with it (it stays in the preloader's process group
     and sees its socket close)."""
 
-    def __init__(self, pid: int, link: socket.socket) -> None:
+    def __init__(self, pid: int, link: socket.socket, joined: Optional[Tuple[int, int]]) -> None:
         self.pid = pid
         self.link: Optional[socket.socket] = link
+        #: The cgroup folder it joined (device, inode), if it joined one.
+        self.joined = joined
+
+    def fits(self, header: Dict[str, Any], fds: List[int]) -> bool:
+        """Whether a fork frame is one to hand this spare: one a fork takes,
+        naming the cgroup the spare joined (the supervisor made that one
+        this worker's) or none. A frame naming another cgroup (two loads at
+        once, the other took this spare's) is forked afresh and the spare
+        kept for the frame that names its cgroup."""
+        if len(fds) != _FORK_FDS:
+            return False
+        procs = header.get("cgroup_procs")
+        return not isinstance(procs, str) or self.joined is None or _already_in(procs, self.joined)
 
     @staticmethod
     def make(sock: socket.socket, mark: Tuple[Optional[int], str], cgroup: Optional[str]) -> Any:
@@ -382,7 +395,7 @@ class _Spare:
             _serve_as_spare(sock, theirs, mark, cgroup)
             return _IN_SPARE
         theirs.close()
-        spare = _Spare(pid, ours)
+        spare = _Spare(pid, ours, None)
         try:
             ours.settimeout(_REPARENT_WAIT + 1.0)
             ready = ours.recv(1)
@@ -391,10 +404,17 @@ class _Spare:
             ready, why = b"", str(e)
         else:
             why = "it exited"
-        if ready != b"r":
+        if ready not in (b"r", b"j"):
             say("no spare worker: pid {} did not get ready ({})".format(pid, why))
             spare.close()
             return None
+        if ready == b"j" and cgroup is not None:
+            # It joined `cgroup`: that folder is its, whatever its name later.
+            try:
+                st = os.stat(os.path.dirname(cgroup))
+                spare.joined = (st.st_dev, st.st_ino)
+            except OSError:
+                pass
         return spare
 
     def close(self) -> None:
@@ -409,11 +429,10 @@ _IN_SPARE = object()
 
 
 def _hand_to_spare(sock: socket.socket, spare: _Spare, header: Dict[str, Any], fds: List[int]) -> bool:
-    """Hands a fork frame and its descriptors on to the spare and answers
-    it with the spare's pid. False, nothing handed, if the frame is not one
-    a fork takes (left to :func:`_fork` to refuse) or the spare is gone
-    (then closed)."""
-    if len(fds) != _FORK_FDS or spare.link is None:
+    """Hands a fork frame (one it :meth:`~_Spare.fits`) and its descriptors
+    on to the spare and answers it with the spare's pid. False, nothing
+    handed, if the spare is gone (then closed)."""
+    if spare.link is None:
         return False
     try:
         socket.send_fds(spare.link, [encode_frame(header)], fds)
@@ -423,7 +442,7 @@ def _hand_to_spare(sock: socket.socket, spare: _Spare, header: Dict[str, Any], f
     spare.close()
     for extra in fds:
         os.close(extra)
-    _send(sock, {"type": "forked", "id": header.get("id"), "pid": spare.pid})
+    _send(sock, {"type": "forked", "id": header.get("id"), "pid": spare.pid, "spare_kept": False})
     return True
 
 
@@ -476,17 +495,21 @@ def _serve_as_spare(
     mark: Tuple[Optional[int], str],
     cgroup: Optional[str],
 ) -> None:
-    """In the spare: joins its cgroup and waits to be the supervisor's
-    child, says so, then waits for the fork frame the preloader hands on,
-    and sets up as that worker. Exits (0) when the preloader goes without
+    """In the spare: waits to be the supervisor's child, joins its cgroup,
+    says so, then waits for the fork frame the preloader hands on, and sets
+    up as that worker. Exits (0) when the preloader goes without
     handing it one."""
-    joined = _join(cgroup) if cgroup is not None else None
     _wait_for_the_supervisor()
     arm_parent_death()
     if parent_gone() is not None:
         os._exit(0)
+    # Joined once it is the supervisor's child: the supervisor finds its
+    # spare by its cgroup's members.
+    joined = _join(cgroup) if cgroup is not None else None
+    mark = _name_as_spare(mark)
     try:
-        link.sendall(b"r")
+        # Ready, and whether it is in the cgroup it was given.
+        link.sendall(b"r" if joined is None else b"j")
         header, fds = _Control(link).read()
     except (OSError, ValueError, EOFError, FrameError):
         os._exit(0)
@@ -501,9 +524,12 @@ def _fork(
     header: Dict[str, Any],
     fds: List[int],
     mark: Tuple[Optional[int], str],
+    spare_kept: bool = False,
 ) -> bool:
     """Answers one fork frame by forking its worker now (no spare was
-    ready); returns True in the forked worker only."""
+    ready, or the one waiting is kept for the frame naming its cgroup:
+    ``spare_kept``, said in the answer); returns True in the forked worker
+    only."""
     request_id = header.get("id")
     if len(fds) != _FORK_FDS:
         for extra in fds:
@@ -530,8 +556,41 @@ def _fork(
         return True
     for extra in fds:
         os.close(extra)
-    _send(sock, {"type": "forked", "id": request_id, "pid": worker_pid})
+    _send(sock, {"type": "forked", "id": request_id, "pid": worker_pid, "spare_kept": spare_kept})
     return False
+
+
+def _name_as_spare(mark: Tuple[Optional[int], str]) -> Tuple[Optional[int], str]:
+    """Shows the spare for what it is where processes are told apart by
+    their environment (``/proc/<pid>/environ``, ``ps e``): its preloader's,
+    with ``BERTH_MODEL`` ending in ``-spare``, the mark kept (it goes with
+    the preloader). Returns where the mark now lies in the block."""
+    env = {k: v for k, v in os.environ.items() if k != _SPACE}
+    model = env.get("BERTH_MODEL")
+    if model is None:
+        return mark
+    env["BERTH_MODEL"] = model + "-spare"
+    os.environ.clear()
+    rewritten = _rewrite_environ(env)
+    os.environ.update(env)
+    if not rewritten:
+        return mark
+    return _mark_in_block(), mark[1]
+
+
+def _mark_in_block() -> Optional[int]:
+    """Where the mark's value lies in the initial environment block, read
+    from the block itself (after a rewrite moved it)."""
+    block = _environ_block()
+    if block is None:
+        return None
+    start, end = block
+    data = ctypes.string_at(start, end - start)
+    key = b"\0" + _MARK.encode("ascii") + b"="
+    at = data.find(key)
+    if at >= 0:
+        return start + at + len(key)
+    return start + len(key) - 1 if data.startswith(key[1:]) else None
 
 
 def _join(procs: str) -> Optional[Tuple[int, int]]:

@@ -176,6 +176,8 @@ fn a_spare_worker_waits_forked_and_becomes_the_next_loads_in_its_own_cgroup() {
         .unwrap();
     assert_eq!(stat.ppid as u32, server.pid(), "the supervisor's child");
     assert_eq!(stat.pgrp as u32, preloader, "in its preloader's group");
+    // Told apart from its preloader by its environment, as `ps e` shows it.
+    assert_eq!(workers_of_model("preload-py-spare"), vec![waiting]);
     assert!(
         memory_cgroup(waiting)
             .0
@@ -189,6 +191,7 @@ fn a_spare_worker_waits_forked_and_becomes_the_next_loads_in_its_own_cgroup() {
     let b = load(&server, "b");
     assert_eq!(preloader_pid(&b), preloader);
     assert_eq!(b["pid"].as_u64().unwrap() as u32, waiting, "{b}");
+    assert!(workers_of_model("b").contains(&waiting));
     let (dir, cap) = memory_cgroup(waiting);
     let name = dir.file_name().unwrap().to_string_lossy().into_owned();
     assert!(
@@ -227,6 +230,63 @@ fn a_spare_worker_waits_forked_and_becomes_the_next_loads_in_its_own_cgroup() {
     );
     let (status, body) = server.post("/api/models/b/infer", json!({}));
     assert_eq!(status, 200, "{body}");
+}
+
+/// Two loads of a kind at once: one is handed the spare (its frame names
+/// the spare's cgroup), the other forked then, each worker in a cgroup
+/// named for its own model; a spare waits again afterwards and the next
+/// load is that spare.
+#[test]
+fn two_loads_at_once_each_get_a_worker_in_their_own_cgroup_and_a_spare_waits_after() {
+    let mut config = config(&["json", "berth_worker.backends"], "");
+    for model in ["c", "d"] {
+        config.push_str(&format!(
+            "\n[[model]]\nname = \"{model}\"\nbackend = \"hog\"\nworker = \"py\"\n"
+        ));
+    }
+    let (server, _log) = serve(&config);
+    let spare = || {
+        preloaders(&server)
+            .first()
+            .and_then(|p| p["spare_pid"].as_u64())
+            .map(|p| p as u32)
+    };
+    load(&server, "a");
+    for _ in 0..3 {
+        assert!(wait_for(Duration::from_secs(10), || spare().is_some()));
+        let reports: Vec<Value> = std::thread::scope(|scope| {
+            let loads: Vec<_> = ["b", "c"]
+                .into_iter()
+                .map(|model| scope.spawn(|| load(&server, model)))
+                .collect();
+            loads.into_iter().map(|l| l.join().unwrap()).collect()
+        });
+        for (model, report) in ["b", "c"].into_iter().zip(&reports) {
+            preloader_pid(report);
+            let pid = report["pid"].as_u64().unwrap() as u32;
+            let (dir, _) = memory_cgroup(pid);
+            let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+            assert!(
+                name.starts_with(&format!("{model}-")),
+                "{model}'s worker {pid} is in {}",
+                dir.display()
+            );
+            let (status, body) = server.post(&format!("/api/models/{model}/infer"), json!({}));
+            assert_eq!(status, 200, "{body}");
+        }
+        for model in ["b", "c"] {
+            let (status, body) = server.post(&format!("/api/models/{model}/unload"), json!({}));
+            assert_eq!(status, 200, "{body}");
+        }
+    }
+    assert!(
+        wait_for(Duration::from_secs(10), || spare().is_some()),
+        "no spare after the loads at once: {:?}",
+        preloaders(&server)
+    );
+    let waiting = spare().unwrap();
+    let d = load(&server, "d");
+    assert_eq!(d["pid"].as_u64().unwrap() as u32, waiting, "{d}");
 }
 
 #[test]

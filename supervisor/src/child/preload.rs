@@ -123,6 +123,10 @@ enum Said {
     Forked {
         id: u64,
         pid: u32,
+        /// It still holds a spare forked earlier (not this frame's
+        /// worker): the frame's `spare_cgroup_procs` goes unused.
+        #[serde(default)]
+        spare_kept: bool,
     },
     ForkFailed {
         id: Option<u64>,
@@ -379,12 +383,22 @@ impl Preloader {
         let said = tokio::time::timeout(timeout, exchange).await;
         drop(control);
         let said = match said {
-            Ok(Ok(Said::Forked { id: got, pid })) if got == id => {
+            Ok(Ok(Said::Forked {
+                id: got,
+                pid,
+                spare_kept,
+            })) if got == id => {
                 self.forks.fetch_add(1, Ordering::Relaxed);
-                drop_later(std::mem::replace(
-                    &mut *lock(&self.spare_cgroup),
-                    next_spare,
-                ));
+                if spare_kept {
+                    // Its spare waits on where it is (its cgroup is still
+                    // here, or taken by a load whose frame comes next).
+                    drop_later(next_spare);
+                } else {
+                    drop_later(std::mem::replace(
+                        &mut *lock(&self.spare_cgroup),
+                        next_spare,
+                    ));
+                }
                 return Ok(Forked {
                     pid,
                     output: (File::from(out_r), File::from(err_r)),
