@@ -24,7 +24,7 @@ use berth_tests::{Server, cosine, default_model, local_backend};
 use berth_worker::RequestContext;
 use serde_json::{Value, json};
 
-const ROUNDS: usize = 12;
+const ROUNDS: usize = 24;
 const PER_ROUND: usize = 100;
 
 /// The texts both sides embed (`onnx_embed.py` makes the same).

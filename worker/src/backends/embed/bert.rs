@@ -16,7 +16,12 @@ use super::kernel;
 
 /// The most rows of activations (texts × their padded length) the own
 /// pass takes; past it, candle's general products are the faster.
-const FEW_ROWS: usize = 64;
+pub(super) const FEW_ROWS: usize = 64;
+
+/// Whether `rows` rows of texts `len` long are few enough for the pass.
+fn takes_few(rows: usize, len: usize) -> bool {
+    rows <= FEW_ROWS && len > 0
+}
 
 pub(super) struct Bert {
     word: Embedding,
@@ -148,17 +153,28 @@ impl Bert {
         Ok(bert)
     }
 
+    /// The last hidden states, `n * len` rows of `hidden`, by the pass for a
+    /// few rows, if it takes these (`ids`, `types` and `mask` row-major):
+    /// `None` for more rows, a GPU or a CPU without AVX2.
+    pub(super) fn few(
+        &self,
+        ids: &[u32],
+        types: &[u32],
+        mask: &[u32],
+        len: usize,
+    ) -> Option<Result<Vec<f32>>> {
+        let small = self.small.as_ref().filter(|_| takes_few(ids.len(), len))?;
+        Some(few::forward(small, ids, types, mask, len))
+    }
+
     /// The last hidden states, `[n, len, hidden]`, as `BertModel::forward`.
     pub(super) fn forward(&self, ids: &Tensor, types: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let (n, len) = ids.dims2()?;
-        if let Some(small) = self
-            .small
-            .as_ref()
-            .filter(|_| n * len <= FEW_ROWS && len > 0)
-        {
+        if self.small.is_some() && takes_few(n * len, len) {
             let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<u32>();
-            let hidden = few::forward(small, &flat(ids)?, &flat(types)?, &flat(mask)?, len)?;
-            return Tensor::from_vec(hidden, (n, len, self.hidden), ids.device());
+            if let Some(hidden) = self.few(&flat(ids)?, &flat(types)?, &flat(mask)?, len) {
+                return Tensor::from_vec(hidden?, (n, len, self.hidden), ids.device());
+            }
         }
         let positions = Tensor::arange(0u32, len as u32, ids.device())?;
         let x = (self.word.forward(ids)? + self.token_type.forward(types)?)?

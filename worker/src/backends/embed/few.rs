@@ -208,21 +208,43 @@ pub(super) fn forward(
         .first()
         .map(|l| l.intermediate.bias.len())
         .unwrap_or(0);
-    let mut s = Scratch {
-        q: vec![0f32; rows * h],
-        k: vec![0f32; rows * h],
-        v: vec![0f32; rows * h],
-        context: vec![0f32; rows * h],
-        mid: vec![0f32; rows * inter],
-        next: vec![0f32; rows * h],
-    };
-    for layer in &small.layers {
-        x = run_layer(&small.shape, layer, x, &mask, len, &mut s)?;
-    }
-    Ok(x)
+    SCRATCH.with(|scratch| {
+        let mut s = scratch.take();
+        for (buffer, size) in [
+            (&mut s.q, rows * h),
+            (&mut s.k, rows * h),
+            (&mut s.v, rows * h),
+            (&mut s.context, rows * h),
+            (&mut s.mid, rows * inter),
+            (&mut s.next, rows * h),
+        ] {
+            buffer.resize(size, 0.0);
+        }
+        let mut passed = Ok(());
+        for layer in &small.layers {
+            match run_layer(&small.shape, layer, x, &mask, len, &mut s) {
+                Ok(out) => x = out,
+                Err(e) => {
+                    (x, passed) = (Vec::new(), Err(e));
+                    break;
+                }
+            }
+        }
+        scratch.set(s);
+        passed.map(|()| x)
+    })
+}
+
+thread_local! {
+    /// The pass's buffers, kept by each thread that runs it between texts:
+    /// made afresh for each, their ~200 KB cost ~50 page faults a text, as
+    /// the allocator gave the memory back to the kernel in between (2% of
+    /// a text's time). At most [`super::bert::FEW_ROWS`] rows: 0.4 MB.
+    static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
 }
 
 /// The pass's buffers, reused across layers.
+#[derive(Default)]
 struct Scratch {
     q: Vec<f32>,
     k: Vec<f32>,

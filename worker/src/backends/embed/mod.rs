@@ -260,6 +260,11 @@ impl Embed {
             .iter()
             .map(|e| e.get_attention_mask().iter().filter(|m| **m != 0).count())
             .collect();
+        if let Some(hidden) = self.model.few(&ids, &types, &mask, len) {
+            return hidden
+                .map(|hidden| (mean_pooled(&hidden, &mask, n, len), tokens))
+                .map_err(|e| format!("running the model: {e}"));
+        }
         let run = || -> candle_core::Result<Vec<Vec<f32>>> {
             let ids = Tensor::from_vec(ids, (n, len), &self.device)?;
             let types = Tensor::from_vec(types, (n, len), &self.device)?;
@@ -276,6 +281,29 @@ impl Embed {
             .map(|v| (v, tokens))
             .map_err(|e| format!("running the model: {e}"))
     }
+}
+
+/// Each text's hidden states (`n` texts of `len` rows) averaged over its
+/// tokens (`mask` 1) and scaled to unit length: the candle path's pooling,
+/// in its order of sums, on the few-rows pass's own output.
+fn mean_pooled(hidden: &[f32], mask: &[u32], n: usize, len: usize) -> Vec<Vec<f32>> {
+    let width = hidden.len() / (n * len).max(1);
+    (0..n)
+        .map(|t| {
+            let mut sum = vec![0f32; width];
+            let mut count = 0f32;
+            for r in t * len..(t + 1) * len {
+                let m = mask[r] as f32;
+                count += m;
+                for (s, h) in sum.iter_mut().zip(&hidden[r * width..(r + 1) * width]) {
+                    *s += h * m;
+                }
+            }
+            let mean: Vec<f32> = sum.iter().map(|s| s / count).collect();
+            let norm = mean.iter().map(|v| v * v).sum::<f32>().sqrt();
+            mean.iter().map(|v| v / norm).collect()
+        })
+        .collect()
 }
 
 /// One request's texts and how it wants its vectors.
