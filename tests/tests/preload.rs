@@ -146,6 +146,17 @@ fn memory_cgroup(pid: u32) -> (std::path::PathBuf, &'static str) {
     }
 }
 
+/// The spare cgroups `server`'s preloaders of kind `py` have now, beside
+/// the worker cgroup `beside` (all of berth's are in one folder).
+fn spare_cgroups(server: &Server, beside: &std::path::Path) -> usize {
+    let prefix = format!("preload-py-spare-{}-", server.pid());
+    std::fs::read_dir(beside.parent().unwrap())
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .count()
+}
+
 /// The preloader forks the next load's worker ahead: a spare, already the
 /// supervisor's child, shown in `ps`, waiting in a cgroup made for it. The
 /// next fork hands it its load: it is that worker, its cgroup renamed for
@@ -221,12 +232,17 @@ fn a_spare_worker_waits_forked_and_becomes_the_next_loads_in_its_own_cgroup() {
     );
     let (status, body) = server.post("/api/models/b/infer", json!({}));
     assert_eq!(status, 200, "{body}");
-    // The spare goes with its preloader.
+    // The spare goes with its preloader, and its cgroup after it.
     let next = spare().unwrap();
+    assert_eq!(spare_cgroups(&server, &dir), 1);
     signal(preloader, nix::sys::signal::Signal::SIGKILL);
     assert!(
         wait_for(Duration::from_secs(10), || !alive(next)),
         "the spare {next} outlived its preloader"
+    );
+    assert!(
+        wait_for(Duration::from_secs(5), || spare_cgroups(&server, &dir) == 0),
+        "the spare's cgroup outlived it"
     );
     let (status, body) = server.post("/api/models/b/infer", json!({}));
     assert_eq!(status, 200, "{body}");
@@ -348,9 +364,11 @@ fn an_idle_preloader_is_stopped_after_its_keep_alive_and_not_before() {
     let (server, log_file) = serve(&config(&["json"], "preload_keep_alive = \"1s\""));
     let a = load(&server, "a");
     let preloader = preloader_pid(&a);
+    let (worker_cgroup, _) = memory_cgroup(a["pid"].as_u64().unwrap() as u32);
     // While a model of its kind is loaded it stays, keep-alive or not.
     std::thread::sleep(Duration::from_millis(2500));
     assert!(alive(preloader));
+    assert_eq!(spare_cgroups(&server, &worker_cgroup), 1, "its spare's");
     let (status, _) = server.post("/api/models/a/unload", json!({}));
     assert_eq!(status, 200);
     assert!(
@@ -360,6 +378,13 @@ fn an_idle_preloader_is_stopped_after_its_keep_alive_and_not_before() {
     );
     assert!(wait_for(Duration::from_secs(2), || preloaders(&server).is_empty()));
     assert!(log(&log_file).contains("stopping its preloaded interpreter"));
+    assert!(
+        wait_for(Duration::from_secs(5), || spare_cgroups(
+            &server,
+            &worker_cgroup
+        ) == 0),
+        "its spare's cgroup outlived it"
+    );
     // The next load starts a new one.
     let b = load(&server, "b");
     assert_ne!(preloader_pid(&b), preloader);

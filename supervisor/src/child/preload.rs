@@ -505,12 +505,20 @@ impl Preloader {
         self.process.try_exit().is_none() && crate::child::orphans::is_live(self.pid())
     }
 
-    /// Stops it (it holds nothing to save: its whole group is killed) and
-    /// waits until it is reaped.
+    /// Stops it (it holds nothing to save: its whole group is killed, its
+    /// spare with it) and waits until it is reaped and its spare's cgroup
+    /// removed.
     pub(crate) async fn stop(&self) {
         self.process.begin_stop();
         self.process.signal_group(nix::sys::signal::Signal::SIGKILL);
         let _ = self.process.exited_within(Duration::from_secs(5)).await;
+        // Its spare went with its group; its cgroup goes now, not later:
+        // an in-place upgrade stops the preloaders just before its exec.
+        let spare = lock(&self.spare_cgroup).take();
+        if let Some(spare) = spare {
+            spare.kill_all();
+            let _ = tokio::task::spawn_blocking(move || drop(spare)).await;
+        }
     }
 }
 
