@@ -257,22 +257,20 @@ impl Cgroup {
             return Ok(());
         };
         let renamed = parent.join(leaf_name(model));
-        let procs = CString::new(
+        let Ok(procs) = CString::new(
             renamed
                 .join("cgroup.procs")
                 .into_os_string()
                 .into_encoded_bytes(),
-        );
-        match (std::fs::rename(&self.dir, &renamed), procs) {
-            (Ok(()), Ok(procs)) => {
+        ) else {
+            return Ok(()); // a name with a NUL byte: the old one stays
+        };
+        match std::fs::rename(&self.dir, &renamed) {
+            Ok(()) => {
                 self.dir = renamed;
                 self.procs = procs;
             }
-            (Ok(()), Err(_)) => {
-                // Not reachable: the new name came from a path without NUL.
-                let _ = std::fs::rename(&renamed, &self.dir);
-            }
-            (Err(e), _) => {
+            Err(e) => {
                 tracing::debug!(model, dir = %self.dir.display(), "the cgroup keeps its name: {e}");
             }
         }

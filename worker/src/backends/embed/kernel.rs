@@ -8,8 +8,8 @@
 //! sums in registers, while the next weight rows are fetched into the
 //! cache, so the weights stream from memory once per product without the
 //! core waiting on them: each thread walks its own run of rows, and the
-//! rows two steps ahead go to L2 in the first pass over the activations,
-//! those one step ahead to L1 in the second.
+//! rows two items (of four rows) ahead go to L2 in the first pass over the
+//! activations, those one item ahead to L1 in the second.
 
 use candle_core::Device;
 
@@ -125,7 +125,8 @@ fn split(items: usize, f: impl Fn(usize) + Sync) {
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
     let pool = candle_core::utils::barrier_pool();
     let threads = pool_threads();
-    if threads <= 1 || items < 2 {
+    // (Shares are packed in 32 bits each: more items than that run here.)
+    if threads <= 1 || items < 2 || items > u32::MAX as usize {
         (0..items).for_each(f);
         return;
     }
@@ -190,12 +191,14 @@ fn pool_threads() -> usize {
 
 /// Weight rows to bring into the cache while a block runs, a line a step:
 /// into L1 (`near`: the next block's), or into L2 (`far`: the one after).
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct Fetch {
     rows: *const f32,
     far: bool,
 }
 
+#[cfg(target_arch = "x86_64")]
 impl Fetch {
     const NONE: Fetch = Fetch {
         rows: std::ptr::null(),
@@ -212,7 +215,6 @@ impl Fetch {
 
     /// Brings line `c` of each of `n` rows `k` apart (a hint: no access
     /// happens, any address is allowed).
-    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn lines(self, n: usize, k: usize, c: usize) {
         use std::arch::x86_64::*;
