@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import enum
 import importlib
 import json
 import os
@@ -333,12 +334,16 @@ def become_preloader() -> None:
                 spare_cgroup = given if isinstance(given, str) else None
                 continue
             spare = None  # it was gone
-        if spare is None:
-            # The next spare goes where this frame says.
-            spare_cgroup = given if isinstance(given, str) else None
-        if _fork(sock, header, fds, mark, spare_kept=spare is not None):
+        outcome = _fork(sock, header, fds, mark, spare_kept=spare is not None)
+        if outcome is _Forked.WORKER:
             # The forked worker: its setup is done; serve() goes on.
             return
+        if spare is None:
+            # The next spare goes where this frame says; after a failed
+            # fork nowhere (the supervisor dropped that cgroup, and the
+            # frame's own is the cold worker's now): the next load moves it.
+            ok = outcome is _Forked.ANSWERED and isinstance(given, str)
+            spare_cgroup = given if ok else None
 
 
 class _Spare:
@@ -519,24 +524,31 @@ def _serve_as_spare(
     _become_worker(sock, header, fds, mark, joined)
 
 
+class _Forked(enum.Enum):
+    """How :func:`_fork` ended, where it returns."""
+
+    WORKER = "in the forked worker"
+    ANSWERED = "forked, and answered with its pid"
+    FAILED = "answered with why not"
+
+
 def _fork(
     sock: socket.socket,
     header: Dict[str, Any],
     fds: List[int],
     mark: Tuple[Optional[int], str],
     spare_kept: bool = False,
-) -> bool:
+) -> "_Forked":
     """Answers one fork frame by forking its worker now (no spare was
     ready, or the one waiting is kept for the frame naming its cgroup:
-    ``spare_kept``, said in the answer); returns True in the forked worker
-    only."""
+    ``spare_kept``, said in the answer)."""
     request_id = header.get("id")
     if len(fds) != _FORK_FDS:
         for extra in fds:
             os.close(extra)
         _send(sock, {"type": "fork_failed", "id": request_id,
                      "reason": "{} descriptors came with the fork; it takes 3".format(len(fds))})
-        return False
+        return _Forked.FAILED
     why = unsafe_to_fork()
     if why is not None:
         # Something the preload started has since made forking unsafe.
@@ -550,14 +562,14 @@ def _fork(
         for extra in fds:
             os.close(extra)
         _send(sock, {"type": "fork_failed", "id": request_id, "reason": str(e)})
-        return False
+        return _Forked.FAILED
     if worker_pid == 0:
         _become_worker(sock, header, fds, mark)
-        return True
+        return _Forked.WORKER
     for extra in fds:
         os.close(extra)
     _send(sock, {"type": "forked", "id": request_id, "pid": worker_pid, "spare_kept": spare_kept})
-    return False
+    return _Forked.ANSWERED
 
 
 def _name_as_spare(mark: Tuple[Optional[int], str]) -> Tuple[Optional[int], str]:
