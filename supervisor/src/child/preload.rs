@@ -33,7 +33,7 @@ use crate::child::stream::io as wire_io;
 pub(crate) const ENV_PRELOAD: &str = "BERTH_PRELOAD";
 
 /// The variable of spaces that makes room in the preloader's environment
-/// block for each worker's environment (preloader.py), and its size.
+/// block for each worker's environment (environ_block.py), and its size.
 const ENV_SPACE: &str = "BERTH_ENV_SPACE";
 const ENV_SPACE_BYTES: usize = 32 << 10;
 
@@ -92,7 +92,7 @@ pub(crate) struct Preloader {
     /// at most once a second, however many poll (smaps_rollup walks its
     /// page tables: ~10 ms for an interpreter holding PyTorch).
     memory: std::sync::Mutex<Option<(Instant, ProcessMemory)>>,
-    /// The cgroup made for its spare worker (preloader.py: a worker forked
+    /// The cgroup made for its spare worker (spare.py: a worker forked
     /// ahead of its load), which the spare joins while nobody waits: the
     /// next fork's worker is that spare, and this its cgroup. Dropped, once
     /// the preloader has ended, by the task that sweeps up after it.
@@ -196,7 +196,7 @@ impl Preloader {
         // overwrites with its own: /proc/<pid>/environ then tells the
         // worker's model and mark, not the preloader's.
         env.push((ENV_SPACE.into(), " ".repeat(ENV_SPACE_BYTES)));
-        let spare = Cgroup::create(&format!("{label}-spare"), None).ok();
+        let spare = spare_cgroup(kind);
         if let Some(procs) = spare.as_ref().and_then(|c| c.procs_file().to_str().ok()) {
             env.push((ENV_SPARE_CGROUP.into(), procs.to_string()));
         }
@@ -357,7 +357,7 @@ impl Preloader {
         .collect();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         // Where the spare forked after this one waits for its load.
-        let next_spare = Cgroup::create(&format!("preload-{}-spare", self.kind), None).ok();
+        let next_spare = spare_cgroup(&self.kind);
         let header = serde_json::json!({
             "type": "fork",
             "id": id,
@@ -591,6 +591,12 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: pipe2 succeeded: both are open descriptors nothing else owns.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// A new cgroup for a spare of `kind`'s preloader (`preload-<kind>-spare-…`),
+/// if this machine lets berth make cgroups.
+fn spare_cgroup(kind: &str) -> Option<Cgroup> {
+    Cgroup::create(&format!("preload-{kind}-spare"), None).ok()
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -48,10 +48,7 @@ impl WorkerHandle {
     /// Reads the worker's memory from procfs now and records it (for an
     /// HTTP server, with everything it started).
     pub fn sample_memory(&self) -> Option<ProcessMemory> {
-        let reading = match self.tree() {
-            Some(tree) => tree_memory(self.pid, &tree, process_memory)?,
-            None => process_memory(self.pid)?,
-        };
+        let reading = self.read_memory(process_memory)?;
         let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
         let peak = m.last.peak_rss_bytes.max(reading.peak_rss_bytes);
         m.last = ProcessMemory {
@@ -67,10 +64,7 @@ impl WorkerHandle {
     /// says, read without walking the worker's page tables. Not counted as
     /// a sample (a status asks for a full one still).
     pub(crate) fn sample_status_memory(&self) -> Option<ProcessMemory> {
-        let reading = match self.tree() {
-            Some(tree) => tree_memory(self.pid, &tree, process_status_memory)?,
-            None => process_status_memory(self.pid)?,
-        };
+        let reading = self.read_memory(process_status_memory)?;
         let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
         m.last = ProcessMemory {
             peak_rss_bytes: m.last.peak_rss_bytes.max(reading.peak_rss_bytes),
@@ -80,6 +74,15 @@ impl WorkerHandle {
             ..reading
         };
         Some(m.last)
+    }
+
+    /// The worker's memory (for an HTTP server, with everything it
+    /// started), each process read by `read`.
+    fn read_memory(&self, read: fn(u32) -> Option<ProcessMemory>) -> Option<ProcessMemory> {
+        match self.tree() {
+            Some(tree) => tree_memory(self.pid, &tree, read),
+            None => read(self.pid),
+        }
     }
 
     /// Reads just the worker's resident memory now (`statm`: cheap, unlike

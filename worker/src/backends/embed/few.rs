@@ -220,18 +220,11 @@ pub(super) fn forward(
         ] {
             buffer.resize(size, 0.0);
         }
-        let mut passed = Ok(());
-        for layer in &small.layers {
-            match run_layer(&small.shape, layer, x, &mask, len, &mut s) {
-                Ok(out) => x = out,
-                Err(e) => {
-                    (x, passed) = (Vec::new(), Err(e));
-                    break;
-                }
-            }
-        }
+        let out = small.layers.iter().try_fold(x, |x, layer| {
+            run_layer(&small.shape, layer, x, &mask, len, &mut s)
+        });
         scratch.set(s);
-        passed.map(|()| x)
+        out
     })
 }
 
