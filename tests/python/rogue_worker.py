@@ -21,6 +21,10 @@ import sys
 import time
 
 MODE = os.environ.get("ROGUE_MODE", "")
+# Requests answered as a plain echo before the offence (the supervisor's
+# caller then spins for answers and reads them itself).
+AFTER = int(os.environ.get("ROGUE_AFTER", "0"))
+ANSWERED = []
 SOCK = socket.socket(fileno=int(os.environ["BERTH_FD"]))
 DEAF_DONE = []
 FDS = []
@@ -160,6 +164,9 @@ def main():
             FDS.clear()
             body = {"seen": len(DEAF_DONE), "fds": fds, "body": msg.get("body")}
             send({"type": "done", "id": msg["id"], "body": body})
+        elif kind == "request" and len(ANSWERED) < AFTER:
+            ANSWERED.append(True)
+            send({"type": "done", "id": msg["id"], "body": msg.get("body")})
         elif kind == "request":
             offend(msg["id"])
         elif kind == "shutdown":

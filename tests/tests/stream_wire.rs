@@ -9,11 +9,14 @@ use berth::{Body, Bulk, ModelSpec};
 use berth_tests::python::{python_worker_command, rogue_worker};
 use berth_tests::*;
 
-fn rogue(name: &str, mode: &str) -> ModelSpec {
+/// A rogue worker that answers `after` requests as a plain echo, then
+/// commits its offence.
+fn rogue(name: &str, mode: &str, after: usize) -> ModelSpec {
     let mut spec = ModelSpec::new(name, "echo")
         .command(rogue_worker())
         .load_timeout(Duration::from_secs(20));
     spec.env.push(("ROGUE_MODE".into(), mode.into()));
+    spec.env.push(("ROGUE_AFTER".into(), after.to_string()));
     spec
 }
 
@@ -43,13 +46,30 @@ const OFFENCES: &[(&str, &str)] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_breaking_the_wire_is_stopped_naming_what_it_sent() {
+    offences_are_stopped_naming_what_was_sent(0).await;
+}
+
+/// After quick answers, a request's caller spins and reads the socket
+/// itself, the reader task's watch paused (`child::inbox`): an offence it
+/// reads is dealt with the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offence_read_by_a_spinning_caller_stops_the_worker_the_same_way() {
+    offences_are_stopped_naming_what_was_sent(30).await;
+}
+
+async fn offences_are_stopped_naming_what_was_sent(after: usize) {
     let sup = supervisor();
     sup.load(ModelSpec::new("bystander", "echo").command(python_worker_command()))
         .await
         .unwrap();
     for (mode, phrase) in OFFENCES {
         let name = format!("rogue-{mode}");
-        let load = sup.load(rogue(&name, mode)).await.unwrap();
+        let load = sup.load(rogue(&name, mode, after)).await.unwrap();
+        for i in 0..after {
+            let body = format!(r#"{{"n":{i}}}"#);
+            let answer = sup.request(&name, Body::json(body.clone())).await;
+            assert_eq!(answer.unwrap().json.replace(' ', ""), body, "{mode}");
+        }
         let started = Instant::now();
         let text = match sup.request(&name, Body::json("{}")).await {
             Err(err) => {
@@ -111,7 +131,7 @@ async fn a_worker_that_does_not_say_hello_is_refused_naming_what_it_sent() {
         ("not-hello", "sent pong where hello was expected"),
         ("garbage-hello", "a frame length of"),
     ] {
-        let err = sup.load(rogue("rude", mode)).await.unwrap_err();
+        let err = sup.load(rogue("rude", mode, 0)).await.unwrap_err();
         assert!(
             matches!(err.kind(), "handshake_failed" | "unexpected_message"),
             "{mode}: {err}"
@@ -253,7 +273,7 @@ fn the_sidecar_serves_python_models_and_leaves_nothing_named_behind() {
 async fn a_refused_worker_reads_why_before_it_is_stopped() {
     let sup = supervisor();
     let err = sup
-        .load(rogue("old-wire", "wrong-version"))
+        .load(rogue("old-wire", "wrong-version", 0))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), "protocol_mismatch", "{err}");
@@ -283,7 +303,7 @@ async fn a_refused_worker_reads_why_before_it_is_stopped() {
 async fn a_worker_that_stops_reading_gets_every_frame_whole_and_in_order() {
     let sup = supervisor();
     sup.load(ModelSpec::new("bystander", "echo")).await.unwrap();
-    sup.load(rogue("deaf", "deaf")).await.unwrap();
+    sup.load(rogue("deaf", "deaf", 0)).await.unwrap();
     let worker = sup.worker("deaf").unwrap();
     // 1 MiB of JSON each; the fourth also carries bulk bytes, which go in
     // a memfd.
@@ -342,5 +362,58 @@ async fn a_worker_that_stops_reading_gets_every_frame_whole_and_in_order() {
         assert_eq!(got["fds"], u64::from(k == 3), "request {k}'s descriptors");
         assert_eq!(got["body"], sent, "request {k} arrived changed");
     }
+    sup.shutdown().await;
+}
+
+/// A caller spinning for a quick answer pauses the reactor's watch of the
+/// socket and, once its answer came whole, leaves it paused for the next
+/// request's spin (`child::inbox`). Whatever else is sent resumes it, and
+/// so does the worker's death: a heartbeat's pong, a request that does not
+/// spin and the death all still reach the supervisor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_answers_read_by_spinning_callers_pongs_requests_and_a_death_still_arrive() {
+    let sup = supervisor();
+    sup.load(ModelSpec::new("quick", "echo").command(python_worker_command()))
+        .await
+        .unwrap();
+    let worker = sup.worker("quick").unwrap();
+    let handle = &worker;
+    let echo = |i: usize| async move {
+        let body = format!(r#"{{"n":{i}}}"#);
+        let answer = handle.call(Body::json(body.clone())).await.unwrap();
+        assert_eq!(answer.json.replace(' ', ""), body);
+    };
+    for i in 0..50 {
+        echo(i).await;
+    }
+    let stats = worker.ping(Duration::from_secs(5)).await;
+    assert!(stats.is_some(), "the pong after quick answers was heard");
+    // Two at once: neither spins past the other, and both are answered.
+    for i in 0..20 {
+        tokio::join!(echo(2 * i), echo(2 * i + 1));
+    }
+    for i in 0..50 {
+        echo(i).await;
+    }
+    let stats = worker.ping(Duration::from_secs(5)).await;
+    assert!(
+        stats.is_some(),
+        "the pong after concurrent answers was heard"
+    );
+    for i in 0..50 {
+        echo(i).await;
+    }
+    let pid = worker.pid();
+    // SAFETY: kill(2) on the worker's pid, which is this test's child.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    let err = worker.call(Body::json("{}")).await.unwrap_err();
+    assert!(
+        err.to_string().contains("signal 9") || err.to_string().contains("SIGKILL"),
+        "the request hears the death: {err}"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || !alive(pid)).await,
+        "the worker is gone"
+    );
     sup.shutdown().await;
 }

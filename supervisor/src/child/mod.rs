@@ -4,7 +4,8 @@
 //! spawned or forked), `preload` (a worker kind's preloaded interpreter,
 //! which forks workers), `handshake`, `launch` (start → hello → load),
 //! `handle` (requests and the reader), `routes` (a worker's events to the
-//! requests waiting), `death` (what a dead worker leaves), `health`
+//! requests waiting), `inbox` (a stream worker's socket, read by its reader
+//! task or by a caller spinning for an answer), `death` (what a dead worker leaves), `health`
 //! (heartbeats, stalls), `stop`, `sweep` (killing what a worker left, in its
 //! group or outside it), `process` (reaping, kill causes), `output`
 //! (bounded stdout/stderr), `memory` (procfs), `limits` (memory caps),
@@ -20,6 +21,7 @@ pub mod handle;
 pub(crate) mod handover;
 pub(crate) mod handshake;
 pub(crate) mod health;
+mod inbox;
 pub(crate) mod launch;
 pub mod limits;
 pub(crate) mod link;

@@ -1,5 +1,6 @@
 //! Routing a worker's events: the reader (a blocking thread on
-//! `ipc-channel`, a task on the stream wire) hands each event straight to
+//! `ipc-channel`; on the stream wire a task, or a spinning caller: see
+//! `inbox`) hands each event straight to
 //! whoever waits for it, by request id; answers past `max_response` are
 //! refused on arrival; the pending map fails every request at once when the
 //! worker dies. An event that cannot be routed (an answer to a request never
@@ -16,7 +17,6 @@ use tokio::sync::{mpsc, watch};
 
 use super::death::Death;
 use super::process::ProcessWatch;
-use super::stream::{Ended, Inbound, StreamReader};
 use crate::base::KillCause;
 
 /// Cancelled requests remembered until their `done` arrives; past this
@@ -288,7 +288,7 @@ pub(super) struct Dispatch {
 }
 
 impl Dispatch {
-    fn dispatch(&self, event: Event) -> Result<(), Violation> {
+    pub(super) fn dispatch(&self, event: Event) -> Result<(), Violation> {
         let model = self.model.as_str();
         match event {
             Event::Chunk { id, body } => {
@@ -342,26 +342,10 @@ impl Dispatch {
         error
     }
 
-    fn violated(&self, violation: Violation) {
+    pub(super) fn violated(&self, violation: Violation) {
         tracing::error!(model = %self.model, "the worker broke the wire: it sent {violation}");
         self.process
             .kill_for(KillCause::ProtocolViolation { sent: violation.0 });
-    }
-
-    /// Reads a stream worker until it is gone or breaks the wire.
-    pub(super) async fn read_stream(&self, mut reader: StreamReader) {
-        loop {
-            match reader.next().await {
-                Ok(Inbound::Event(event)) => {
-                    if let Err(v) = self.dispatch(event) {
-                        return self.violated(v);
-                    }
-                }
-                Ok(Inbound::Hello(_)) => return self.violated(Violation("a second hello".into())),
-                Err(Ended::Closed) => return,
-                Err(Ended::Violation(v)) => return self.violated(v),
-            }
-        }
     }
 
     /// Reads an `ipc-channel` worker (a blocking receive: run it on a

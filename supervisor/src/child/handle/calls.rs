@@ -14,7 +14,11 @@ use crate::error::{Error, Result};
 use tokio::sync::mpsc;
 
 impl WorkerHandle {
+    /// Sends `command`, whose answer the reader task hands over.
     pub(super) fn send(&self, command: Command) -> std::result::Result<(), SendError> {
+        if let Some(inbox) = &self.inbox {
+            inbox.resume_watch();
+        }
         self.commands.send(command)
     }
 
@@ -76,6 +80,14 @@ impl WorkerHandle {
             );
         }
         self.in_flight.enter();
+        // A caller that will spin for the answer pauses the socket's watch
+        // before the request goes out (see `Inbox::spin`).
+        let spinning = match &self.inbox {
+            Some(inbox) if self.answer_time.spin().is_some() && self.in_flight.count() == 1 => {
+                Some(inbox.spin())
+            }
+            _ => None,
+        };
         let stream = ResponseStream {
             id,
             rx,
@@ -89,10 +101,17 @@ impl WorkerHandle {
             run: None,
             sent_at: Instant::now(),
             answer_time: Arc::clone(&self.answer_time),
+            inbox: self.inbox.clone(),
+            spinning,
             pieces: false,
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
-        match self.send(Command::Request { id, body }) {
+        // The request itself: its caller's spin reads the answer.
+        let sent = match &stream.spinning {
+            Some(_) => self.commands.send(Command::Request { id, body }),
+            None => self.send(Command::Request { id, body }),
+        };
+        match sent {
             Ok(()) => {}
             // The worker is gone; its death watch answers the stream.
             Err(SendError::Closed) => {

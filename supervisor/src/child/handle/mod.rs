@@ -39,6 +39,7 @@ use tokio::sync::{mpsc, watch};
 use crate::base::KillCause;
 use crate::child::death::Death;
 use crate::child::handshake::Accepted;
+use crate::child::inbox::Inbox;
 use crate::child::link::{Events, Link, WireFds};
 use crate::child::memory::ProcessMemory;
 use crate::child::process::ProcessWatch;
@@ -100,6 +101,9 @@ pub struct WorkerHandle {
     upstream: Option<Arc<Upstream>>,
     /// What an in-place upgrade hands over of its wire.
     wire_fds: WireFds,
+    /// A stream worker's inbound side, which a caller spinning for its
+    /// answer reads too.
+    inbox: Option<Arc<Inbox>>,
     /// Put to sleep (its processes locked by the driver): no heartbeat or
     /// health check is sent, and a stop kills it.
     asleep: std::sync::atomic::AtomicBool,
@@ -130,6 +134,7 @@ struct Wiring {
     answer_time: Arc<spin::AnswerTime>,
     upstream: Option<Arc<Upstream>>,
     wire_fds: WireFds,
+    inbox: Option<Arc<Inbox>>,
 }
 
 impl WorkerHandle {
@@ -149,6 +154,7 @@ impl WorkerHandle {
         let (pong_tx, pongs) = watch::channel(None);
         let (done_tx, reader_done) = watch::channel(false);
         let answer_time = Arc::new(spin::AnswerTime::new(answer_spin));
+        let mut stream_inbox = None;
         let dispatch = Dispatch {
             model: model.to_string(),
             routes: Arc::clone(&routes),
@@ -174,10 +180,13 @@ impl WorkerHandle {
                     })?;
             }
             Events::Stream(reader) => {
+                let inbox = Inbox::new(reader, dispatch);
+                let reading = Arc::clone(&inbox);
                 tokio::spawn(async move {
-                    dispatch.read_stream(reader).await;
+                    reading.read().await;
                     let _ = done_tx.send(true);
                 });
+                stream_inbox = Some(inbox);
             }
         }
         Ok(Self::assemble(
@@ -195,6 +204,7 @@ impl WorkerHandle {
                 answer_time,
                 upstream: None,
                 wire_fds,
+                inbox: stream_inbox,
             },
         ))
     }
@@ -223,6 +233,7 @@ impl WorkerHandle {
                 answer_time: Arc::new(spin::AnswerTime::new(Duration::ZERO)),
                 upstream: Some(upstream),
                 wire_fds: WireFds::default(),
+                inbox: None,
             },
         )
     }
@@ -259,6 +270,7 @@ impl WorkerHandle {
             died_tx: watch::channel(None).0,
             upstream: w.upstream,
             wire_fds: w.wire_fds,
+            inbox: w.inbox,
             asleep: std::sync::atomic::AtomicBool::new(false),
         });
         handle.watch_death();
@@ -272,8 +284,13 @@ impl WorkerHandle {
         let process = Arc::clone(&self.process);
         let routes = Arc::clone(&self.routes);
         let mut reader_done = self.reader_done.clone();
+        let inbox = self.inbox.clone();
         tokio::spawn(async move {
             let exit = process.exited().await;
+            // A paused watch would keep the reader from its end of file.
+            if let Some(inbox) = &inbox {
+                inbox.resume_watch();
+            }
             // A death nobody planned: what the worker started dies with it
             // before its death is told (and a restart can begin). A stop
             // sweeps, and counts, for itself.

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 
 use super::in_flight::InFlight;
 use super::spin::{AnswerTime, spin_recv};
+use crate::child::inbox::{Inbox, Spinning};
 use crate::child::link::Link;
 use crate::child::routes::{Backlog, Reply, Routes, piece_bytes};
 use crate::error::{Error, Result};
@@ -40,6 +41,11 @@ pub struct ResponseStream {
     /// When it was sent, and how long the worker's last answer took.
     pub(super) sent_at: Instant,
     pub(super) answer_time: Arc<AnswerTime>,
+    /// A stream worker's inbound side, looked at while the caller spins.
+    pub(super) inbox: Option<Arc<Inbox>>,
+    /// Its socket's watch, paused before the request went out for a spin
+    /// for its first piece (see `Inbox::spin`).
+    pub(super) spinning: Option<Spinning>,
     /// Whether a piece has been waited for already.
     pub(super) pieces: bool,
 }
@@ -55,9 +61,28 @@ impl ResponseStream {
         // pieces is not such an answer: later pieces are waited for parked.
         let reply = match self.answer_time.spin() {
             Some(spin) if !self.pieces && self.in_flight.count() == 1 => {
-                spin_recv(&mut self.rx, spin).await
+                let reply = spin_recv(
+                    &mut self.rx,
+                    spin,
+                    self.inbox.as_deref(),
+                    &mut self.spinning,
+                )
+                .await;
+                if let Some(spinning) = self.spinning.take()
+                    && let Some(Reply::Done(..)) = reply
+                {
+                    // Nothing more comes for it: the watch may stay paused
+                    // for the next request's spin (see `Inbox::spin`).
+                    spinning.answered();
+                }
+                reply
             }
-            _ => self.rx.recv().await,
+            _ => {
+                // Resumes the socket's watch: the reader task hands over
+                // the answer now.
+                self.spinning = None;
+                self.rx.recv().await
+            }
         };
         self.pieces = true;
         match reply {
@@ -113,6 +138,9 @@ impl ResponseStream {
     pub fn cancel(&mut self) {
         if !self.finished {
             self.routes.give_up(self.id);
+            if let Some(inbox) = &self.inbox {
+                inbox.resume_watch();
+            }
             let _ = self.commands.send(Command::Cancel { id: self.id });
             self.finish();
         }

@@ -23,12 +23,23 @@
 //! echo measured between berth's rounds was no longer slowed (44 → 11 µs).
 //! Where the two are on different vCPUs there is nothing to yield to, and
 //! the call returns at once.
+//!
+//! For a stream worker the spin also reads the socket itself between its
+//! polls, the socket's watch paused, so that the answer reaches the caller
+//! without a runtime thread's wake-up (`child::inbox`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
+
+/// What a spinning caller reads for itself between its polls: a stream
+/// worker's socket (`child::inbox`).
+pub(crate) trait Look {
+    /// One non-blocking look, whatever it completes handed on.
+    fn look(&self);
+}
 
 /// How long the worker's last served answer took, from the request's send
 /// to its final piece (errors are not answers a model computed, and do not
@@ -65,8 +76,16 @@ impl AnswerTime {
 }
 
 /// `rx.recv()`, polled again at once (after the runtime's other tasks) for
-/// up to `spin` before it parks the task.
-pub(super) async fn spin_recv<T>(rx: &mut mpsc::UnboundedReceiver<T>, spin: Duration) -> Option<T> {
+/// up to `spin` before it parks the task. Meanwhile, for a stream worker,
+/// it reads the socket itself (`inbox`), the socket's watch paused until
+/// `spinning` is dropped (here, when the spin ends without the answer), so
+/// that the answer wakes no reader task on its way.
+pub(super) async fn spin_recv<T, G>(
+    rx: &mut mpsc::UnboundedReceiver<T>,
+    spin: Duration,
+    inbox: Option<&impl Look>,
+    spinning: &mut Option<G>,
+) -> Option<T> {
     let started = Instant::now();
     // On a current-thread runtime the answer may need this very thread (a
     // stream worker's reader is a task here), and the runtime looks at its
@@ -74,19 +93,33 @@ pub(super) async fn spin_recv<T>(rx: &mut mpsc::UnboundedReceiver<T>, spin: Dura
     // stretch that wait, so there the spin only yields to the runtime.
     let yield_cpu = tokio::runtime::Handle::try_current()
         .is_ok_and(|h| h.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread);
-    std::future::poll_fn(|cx| match rx.poll_recv(cx) {
-        Poll::Ready(v) => Poll::Ready(v),
-        Poll::Pending => {
-            if started.elapsed() < spin {
-                // Give the CPU to whatever waits for it here: quite often
-                // the very worker whose answer we wait for (see above).
-                if yield_cpu {
-                    std::thread::yield_now();
-                }
-                cx.waker().wake_by_ref();
-            }
-            Poll::Pending
+    // The first poll comes right after the request went out: no worker has
+    // answered yet, so it only yields.
+    let mut first = true;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(v) = rx.poll_recv(cx) {
+            return Poll::Ready(v);
         }
+        if let (Some(inbox), Some(_), false) = (inbox, &*spinning, std::mem::take(&mut first)) {
+            inbox.look();
+            if let Poll::Ready(v) = rx.poll_recv(cx) {
+                return Poll::Ready(v);
+            }
+        }
+        if started.elapsed() >= spin {
+            // The spin is over: the watch resumes (waking the reader task
+            // at once if bytes came since the last look), and the task
+            // parks until the reader hands it its answer.
+            *spinning = None;
+            return Poll::Pending;
+        }
+        // Give the CPU to whatever waits for it here: quite often the very
+        // worker whose answer we wait for (see above).
+        if yield_cpu {
+            std::thread::yield_now();
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
     })
     .await
 }

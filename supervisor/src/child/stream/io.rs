@@ -260,3 +260,46 @@ pub(crate) fn map_memfd(fd: OwnedFd, len: u64) -> Result<MappedBytes, Violation>
     }
     Ok(Arc::new(Mapping { ptr, len }))
 }
+
+/// What the watch of a socket waits for: bytes, or the peer's end.
+const WATCHED: u32 = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+
+/// An epoll instance of its own watching `socket` for reading, for the
+/// reactor to watch in turn: unlike the reactor's own registration, this
+/// watch can be paused and resumed ([`watch_socket`]).
+pub(crate) fn socket_watch(socket: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: epoll_create1 takes no pointers.
+    let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if epoll < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: epoll_create1 succeeded: a new descriptor we own.
+    let epoll = unsafe { OwnedFd::from_raw_fd(epoll) };
+    control_watch(&epoll, libc::EPOLL_CTL_ADD, socket, WATCHED)?;
+    Ok(epoll)
+}
+
+/// Resumes (`true`) or pauses the watch of [`socket_watch`]: paused, the
+/// socket's bytes and end wake nobody; resumed with bytes (or the end)
+/// already there, it wakes its watcher at once.
+pub(crate) fn watch_socket(epoll: &OwnedFd, socket: RawFd, on: bool) -> io::Result<()> {
+    control_watch(
+        epoll,
+        libc::EPOLL_CTL_MOD,
+        socket,
+        if on { WATCHED } else { 0 },
+    )
+}
+
+fn control_watch(epoll: &OwnedFd, op: libc::c_int, socket: RawFd, events: u32) -> io::Result<()> {
+    let mut event = libc::epoll_event {
+        events,
+        u64: socket as u64,
+    };
+    // SAFETY: `event` is a valid epoll_event for the call's duration; both
+    // descriptors are open (the caller holds them).
+    if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), op, socket, &mut event) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -1,16 +1,20 @@
 //! The supervisor's end of the stream wire (`docs/wire.md`): a worker in
 //! any language on one end of a socket pair.
 //!
-//! One registration with tokio's reactor serves both directions: the reader
-//! ([`StreamReader`]) decodes frames as they arrive. A frame to send is
+//! The reader ([`StreamReader`]) decodes frames as they arrive. The reactor
+//! watches the socket for reading only, and through an epoll instance of
+//! its own ([`Watched`]), which a caller spinning for an answer pauses
+//! while it reads the socket itself (`child::inbox`). A frame to send is
 //! written by the caller's own thread, at once and without blocking, when
 //! nothing waits before it (the common case: one `sendmsg`, no thread
 //! woken); whatever the socket does not take at once waits in a queue that
 //! a task drains as the socket drains, so a worker that stops reading
 //! never blocks a caller (its frames wait in the queue, which admission
-//! bounds). Handing every frame to the writer task instead cost a thread
-//! wake-up per request, and on a 2-vCPU host that wake could land behind
-//! the caller's own answer spin (docs/performance.md, "From an idle machine").
+//! bounds); only while frames wait there is the socket watched for
+//! writing, or every request the worker reads would wake a runtime thread.
+//! Handing every frame to the writer task instead cost a thread wake-up per
+//! request, and on a 2-vCPU host that wake could land behind the caller's
+//! own answer spin (docs/performance.md, "From an idle machine").
 
 pub(crate) mod io;
 
@@ -22,7 +26,8 @@ use berth_protocol::stream::{
     self as wire, BulkRef, FrameDecoder, MEMFD_THRESHOLD, StreamHello, Violation, WorkerMessage,
 };
 use berth_protocol::{Body, Bulk, Command, Event, LoadInfo};
-use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::sync::Notify;
 
 /// What a stream worker sends, checked.
@@ -43,9 +48,33 @@ pub(crate) enum Ended {
 
 /// The reading half: frames in, checked messages out.
 pub(crate) struct StreamReader {
-    socket: Arc<AsyncFd<OwnedFd>>,
+    watched: Arc<Watched>,
     decoder: FrameDecoder<OwnedFd>,
     buf: Vec<u8>,
+}
+
+/// The supervisor's end as the reactor sees it: watched for reading
+/// through an epoll instance of its own (`io::socket_watch`) rather than
+/// registered itself, so that the watch can be paused: a caller spinning
+/// for an answer reads the socket itself, and the reader task's wake-up,
+/// which costs a runtime thread's wake on every answer, is then of no use
+/// (see `child::inbox`).
+pub(crate) struct Watched {
+    socket: Arc<OwnedFd>,
+    watch: AsyncFd<OwnedFd>,
+}
+
+impl Watched {
+    /// Waits until the watch says the socket holds bytes or its end.
+    pub(crate) async fn readable(&self) -> std::io::Result<AsyncFdReadyGuard<'_, OwnedFd>> {
+        self.watch.readable().await
+    }
+
+    /// Resumes (`true`) or pauses the watch. Resumed with bytes waiting,
+    /// it wakes the reader at once.
+    pub(crate) fn watch(&self, on: bool) -> std::io::Result<()> {
+        io::watch_socket(self.watch.get_ref(), self.socket.as_raw_fd(), on)
+    }
 }
 
 impl std::fmt::Debug for StreamReader {
@@ -76,7 +105,7 @@ impl std::fmt::Debug for OutFrame {
 /// What the senders and the writer task share.
 #[derive(Debug)]
 struct Outbox {
-    socket: Arc<AsyncFd<OwnedFd>>,
+    socket: Arc<OwnedFd>,
     state: Mutex<OutState>,
     /// Wakes the writer task: a frame was queued, or the senders are gone.
     queued: Notify,
@@ -131,9 +160,16 @@ pub(crate) enum SendError {
 
 /// Registers the supervisor's end with the reactor and starts its writer.
 pub(crate) fn connect(ours: OwnedFd) -> std::io::Result<(StreamReader, StreamWriter)> {
+    let socket = Arc::new(ours);
+    // Watched for reading only: watched for writing too, every read of a
+    // request by the worker (which frees room in this end's send buffer)
+    // would wake a runtime thread. The writer task registers a duplicate
+    // for writing while frames wait (`write_queued`).
+    let watch = io::socket_watch(socket.as_raw_fd())?;
     // SAFETY: an `OwnedFd` is a valid open descriptor that stays open, and
     // its `as_raw_fd` always names it, until the `AsyncFd` drops it.
-    let socket = Arc::new(unsafe { AsyncFd::register(ours) }.map_err(|e| e.into_parts().1)?);
+    let watch = unsafe { AsyncFd::register_with_interest(watch, Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)?;
     let outbox = Arc::new(Outbox {
         socket: Arc::clone(&socket),
         state: Mutex::new(OutState::default()),
@@ -142,7 +178,7 @@ pub(crate) fn connect(ours: OwnedFd) -> std::io::Result<(StreamReader, StreamWri
     tokio::spawn(write_queued(Arc::clone(&outbox)));
     Ok((
         StreamReader {
-            socket,
+            watched: Arc::new(Watched { socket, watch }),
             decoder: FrameDecoder::new(),
             buf: vec![0; 64 << 10],
         },
@@ -165,7 +201,7 @@ fn send_rest(sock: std::os::fd::RawFd, frame: &mut OutFrame) -> std::io::Result<
 
 /// [`send_rest`] for a sender: `Ok(true)` once all of `frame` is sent,
 /// `Ok(false)` when the socket took only part of it, or none.
-fn write_some(socket: &AsyncFd<OwnedFd>, frame: &mut OutFrame) -> std::io::Result<bool> {
+fn write_some(socket: &OwnedFd, frame: &mut OutFrame) -> std::io::Result<bool> {
     match send_rest(socket.as_raw_fd(), frame) {
         Ok(()) => Ok(frame.sent == frame.bytes.len()),
         Err(e)
@@ -193,9 +229,12 @@ impl Drop for WriterGone {
 }
 
 /// The writer task: writes the queued frames in order as the socket takes
-/// them.
+/// them. It waits for room through a duplicate of the socket registered
+/// for writing, made when a frame must wait and dropped once the queue is
+/// empty, so that an idle or keeping-up wire never wakes it.
 async fn write_queued(outbox: Arc<Outbox>) {
     let _gone = WriterGone(Arc::clone(&outbox));
+    let mut writable: Option<AsyncFd<OwnedFd>> = None;
     loop {
         let next = {
             let mut state = outbox.state();
@@ -214,10 +253,11 @@ async fn write_queued(outbox: Arc<Outbox>) {
             }
         };
         let Some(mut frame) = next else {
+            writable = None;
             outbox.queued.notified().await;
             continue;
         };
-        if let Err(e) = write_frame(&outbox.socket, &mut frame).await {
+        if let Err(e) = write_frame(&outbox.socket, &mut writable, &mut frame).await {
             // The worker is gone (EPIPE) or its socket broke; its death, or
             // the reader's end of file, is what the requests hear.
             tracing::debug!("stream writer stopped: {e}");
@@ -226,15 +266,29 @@ async fn write_queued(outbox: Arc<Outbox>) {
     }
 }
 
-async fn write_frame(socket: &AsyncFd<OwnedFd>, frame: &mut OutFrame) -> std::io::Result<()> {
+async fn write_frame(
+    socket: &OwnedFd,
+    writable: &mut Option<AsyncFd<OwnedFd>>,
+    frame: &mut OutFrame,
+) -> std::io::Result<()> {
     while frame.sent < frame.bytes.len() {
-        let mut guard = socket.writable().await?;
-        match guard.try_io(|s| send_rest(s.as_raw_fd(), frame)) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Ok(Err(e)) => return Err(e),
-            Err(_would_block) => {}
+        if write_some(socket, frame)? {
+            return Ok(());
         }
+        let waiter = match writable {
+            Some(waiter) => waiter,
+            None => {
+                let dup = socket.try_clone()?;
+                // SAFETY: as in `connect`: the duplicate is ours and open
+                // until the `AsyncFd` drops it.
+                let waiter = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) }
+                    .map_err(|e| e.into_parts().1)?;
+                writable.insert(waiter)
+            }
+        };
+        // Readiness is only a hint: the write above says whether room came.
+        let mut guard = waiter.writable().await?;
+        guard.clear_ready();
     }
     Ok(())
 }
@@ -323,28 +377,66 @@ impl StreamReader {
     /// The next message; `Err(Ended::Closed)` at end of file.
     pub(crate) async fn next(&mut self) -> Result<Inbound, Ended> {
         loop {
-            if let Some(frame) = self.decoder.next_frame().map_err(Ended::Violation)? {
-                return inbound(frame).map_err(Ended::Violation);
+            if let Some(message) = self.buffered()? {
+                return Ok(message);
             }
-            let mut guard = self.socket.readable().await.map_err(|_| Ended::Closed)?;
-            let buf = &mut self.buf;
-            match guard.try_io(|s| io::receive(s.as_raw_fd(), buf)) {
-                Ok(Ok(got)) if got.bytes == 0 => return Err(Ended::Closed),
-                Ok(Ok(got)) => {
-                    if got.truncated {
-                        return Err(Ended::Violation(Violation(
-                            "more descriptors in one message than the wire allows".into(),
-                        )));
-                    }
-                    self.decoder
-                        .push(&self.buf[..got.bytes], got.fds)
-                        .map_err(Ended::Violation)?;
-                }
-                Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Ok(Err(_)) => return Err(Ended::Closed),
-                Err(_would_block) => continue,
+            let Self {
+                watched,
+                decoder,
+                buf,
+            } = self;
+            let mut guard = watched.readable().await.map_err(|_| Ended::Closed)?;
+            if !receive(&watched.socket, buf, decoder)? {
+                guard.clear_ready();
             }
         }
+    }
+
+    /// The socket's watch, for a reader that waits for it itself (see
+    /// `child::inbox`).
+    pub(crate) fn watched(&self) -> &Arc<Watched> {
+        &self.watched
+    }
+
+    /// The next message, if one is whole in what was received already.
+    pub(crate) fn buffered(&mut self) -> Result<Option<Inbound>, Ended> {
+        match self.decoder.next_frame().map_err(Ended::Violation)? {
+            Some(frame) => inbound(frame).map(Some).map_err(Ended::Violation),
+            None => Ok(None),
+        }
+    }
+
+    /// One non-blocking receive: `Ok(true)` when bytes (or descriptors)
+    /// came, `Ok(false)` when the socket holds none now; `Err(Ended::Closed)`
+    /// at end of file.
+    pub(crate) fn receive(&mut self) -> Result<bool, Ended> {
+        receive(&self.watched.socket, &mut self.buf, &mut self.decoder)
+    }
+}
+
+fn receive(
+    socket: &OwnedFd,
+    buf: &mut [u8],
+    decoder: &mut FrameDecoder<OwnedFd>,
+) -> Result<bool, Ended> {
+    loop {
+        return match io::receive(socket.as_raw_fd(), buf) {
+            Ok(got) if got.bytes == 0 => Err(Ended::Closed),
+            Ok(got) => {
+                if got.truncated {
+                    return Err(Ended::Violation(Violation(
+                        "more descriptors in one message than the wire allows".into(),
+                    )));
+                }
+                decoder
+                    .push(&buf[..got.bytes], got.fds)
+                    .map_err(Ended::Violation)?;
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(_) => Err(Ended::Closed),
+        };
     }
 }
 
