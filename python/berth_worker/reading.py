@@ -8,6 +8,11 @@ thread cost a wake and a GIL hand-over per request (the round trip fell
 from ~110 to ~35 µs through berth on a 2-vCPU VM without it; see
 docs/performance.md).
 
+After a quick job the idle model thread polls the socket for the next
+frame a little while (:data:`SPIN`) before it blocks, as the supervisor's
+caller spins for an answer: requests sent back to back then find this
+thread's vCPU awake.
+
 What the hand-off bought is kept: pings answered and cancels recorded
 while a model computes for seconds. While the model thread runs a job:
 
@@ -50,6 +55,14 @@ WATCH = 0.025
 #: How long after the last job the watch keeps checking every WATCH
 #: seconds before it sleeps until woken, in seconds.
 LINGER = 2.0
+
+#: After a job this quick, in seconds, the idle model thread polls the
+#: socket for the next frame this long before it blocks, yielding its CPU
+#: between polls, as the supervisor's caller spins for an answer: a
+#: client sending requests back to back then finds this vCPU awake (a
+#: halted one costs the hypervisor's wake-up, ~10 µs on a 2-vCPU VM, on
+#: every request), and an idle worker costs nothing more once it blocks.
+SPIN = 0.00005
 
 #: Queued to wake the model thread when the watch gives the socket back.
 RESUME = Frame({"type": "resume"}, None)
@@ -114,15 +127,20 @@ class Reading:
                     self.busy()
                     return job
                 continue
+            quick = False
             with self._lock:
                 if self._busy_since is not None:
+                    now = time.monotonic()
+                    quick = now - self._busy_since < SPIN
                     self._busy_since = None
-                    self._last_busy = time.monotonic()
+                    self._last_busy = now
                 mine = self._reader == _MODEL
                 ask = not mine and not self._asked_back
                 if ask:
                     self._asked_back = True
             if mine:
+                if quick:
+                    self._spin()
                 with self._read_lock:
                     frame = self._read()
                 job = self._dispatch(frame)
@@ -141,6 +159,16 @@ class Reading:
             if job is not RESUME:
                 self.busy()
                 return job
+
+    def _spin(self) -> None:
+        """Polls the socket for up to SPIN seconds, yielding between polls."""
+        assert self.conn is not None
+        deadline = time.monotonic() + SPIN
+        poller = self._model_poller
+        while not self.conn.buffered() and not poller.poll(0):
+            if time.monotonic() >= deadline:
+                return
+            os.sched_yield()
 
     def busy(self) -> None:
         """The model thread starts a job (or looked at the socket during one)."""

@@ -11,6 +11,8 @@
 //!   vs two plain memcpys of 64 MiB;
 //! - spawn to ready for a Python worker vs `python3 -c pass`.
 //!
+//! Sections alone: `... --bench python -- echo | bulk | spawn`.
+//!
 //! Each line gives medians, and the median ratio of per-round medians with
 //! its 10th-90th percentile spread. `BERTH_BENCH_ANSWER_SPIN_US=0` runs it
 //! with callers that park at once (`answer_spin`), as the core bench.
@@ -66,11 +68,21 @@ impl Drop for Bare {
     }
 }
 
-async fn round_trips(sup: &Supervisor) {
+async fn round_trips(sup: &Supervisor, run: &impl Fn(&str) -> bool) {
     sup.load(ModelSpec::new("py-echo", "echo").command(python_worker_command()))
         .await
         .unwrap();
     let worker = sup.worker("py-echo").unwrap();
+    if run("echo") {
+        echoes(&worker).await;
+    }
+    if run("bulk") {
+        bulk(&worker).await;
+    }
+    sup.unload("py-echo").await.unwrap();
+}
+
+async fn echoes(worker: &berth::WorkerHandle) {
     let body = || Body::json(r#"{"input":"hello"}"#);
     let frame = berth_protocol::stream::frame(
         br#"{"type":"request","id":1,"body":{"input":"hello"}}"#,
@@ -106,7 +118,9 @@ async fn round_trips(sup: &Supervisor) {
             1e6,
         );
     }
+}
 
+async fn bulk(worker: &berth::WorkerHandle) {
     const BULK: usize = 64 << 20;
     let bytes: Vec<u8> = (0..BULK).map(|i| (i % 251) as u8).collect();
     let mut copy = vec![0u8; BULK];
@@ -134,7 +148,6 @@ async fn round_trips(sup: &Supervisor) {
         "ms",
         1e3,
     );
-    sup.unload("py-echo").await.unwrap();
 }
 
 async fn spawn_to_ready(sup: &Supervisor) {
@@ -174,10 +187,15 @@ fn main() {
     );
     println!("| what | berth | baseline | ratio, median (p10–p90) | samples |");
     println!("|---|---|---|---|---|");
+    let run = berth_tests::bench::sections();
     runtime.block_on(async {
         let sup = Supervisor::new(config);
-        round_trips(&sup).await;
-        spawn_to_ready(&sup).await;
+        if run("echo") || run("bulk") {
+            round_trips(&sup, &run).await;
+        }
+        if run("spawn") {
+            spawn_to_ready(&sup).await;
+        }
         sup.shutdown().await;
     });
 }
