@@ -277,20 +277,31 @@ async fn write_frame(
         }
         let waiter = match writable {
             Some(waiter) => waiter,
-            None => {
-                let dup = socket.try_clone()?;
-                // SAFETY: as in `connect`: the duplicate is ours and open
-                // until the `AsyncFd` drops it.
-                let waiter = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) }
-                    .map_err(|e| e.into_parts().1)?;
-                writable.insert(waiter)
-            }
+            None => match watch_writable(socket) {
+                Ok(waiter) => writable.insert(waiter),
+                Err(e) => {
+                    // Out of descriptors, say: the worker is not gone, so
+                    // its frames wait on a timer rather than be dropped.
+                    tracing::warn!("cannot watch a worker's socket for room ({e}); polling");
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    continue;
+                }
+            },
         };
         // Readiness is only a hint: the write above says whether room came.
         let mut guard = waiter.writable().await?;
         guard.clear_ready();
     }
     Ok(())
+}
+
+/// A duplicate of the socket, registered with the reactor for writing.
+fn watch_writable(socket: &OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
+    let dup = socket.try_clone()?;
+    // SAFETY: as in `connect`: the duplicate is ours and open until the
+    // `AsyncFd` drops it.
+    unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) }
+        .map_err(|e| e.into_parts().1)
 }
 
 impl StreamWriter {
