@@ -8,7 +8,7 @@ import array
 import socket
 from typing import Any, Dict, List, Tuple
 
-from .wire import PREFIX, check_prefix, decode_header, encode_frame
+from .wire import PREFIX, check_prefix, decode_header, descriptors, encode_frame
 
 _MAX_FRAME = 1 << 20
 
@@ -48,11 +48,7 @@ class Control:
             data, ancdata, flags, _ = self.sock.recvmsg(
                 1 << 16, socket.CMSG_SPACE(FORK_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
             )
-            for level, kind, raw in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    got = array.array("i")
-                    got.frombytes(raw[: len(raw) - len(raw) % _FD_SIZE])
-                    self.fds.extend(got)
+            self.fds.extend(descriptors(ancdata))
             if flags & int(socket.MSG_CTRUNC):
                 raise ValueError("more descriptors came with a control frame than it takes")
             if not data:

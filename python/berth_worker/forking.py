@@ -146,9 +146,19 @@ def join_cgroup(procs: str) -> Optional[Tuple[int, int]]:
     try:
         with open(procs, "w") as f:
             f.write("0")
-        st = os.stat(os.path.dirname(procs))
     except OSError as e:
         say("the spare worker could not join its cgroup {}: {}".format(procs, e))
+        return None
+    return cgroup_folder(procs)
+
+
+def cgroup_folder(procs: str) -> Optional[Tuple[int, int]]:
+    """The folder of the cgroup whose ``cgroup.procs`` is ``procs``, as
+    (device, inode): the same whatever the supervisor renames it to;
+    ``None`` if it cannot be read."""
+    try:
+        st = os.stat(os.path.dirname(procs))
+    except OSError:
         return None
     return st.st_dev, st.st_ino
 
@@ -156,13 +166,7 @@ def join_cgroup(procs: str) -> Optional[Tuple[int, int]]:
 def already_in(procs: str, joined: Optional[Tuple[int, int]]) -> bool:
     """Whether the cgroup of ``procs`` is the one this process joined ahead
     (its folder the same, whatever its name now)."""
-    if joined is None:
-        return False
-    try:
-        st = os.stat(os.path.dirname(procs))
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == joined
+    return joined is not None and cgroup_folder(procs) == joined
 
 
 def become_worker(

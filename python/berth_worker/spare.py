@@ -16,6 +16,7 @@ from .forking import (
     REPARENT_WAIT,
     already_in,
     become_worker,
+    cgroup_folder,
     double_fork,
     join_cgroup,
     unsafe_to_fork,
@@ -93,11 +94,7 @@ class Spare:
             return None
         if ready == b"j" and cgroup is not None:
             # It joined `cgroup`: that folder is its, whatever its name later.
-            try:
-                st = os.stat(os.path.dirname(cgroup))
-                spare.joined = (st.st_dev, st.st_ino)
-            except OSError:
-                pass
+            spare.joined = cgroup_folder(cgroup)
         return spare
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "FrameReader",
     "FrameTooLarge",
     "OutgoingFrame",
+    "descriptors",
     "encode_frame",
     "encode_json",
     "frame_of_head",
@@ -464,7 +465,7 @@ class FrameReader:
             # The common case: bytes and no descriptor.
             self._end += nbytes
             return
-        fds = _descriptors(ancdata)
+        fds = descriptors(ancdata)
         began = self._base + self._end
         if flags & _MSG_CTRUNC:
             for fd in fds:
@@ -485,7 +486,8 @@ class FrameReader:
             self._fds.append((fd, began, began + nbytes))
 
 
-def _descriptors(ancdata: List[Tuple[int, int, bytes]]) -> List[int]:
+def descriptors(ancdata: List[Tuple[int, int, bytes]]) -> List[int]:
+    """The descriptors an ``SCM_RIGHTS`` message of ``recvmsg`` brought."""
     fds: List[int] = []
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

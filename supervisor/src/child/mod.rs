@@ -5,9 +5,10 @@
 //! which forks workers), `handshake`, `launch` (start → hello → load),
 //! `handle` (requests and the reader), `routes` (a worker's events to the
 //! requests waiting), `inbox` (a stream worker's socket, read by its reader
-//! task or by a caller spinning for an answer), `death` (what a dead worker leaves), `health`
-//! (heartbeats, stalls), `stop`, `sweep` (killing what a worker left, in its
-//! group or outside it), `process` (reaping, kill causes), `output`
+//! task or by a caller spinning for an answer), `death` (what a dead worker
+//! leaves), `health` (heartbeats, stalls), `stop`, `sweep` (killing what a
+//! worker left, in its group or outside it), `process` (reaping, kill
+//! causes), `output`
 //! (bounded stdout/stderr), `memory` (procfs), `limits` (memory caps),
 //! `probe` (asking a program for its backends), `upstream` (an HTTP server
 //! run as a worker), `container` (such a server in a container: its flags,

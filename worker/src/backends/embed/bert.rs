@@ -167,15 +167,10 @@ impl Bert {
         Some(few::forward(small, ids, types, mask, len))
     }
 
-    /// The last hidden states, `[n, len, hidden]`, as `BertModel::forward`.
+    /// The last hidden states, `[n, len, hidden]`, as `BertModel::forward`,
+    /// by candle's operations (the caller asks [`Bert::few`] first).
     pub(super) fn forward(&self, ids: &Tensor, types: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let (n, len) = ids.dims2()?;
-        if self.small.is_some() && takes_few(n * len, len) {
-            let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<u32>();
-            if let Some(hidden) = self.few(&flat(ids)?, &flat(types)?, &flat(mask)?, len) {
-                return Tensor::from_vec(hidden?, (n, len, self.hidden), ids.device());
-            }
-        }
+        let (_, len) = ids.dims2()?;
         let positions = Tensor::arange(0u32, len as u32, ids.device())?;
         let x = (self.word.forward(ids)? + self.token_type.forward(types)?)?
             .broadcast_add(&self.position.forward(&positions)?)?;
@@ -279,7 +274,14 @@ pub fn agreement_with_candle(dir: &std::path::Path, texts: &[String]) -> Result<
             mean.broadcast_div(&mean.sqr()?.sum_keepdim(1)?.sqrt()?)?
                 .to_vec2()
         };
-        let a = pooled(ours.forward(&ids, &types, &mask)?)?;
+        // Ours as `Embed::embed` runs it: the few-rows pass where it
+        // takes the batch, candle's operations otherwise.
+        let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<u32>();
+        let hidden = match ours.few(&flat(&ids)?, &flat(&types)?, &flat(&mask)?, len) {
+            Some(hidden) => Tensor::from_vec(hidden?, (n, len, ours.hidden), &Device::Cpu)?,
+            None => ours.forward(&ids, &types, &mask)?,
+        };
+        let a = pooled(hidden)?;
         let b = pooled(theirs.forward(&ids, &types, Some(&mask))?)?;
         for (x, y) in a.iter().zip(&b) {
             let dot: f32 = x.iter().zip(y).map(|(p, q)| p * q).sum();

@@ -510,18 +510,21 @@ mod tests {
                     let w: Vec<f32> = (0..n * k).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
                     let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.5).collect();
                     let x: Vec<f32> = (0..rows * k).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
-                    (w, bias, x, vec![f32::NAN; rows * n])
+                    (w, bias, x)
                 })
                 .collect();
-            let mut outs: Vec<Vec<f32>> = made.iter().map(|m| m.3.clone()).collect();
+            let mut outs: Vec<Vec<f32>> = pair
+                .iter()
+                .map(|&(n, _, rows)| vec![f32::NAN; rows * n])
+                .collect();
             let mut products_of: Vec<Product<'_>> = made
                 .iter()
                 .zip(outs.iter_mut())
-                .map(|((w, bias, x, _), out)| Product { w, bias, x, out })
+                .map(|((w, bias, x), out)| Product { w, bias, x, out })
                 .collect();
             products(&mut products_of);
             drop(products_of);
-            for ((w, bias, x, _), out) in made.iter().zip(&outs) {
+            for ((w, bias, x), out) in made.iter().zip(&outs) {
                 let (n, rows) = (bias.len(), out.len() / bias.len());
                 let k = w.len() / n;
                 for i in 0..rows {
