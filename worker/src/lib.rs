@@ -12,6 +12,7 @@ mod checkpoint;
 mod hygiene;
 mod kernels;
 mod options;
+mod pool;
 mod serve;
 mod stats;
 

@@ -65,8 +65,9 @@ impl Dense {
 
 impl Bert {
     /// Loads what `BertModel::load` loads, from the same names (at the root,
-    /// under `bert.`, or under the config's `model_type.`).
-    pub(super) fn load(vb: VarBuilder, config: &Config) -> Result<Bert> {
+    /// under `bert.`, or under the config's `model_type.`); the own pass
+    /// runs on `threads`, the caller's included.
+    pub(super) fn load(vb: VarBuilder, config: &Config, threads: usize) -> Result<Bert> {
         let vb = if vb.contains_tensor("bert.embeddings.word_embeddings.weight") {
             vb.pp("bert")
         } else if let Some(t) = config
@@ -147,7 +148,7 @@ impl Bert {
                 out: l.out.as_input(),
                 out_norm: &l.out_norm,
             });
-            let small = Small::new(shape, tables, &bert.norm, layers)?;
+            let small = Small::new(shape, threads, tables, &bert.norm, layers)?;
             bert.small = Some(small);
         }
         Ok(bert)
@@ -243,7 +244,7 @@ pub fn agreement_with_candle(dir: &std::path::Path, texts: &[String]) -> Result<
     // SAFETY: a test's read-only map of a file nothing writes.
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&weights, DType::F32, &Device::Cpu)? };
     let (ours, theirs) = (
-        Bert::load(vb.clone(), &config)?,
+        Bert::load(vb.clone(), &config, candle_core::utils::get_num_threads())?,
         BertModel::load(vb, &config)?,
     );
     let mut worst = f32::INFINITY;

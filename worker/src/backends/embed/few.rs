@@ -8,15 +8,17 @@
 //! were berth's own. This pass runs the same computation as `Bert`'s
 //! candle path, in candle's order of operations (embeddings summed word +
 //! type, then position; layer norms as candle's fused kernel computes them;
-//! softmax after subtracting the row's maximum), with four dispatches to
-//! the compute pool a layer: query, key and value together, attention's
-//! heads, and the two products of the feed-forward block; the GELU's `erf`
+//! softmax after subtracting the row's maximum), with five dispatches a
+//! layer to a compute pool of its own (`crate::pool`): query, key and
+//! value together, attention's heads, attention's output, and each of the
+//! feed-forward block's two products; the GELU's `erf`
 //! is a rational approximation within 1e-7 of candle's.
 
 use candle_core::{Result, StorageRef, Tensor};
 use candle_transformers::models::bert::HiddenAct;
 
 use super::kernel::{self, Product};
+use crate::pool::Pool;
 
 /// The encoder as this pass reads it: the weight matrices and embedding
 /// tables as the loaded tensors (clones share their storage: no copy), the
@@ -28,6 +30,8 @@ pub(super) struct Small {
     token_type: Tensor,
     norm: Norm,
     layers: Vec<SmallLayer>,
+    /// The pass's threads: the caller and its helpers.
+    pool: Pool,
 }
 
 /// The encoder's sizes and activation.
@@ -103,9 +107,10 @@ fn norm(n: &candle_nn::LayerNorm) -> Result<Norm> {
 
 impl Small {
     /// `tables`: the word, position and token-type embeddings; `norm`: the
-    /// embeddings' layer norm.
+    /// embeddings' layer norm; `threads`: the pass's, the caller's included.
     pub(super) fn new<'a>(
         shape: Shape,
+        threads: usize,
         tables: [&Tensor; 3],
         norm_in: &candle_nn::LayerNorm,
         layers: impl Iterator<Item = LayerIn<'a>>,
@@ -132,6 +137,7 @@ impl Small {
             token_type,
             norm: norm(norm_in)?,
             layers,
+            pool: Pool::new(threads, "berth-embed")?,
         })
     }
 }
@@ -220,9 +226,10 @@ pub(super) fn forward(
         ] {
             buffer.resize(size, 0.0);
         }
-        let out = small.layers.iter().try_fold(x, |x, layer| {
-            run_layer(&small.shape, layer, x, &mask, len, &mut s)
-        });
+        let out = small
+            .layers
+            .iter()
+            .try_fold(x, |x, layer| run_layer(small, layer, x, &mask, len, &mut s));
         scratch.set(s);
         out
     })
@@ -252,65 +259,72 @@ fn held(d: &Dense) -> Result<Held<'_>> {
 }
 
 /// `out = x · dᵀ + bias`, one dispatch.
-fn product(d: &Dense, x: &[f32], out: &mut [f32]) -> Result<()> {
+fn product(pool: &Pool, d: &Dense, x: &[f32], out: &mut [f32]) -> Result<()> {
     let w = held(d)?;
-    kernel::products(&mut [Product {
-        w: w.values()?,
-        bias: &d.bias,
-        x,
-        out,
-    }]);
+    kernel::products(
+        pool,
+        &mut [Product {
+            w: w.values()?,
+            bias: &d.bias,
+            x,
+            out,
+        }],
+    );
     Ok(())
 }
 
 fn run_layer(
-    shape: &Shape,
+    small: &Small,
     l: &SmallLayer,
     x: Vec<f32>,
     mask: &[f32],
     len: usize,
     s: &mut Scratch,
 ) -> Result<Vec<f32>> {
+    let (shape, pool) = (&small.shape, &small.pool);
     let (wq, wk, wv) = (held(&l.query)?, held(&l.key)?, held(&l.value)?);
-    kernel::products(&mut [
-        Product {
-            w: wq.values()?,
-            bias: &l.query.bias,
-            x: &x,
-            out: &mut s.q,
-        },
-        Product {
-            w: wk.values()?,
-            bias: &l.key.bias,
-            x: &x,
-            out: &mut s.k,
-        },
-        Product {
-            w: wv.values()?,
-            bias: &l.value.bias,
-            x: &x,
-            out: &mut s.v,
-        },
-    ]);
-    attention(shape, s, mask, len);
-    product(&l.attention_out, &s.context, &mut s.next)?;
+    kernel::products(
+        pool,
+        &mut [
+            Product {
+                w: wq.values()?,
+                bias: &l.query.bias,
+                x: &x,
+                out: &mut s.q,
+            },
+            Product {
+                w: wk.values()?,
+                bias: &l.key.bias,
+                x: &x,
+                out: &mut s.k,
+            },
+            Product {
+                w: wv.values()?,
+                bias: &l.value.bias,
+                x: &x,
+                out: &mut s.v,
+            },
+        ],
+    );
+    attention(pool, shape, s, mask, len);
+    product(pool, &l.attention_out, &s.context, &mut s.next)?;
     add_and_norm(&mut s.next, &x, &l.attention_norm, shape.eps);
     let x = std::mem::replace(&mut s.next, x);
-    product(&l.intermediate, &x, &mut s.mid)?;
+    product(pool, &l.intermediate, &x, &mut s.mid)?;
     match shape.act {
         // SAFETY: the caller checked `kernel::available`.
         HiddenAct::Gelu => unsafe { kernel::gelu(&mut s.mid, true) },
         HiddenAct::GeluApproximate => unsafe { kernel::gelu(&mut s.mid, false) },
         HiddenAct::Relu => s.mid.iter_mut().for_each(|v| *v = v.max(0.0)),
     }
-    product(&l.out, &s.mid, &mut s.next)?;
+    product(pool, &l.out, &s.mid, &mut s.next)?;
     add_and_norm(&mut s.next, &x, &l.out_norm, shape.eps);
     Ok(std::mem::replace(&mut s.next, x))
 }
 
-/// Every text's every head, on the compute pool: `s.context` from
-/// `s.q`, `s.k` and `s.v`.
-fn attention(shape: &Shape, s: &mut Scratch, mask: &[f32], len: usize) {
+/// Every text's every head, on `pool`: `s.context` from `s.q`, `s.k` and
+/// `s.v`.
+fn attention(pool: &Pool, shape: &Shape, s: &mut Scratch, mask: &[f32], len: usize) {
     let h = shape.hidden;
     let width = h / shape.heads;
     let texts = mask.len() / len.max(1);
@@ -318,7 +332,7 @@ fn attention(shape: &Shape, s: &mut Scratch, mask: &[f32], len: usize) {
     let (q, k, v) = (&s.q, &s.k, &s.v);
     let out = s.context.as_mut_ptr() as usize;
     let (heads, total) = (shape.heads, s.context.len());
-    candle_core::utils::barrier_pool().execute_chunked(texts * heads, |items| {
+    pool.chunked(texts * heads, |items| {
         let mut scores = vec![0f32; len];
         for item in items {
             let (t, head) = (item / heads, item % heads);

@@ -13,6 +13,8 @@
 
 use candle_core::Device;
 
+use crate::pool::Pool;
+
 /// Whether this CPU runs the kernels (AVX2 and FMA on x86_64) and the
 /// tensors are on it.
 pub(super) fn available(device: &Device) -> bool {
@@ -37,11 +39,11 @@ pub(super) struct Product<'a> {
     pub out: &'a mut [f32],
 }
 
-/// Runs `products` on candle's compute pool, all in one dispatch (a
-/// layer's query, key and value share one), four weight rows per item.
+/// Runs `products` on `pool`, all in one dispatch (a layer's query, key
+/// and value share one), four weight rows per item.
 ///
 /// The caller has checked [`available`]; every `k` is a multiple of 8.
-pub(super) fn products(products: &mut [Product<'_>]) {
+pub(super) fn products(pool: &Pool, products: &mut [Product<'_>]) {
     struct Job {
         w: usize,
         bias: usize,
@@ -76,7 +78,7 @@ pub(super) fn products(products: &mut [Product<'_>]) {
         });
         items += n.div_ceil(4);
     }
-    split(items, |item| {
+    split(pool, items, |item| {
         let job = jobs
             .iter()
             .rev()
@@ -115,16 +117,15 @@ pub(super) fn products(products: &mut [Product<'_>]) {
     });
 }
 
-/// Runs `f` on every item of `0..items` on candle's compute pool. Each
+/// Runs `f` on every item of `0..items` on `pool`. Each
 /// thread walks a contiguous share in order, so that the weights an item
 /// fetches ahead are its own thread's next (a shared cursor handing out
 /// small chunks left each chunk's first weights cold: 6–8% fewer products
 /// a second); one done with its share takes what is left of another's,
 /// from the far end, so a thread the machine holds back delays no one.
-fn split(items: usize, f: impl Fn(usize) + Sync) {
+fn split(pool: &Pool, items: usize, f: impl Fn(usize) + Sync) {
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-    let pool = candle_core::utils::barrier_pool();
-    let threads = pool_threads();
+    let threads = pool.threads();
     // (Shares are packed in 32 bits each: more items than that run here.)
     if threads <= 1 || items < 2 || items > u32::MAX as usize {
         (0..items).for_each(f);
@@ -174,19 +175,6 @@ fn split(items: usize, f: impl Fn(usize) + Sync) {
             }
         }
     });
-}
-
-/// The threads of candle's compute pool, its caller's included: counted
-/// once, by the highest index it hands out.
-fn pool_threads() -> usize {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *THREADS.get_or_init(|| {
-        let highest = std::sync::atomic::AtomicUsize::new(0);
-        candle_core::utils::barrier_pool().execute(|t| {
-            highest.fetch_max(t, std::sync::atomic::Ordering::Relaxed);
-        });
-        highest.into_inner() + 1
-    })
 }
 
 /// Weight rows to bring into the cache while a block runs, a line a step:
@@ -503,6 +491,7 @@ mod tests {
             (100, 8, 3),
             (40, 16, 14),
         ];
+        let pool = Pool::new(2, "test-pool").unwrap();
         for pair in shapes.windows(2) {
             let made: Vec<_> = pair
                 .iter()
@@ -522,7 +511,7 @@ mod tests {
                 .zip(outs.iter_mut())
                 .map(|((w, bias, x), out)| Product { w, bias, x, out })
                 .collect();
-            products(&mut products_of);
+            products(&pool, &mut products_of);
             drop(products_of);
             for ((w, bias, x), out) in made.iter().zip(&outs) {
                 let (n, rows) = (bias.len(), out.len() / bias.len());
@@ -545,9 +534,10 @@ mod tests {
     #[test]
     fn split_runs_every_item_once() {
         use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+        let pool = Pool::new(2, "test-pool").unwrap();
         for items in [0, 1, 2, 3, 7, 96, 1000] {
             let seen: Vec<AtomicUsize> = (0..items).map(|_| AtomicUsize::new(0)).collect();
-            split(items, |i| {
+            split(&pool, items, |i| {
                 seen[i].fetch_add(1, Relaxed);
             });
             assert!(seen.iter().all(|s| s.load(Relaxed) == 1), "{items} items");

@@ -193,7 +193,7 @@ pub fn load(spec: &LoadSpec, ctx: &LoadContext) -> Result<Box<dyn Backend>, Wire
                 .map_err(bad_weights)?
         }
     };
-    let model = Bert::load(vb, &config).map_err(bad_weights)?;
+    let model = Bert::load(vb, &config, threads).map_err(bad_weights)?;
     ctx.progress().advance();
     let mut embed = Embed {
         model,
