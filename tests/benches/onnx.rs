@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 
 const ROUNDS: usize = 24;
 const PER_ROUND: usize = 100;
+const SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The texts both sides embed (`onnx_embed.py` makes the same).
 fn text(i: usize) -> String {
@@ -88,6 +89,14 @@ impl Drop for Ort {
     }
 }
 
+/// A pause before each side's round. Both sides' thread pools spin for a
+/// while after their last call (ONNX Runtime's for ~20 ms on the 2-vCPU
+/// VM, seen with `perf sched`): without it, a round began with the other
+/// side's threads still holding the CPUs.
+fn settle() {
+    std::thread::sleep(SETTLE);
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -122,10 +131,14 @@ fn main() {
     let mut rounds = Rounds::new();
     for round in 0..ROUNDS {
         let (a, b) = if round % 2 == 0 {
+            settle();
             let a = berth_side(PER_ROUND);
+            settle();
             (a, ort.time(1, PER_ROUND))
         } else {
+            settle();
             let b = ort.time(1, PER_ROUND);
+            settle();
             (berth_side(PER_ROUND), b)
         };
         rounds.push(PER_ROUND as f64 / a, PER_ROUND as f64 / b);
