@@ -102,6 +102,13 @@ pub(crate) async fn serve_on(
             let upgraded = adoption.run(&adopter);
             say_upgraded(&upgraded);
             adopter.emit(upgraded);
+            // The worker kinds, asked only now: a Python kind's answer
+            // starts an interpreter, which on a small machine took the
+            // CPU from the adoption and the first requests. A kind that
+            // cannot start says so here and at its next load.
+            if let Err(e) = adopter.check_workers() {
+                tracing::warn!("a worker kind cannot start workers: {e}");
+            }
         });
     }
     let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -82,18 +82,10 @@ pub(super) async fn start(options: Options) -> Result<(), String> {
     }
     let worker = options.worker.clone();
     let supervisor = Supervisor::new(config.supervisor_config(worker.clone(), models_root.clone()));
-    if takeover.is_some() {
-        // Taking workers over that run already: the kinds were checked by
-        // the previous program, and asking them again (a Python worker's
-        // interpreter started) would hold new connections. Asked in the
-        // background; a kind that cannot start says so at its next load.
-        let checked = supervisor.clone();
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = checked.check_workers() {
-                tracing::warn!("a worker kind cannot start workers: {e}");
-            }
-        });
-    } else {
+    // Taking workers over that run already, the kinds were checked by the
+    // previous program: they are asked again once every worker is adopted
+    // (`serve_on`), not while new connections wait.
+    if takeover.is_none() {
         supervisor
             .check_workers()
             .map_err(|e| format!("cannot start workers: {e}"))?;
@@ -241,7 +233,10 @@ fn adopt_orphans(state_file: PathBuf, keep: Vec<u32>) -> Result<(), String> {
         );
     }
     tokio::spawn(async {
-        let mut ticker = tokio::time::interval(std::time::Duration::from_secs(1));
+        // Not at once: a fresh start has just stopped what the state file
+        // named, and a takeover's predecessor looked a second ago.
+        let every = std::time::Duration::from_secs(1);
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {
             ticker.tick().await;
             orphans::reap_strays(orphans::Strays::All);

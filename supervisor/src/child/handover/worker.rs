@@ -368,7 +368,6 @@ pub(crate) fn adopt(
         }
     };
     handle.resume(w.requests, w.load_info, w.baseline_rss, w.load_micros);
-    handle.sample_rss();
     let heartbeat_timeout = match handle.upstream_server() {
         Some(upstream) => upstream.unhealthy_after(),
         None => config.heartbeat_timeout,

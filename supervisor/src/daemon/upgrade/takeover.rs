@@ -133,7 +133,11 @@ impl Adoption {
                 |(handle, report)| {
                     supervisor
                         .install_adopted(awaited, &handle, &report, idle)
-                        .inspect_err(|_| handle.kill())
+                        .inspect_err(|_| handle.kill())?;
+                    // Measured once its requests may go on (an HTTP
+                    // server's tree took ~1 ms to read).
+                    handle.sample_rss();
+                    Ok(())
                 },
             );
             match taken {
