@@ -80,7 +80,9 @@ fn nothing(_: *const (), _: usize) {}
 
 impl Pool {
     /// A pool of `threads` in all: the caller and `threads - 1` helpers.
-    pub(crate) fn new(threads: usize, name: &str) -> std::io::Result<Pool> {
+    /// A helper the system will not start is done without (said on
+    /// stderr): the dispatches run on fewer threads, not not at all.
+    pub(crate) fn new(threads: usize, name: &str) -> Pool {
         let shared = Arc::new(Shared {
             state: AtomicU64::new(0),
             job: UnsafeCell::new(Job {
@@ -97,12 +99,23 @@ impl Pool {
         };
         for index in 0..threads.saturating_sub(1) {
             let shared = Arc::clone(&pool.shared);
-            let helper = std::thread::Builder::new()
+            match std::thread::Builder::new()
                 .name(format!("{name}-{index}"))
-                .spawn(move || help(&shared, index))?;
-            pool.helpers.push(helper);
+                .spawn(move || help(&shared, index))
+            {
+                Ok(helper) => pool.helpers.push(helper),
+                Err(e) => {
+                    eprintln!(
+                        "berth-worker: {name}: cannot start compute thread {} of {threads} \
+                         ({e}); running on {}",
+                        index + 2,
+                        index + 1
+                    );
+                    break;
+                }
+            }
         }
-        Ok(pool)
+        pool
     }
 
     /// Threads a dispatch may run on, the caller's included.
@@ -255,7 +268,7 @@ mod tests {
     #[test]
     fn every_chunk_runs_once_in_each_of_many_dispatches() {
         for threads in [1, 2, 4] {
-            let pool = Pool::new(threads, "test-pool").unwrap();
+            let pool = Pool::new(threads, "test-pool");
             assert_eq!(pool.threads(), threads);
             for items in [0, 1, 3, 17, 200] {
                 for _ in 0..50 {
@@ -273,7 +286,7 @@ mod tests {
 
     #[test]
     fn helpers_that_sleep_between_dispatches_still_join() {
-        let pool = Pool::new(2, "test-pool").unwrap();
+        let pool = Pool::new(2, "test-pool");
         let helped = AtomicUsize::new(0);
         for _ in 0..20 {
             std::thread::sleep(SPIN * 3);
@@ -291,7 +304,7 @@ mod tests {
 
     #[test]
     fn a_helpers_panic_reaches_the_caller_and_the_pool_goes_on() {
-        let pool = Pool::new(2, "test-pool").unwrap();
+        let pool = Pool::new(2, "test-pool");
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             for _ in 0..200 {
                 pool.execute(|t| {

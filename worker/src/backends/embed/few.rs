@@ -137,7 +137,7 @@ impl Small {
             token_type,
             norm: norm(norm_in)?,
             layers,
-            pool: Pool::new(threads, "berth-embed")?,
+            pool: Pool::new(threads, "berth-embed"),
         })
     }
 }

@@ -491,7 +491,7 @@ mod tests {
             (100, 8, 3),
             (40, 16, 14),
         ];
-        let pool = Pool::new(2, "test-pool").unwrap();
+        let pool = Pool::new(2, "test-pool");
         for pair in shapes.windows(2) {
             let made: Vec<_> = pair
                 .iter()
@@ -534,7 +534,7 @@ mod tests {
     #[test]
     fn split_runs_every_item_once() {
         use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-        let pool = Pool::new(2, "test-pool").unwrap();
+        let pool = Pool::new(2, "test-pool");
         for items in [0, 1, 2, 3, 7, 96, 1000] {
             let seen: Vec<AtomicUsize> = (0..items).map(|_| AtomicUsize::new(0)).collect();
             split(&pool, items, |i| {
