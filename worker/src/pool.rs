@@ -288,18 +288,27 @@ mod tests {
     fn helpers_that_sleep_between_dispatches_still_join() {
         let pool = Pool::new(2, "test-pool");
         let helped = AtomicUsize::new(0);
-        for _ in 0..20 {
+        for round in 1..=20 {
+            // Long past the spin: the helper is asleep when this opens.
             std::thread::sleep(SPIN * 3);
-            // Long enough that the woken helper joins before it ends.
             pool.execute(|t| {
                 if t == 0 {
                     helped.fetch_add(1, Relaxed);
                 } else {
-                    std::thread::sleep(Duration::from_millis(5));
+                    // The caller holds the dispatch open until the woken
+                    // helper has joined (or long past any wake-up).
+                    let until = Instant::now() + Duration::from_secs(5);
+                    while helped.load(Relaxed) < round && Instant::now() < until {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
                 }
             });
         }
-        assert!(helped.load(Relaxed) > 10, "{helped:?} of 20");
+        assert_eq!(
+            helped.load(Relaxed),
+            20,
+            "a sleeping helper joined every dispatch"
+        );
     }
 
     #[test]
