@@ -391,13 +391,9 @@ impl StreamReader {
             if let Some(message) = self.buffered()? {
                 return Ok(message);
             }
-            let Self {
-                watched,
-                decoder,
-                buf,
-            } = self;
+            let watched = Arc::clone(&self.watched);
             let mut guard = watched.readable().await.map_err(|_| Ended::Closed)?;
-            if !receive(&watched.socket, buf, decoder)? {
+            if !self.receive()? {
                 guard.clear_ready();
             }
         }
@@ -421,33 +417,25 @@ impl StreamReader {
     /// came, `Ok(false)` when the socket holds none now; `Err(Ended::Closed)`
     /// at end of file.
     pub(crate) fn receive(&mut self) -> Result<bool, Ended> {
-        receive(&self.watched.socket, &mut self.buf, &mut self.decoder)
-    }
-}
-
-fn receive(
-    socket: &OwnedFd,
-    buf: &mut [u8],
-    decoder: &mut FrameDecoder<OwnedFd>,
-) -> Result<bool, Ended> {
-    loop {
-        return match io::receive(socket.as_raw_fd(), buf) {
-            Ok(got) if got.bytes == 0 => Err(Ended::Closed),
-            Ok(got) => {
-                if got.truncated {
-                    return Err(Ended::Violation(Violation(
-                        "more descriptors in one message than the wire allows".into(),
-                    )));
+        loop {
+            return match io::receive(self.watched.socket.as_raw_fd(), &mut self.buf) {
+                Ok(got) if got.bytes == 0 => Err(Ended::Closed),
+                Ok(got) => {
+                    if got.truncated {
+                        return Err(Ended::Violation(Violation(
+                            "more descriptors in one message than the wire allows".into(),
+                        )));
+                    }
+                    self.decoder
+                        .push(&self.buf[..got.bytes], got.fds)
+                        .map_err(Ended::Violation)?;
+                    Ok(true)
                 }
-                decoder
-                    .push(&buf[..got.bytes], got.fds)
-                    .map_err(Ended::Violation)?;
-                Ok(true)
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
-            Err(_) => Err(Ended::Closed),
-        };
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+                Err(_) => Err(Ended::Closed),
+            };
+        }
     }
 }
 
